@@ -1,0 +1,147 @@
+"""The pure-pytree ViT: parameter count, shapes, dtypes, randomness, scan, gradients."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_pure import PRESETS, Policy, apply, count_params, init_params, param_axes
+from vit_pure.config import ViTConfig
+from vit_pure.params_table import format_param_table
+
+TINY = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return init_params(jax.random.key(0), TINY)
+
+
+def _images(n, cfg=TINY, seed=1):
+    return jax.random.normal(jax.random.key(seed), (n, cfg.image_size, cfg.image_size, 3))
+
+
+def test_vit_cifar_matches_reference_model():
+    cfg = PRESETS["vit-cifar"]
+    assert (cfg.image_size, cfg.patch_size, cfg.num_classes, cfg.width, cfg.depth, cfg.heads,
+            cfg.mlp_dim, cfg.dropout, cfg.ln_eps) == (32, 4, 10, 384, 6, 8, 1536, 0.1, 1e-6)
+    shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    assert count_params(shapes) == 10_695_562
+
+
+def test_param_axes_cover_every_param_with_matching_rank(tiny_params):
+    axes = param_axes(TINY)
+    assert jax.tree.structure(tiny_params) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, tuple))
+    flat_p = jax.tree.leaves(tiny_params)
+    flat_a = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for p, a in zip(flat_p, flat_a):
+        assert p.ndim == len(a), (p.shape, a)
+    assert axes["blocks"]["mlp"]["fc1"]["kernel"] == ("layers", "embed", "mlp")
+
+
+def test_init_statistics(tiny_params):
+    cfg = PRESETS["vit-cifar"]
+    params = init_params(jax.random.key(1), cfg)
+    w = np.asarray(params["blocks"]["mlp"]["fc1"]["kernel"])
+    assert abs(w.std() - 0.02) < 0.001 and np.abs(w).max() <= 2 * 0.02 / 0.87962566 + 1e-6
+    assert not np.any(params["cls_token"]) and not np.any(params["blocks"]["attn"]["qkv"]["bias"])
+    assert np.all(params["blocks"]["ln1"]["scale"] == 1)
+
+
+@pytest.mark.parametrize("policy, out_dtype", [
+    ("fp32", jnp.float32), ("bf16", jnp.float32), ("fp16", jnp.float32),
+    ("p=bf16,c=bf16,o=bf16", jnp.bfloat16), ("p=f16,c=f16,o=f32", jnp.float32),
+])
+def test_output_shape_and_dtype_under_each_policy(tiny_params, policy, out_dtype):
+    pol = Policy.parse(policy)
+    params = pol.cast_to_param(tiny_params)
+    logits = apply(params, _images(3), TINY, pol, train=True, rng=jax.random.key(2))
+    assert logits.shape == (3, TINY.num_classes) and logits.dtype == out_dtype
+    ref = apply(tiny_params, _images(3), TINY, train=True, rng=jax.random.key(2))
+    # Low precision changes the numbers a little, not a lot.
+    np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.05)
+
+
+def test_compute_dtype_reaches_the_matmuls(tiny_params):
+    hlo = jax.jit(lambda p, x: apply(p, x, TINY, Policy.parse("bf16"))).lower(
+        tiny_params, _images(2)).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    # Every matmul takes bf16 operands and accumulates into float32.
+    assert dots and all("xbf16>" in line.split("->")[0] for line in dots)
+    assert all(line.rstrip().endswith("xf32>") for line in dots)
+
+
+def test_dropout_and_drop_path_off_at_eval_on_in_training(tiny_params):
+    x = _images(4)
+    eval_a = apply(tiny_params, x, TINY, train=False, rng=jax.random.key(0))
+    eval_b = apply(tiny_params, x, TINY, train=False, rng=jax.random.key(1))
+    np.testing.assert_array_equal(eval_a, eval_b)
+    np.testing.assert_array_equal(eval_a, apply(tiny_params, x, TINY))
+    train_a = apply(tiny_params, x, TINY, train=True, rng=jax.random.key(0))
+    train_b = apply(tiny_params, x, TINY, train=True, rng=jax.random.key(1))
+    assert np.abs(train_a - eval_a).max() > 1e-3 and np.abs(train_a - train_b).max() > 1e-3
+    with pytest.raises(ValueError, match="rng"):
+        apply(tiny_params, x, TINY, train=True)
+
+
+def test_scan_equals_unrolled(tiny_params):
+    x = _images(4)
+    kw = dict(train=True, rng=jax.random.key(5))
+    loop = jax.jit(lambda p: apply(p, x, TINY, **kw))(tiny_params)
+    scan = jax.jit(lambda p: apply(p, x, TINY, scan=True, **kw))(tiny_params)
+    np.testing.assert_allclose(scan, loop, rtol=1e-6, atol=1e-6)
+    remat = jax.jit(lambda p: apply(p, x, TINY, scan=True, remat="block", **kw))(tiny_params)
+    np.testing.assert_allclose(remat, loop, rtol=1e-6, atol=1e-6)
+
+
+def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params):
+    x, rng = _images(8), jax.random.key(7)
+    whole = apply(tiny_params, x, TINY, train=True, rng=rng)
+    halves = [apply(tiny_params, x[i:i + 4], TINY, train=True, rng=rng,
+                    example_ids=jnp.arange(i, i + 4)) for i in (0, 4)]
+    np.testing.assert_array_equal(np.concatenate(halves), whole)
+    # ...and the masks really are per example: shifting the ids changes the result.
+    shifted = apply(tiny_params, x[:4], TINY, train=True, rng=rng, example_ids=jnp.arange(4, 8))
+    assert np.abs(shifted - whole[:4]).max() > 1e-3
+
+
+def test_gradients_match_finite_differences():
+    # float32 throughout (the model keeps LayerNorm statistics and accumulations in float32
+    # by design), so central differences with a moderate step: the truncation error is
+    # O(eps^2) ~ 1e-6 and the rounding error ~ 1e-7 / eps ~ 1e-4 relative.
+    cfg = ViTConfig(name="fd", image_size=8, patch_size=4, num_classes=3, width=12, depth=2,
+                    heads=3, mlp_dim=10)
+    params = init_params(jax.random.key(0), cfg)
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(9), a.shape), params)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+    labels = jnp.array([0, 2])
+
+    @jax.jit
+    def loss(p):
+        logits = apply(p, x, cfg)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+    @jax.jit
+    def loss_at(p, d, step):
+        return loss(jax.tree.map(lambda a, b: a + step * b, p, d))
+
+    grads = jax.grad(loss)(params)
+    eps = 1e-3
+    for i, name in enumerate(["cls_token", "pos_embed", "patch_embed", "blocks", "final_ln", "head"]):
+        # A random direction in one group of parameters at a time, so that a wrong gradient
+        # of one small parameter cannot hide behind the others.
+        d = jax.tree.map(jnp.zeros_like, params)
+        d[name] = jax.tree.map(lambda a: jax.random.normal(jax.random.key(i), a.shape), params[name])
+        numeric = (loss_at(params, d, eps) - loss_at(params, d, -eps)) / (2 * eps)
+        analytic = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(d)))
+        assert abs(numeric) > 1e-3, name  # the direction really moves the loss
+        np.testing.assert_allclose(analytic, numeric, rtol=2e-3, err_msg=name)
+
+
+def test_param_table_totals():
+    cfg = PRESETS["vit-cifar"]
+    shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    table = format_param_table(shapes)
+    assert "10,695,562 params" in table and "42,782,248" in table  # 4 bytes each
+    bf16 = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), shapes)
+    assert "21,391,124" in format_param_table(bf16)

@@ -1,0 +1,92 @@
+"""Model configurations: one frozen dataclass and a table of named presets.
+
+    >>> from vit_pure import PRESETS
+    >>> PRESETS["vit-cifar"].width
+    384
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """Everything that fixes the shapes (and the regularisation) of a ViT."""
+
+    name: str
+    image_size: int  # square images, pixels per side
+    patch_size: int  # square patches, pixels per side
+    num_classes: int
+    width: int  # embedding size E
+    depth: int  # number of encoder blocks L
+    heads: int  # attention heads H (E must divide by H)
+    mlp_dim: int  # MLP hidden size M
+    channels: int = 3
+    dropout: float = 0.0  # after the embedding and on each residual branch
+    drop_path: float = 0.0  # stochastic depth, largest at the last block (linear rule)
+    ln_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"{self.name}: image_size {self.image_size} is not divisible by "
+                f"patch_size {self.patch_size}")
+        if self.width % self.heads:
+            raise ValueError(f"{self.name}: width {self.width} is not divisible by heads {self.heads}")
+        for field in ("dropout", "drop_path"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"{self.name}: {field} must be in [0, 1)")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:  # patches + the class token
+        return self.num_patches + 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch_size * self.patch_size * self.channels
+
+    def replace(self, **changes) -> "ViTConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ViTConfig] = {
+    # The reference CIFAR-10 model: 10,695,562 parameters.
+    "vit-cifar": ViTConfig(
+        name="vit-cifar", image_size=32, patch_size=4, num_classes=10,
+        width=384, depth=6, heads=8, mlp_dim=1536, dropout=0.1),
+    # For tests: odd, distinct sizes so that a swapped axis fails loudly.
+    # 4 heads x 6 = 24 wide, 36 hidden, depth 4 (divisible by 2 and 4 for pipelines),
+    # 16px images in 4px patches -> 16 patches + class token = 17 tokens, 7 classes.
+    "tiny": ViTConfig(
+        name="tiny", image_size=16, patch_size=4, num_classes=7,
+        width=24, depth=4, heads=4, mlp_dim=40, dropout=0.1, drop_path=0.1),
+    # A small but real model for quick CPU runs on CIFAR-sized images.
+    "vit-cifar-small": ViTConfig(
+        name="vit-cifar-small", image_size=32, patch_size=4, num_classes=10,
+        width=192, depth=6, heads=6, mlp_dim=576, dropout=0.1),
+    # The ImageNet-style variants (Dosovitskiy et al. 2020; Touvron et al. 2021).
+    "vit-ti16": ViTConfig(
+        name="vit-ti16", image_size=224, patch_size=16, num_classes=1000,
+        width=192, depth=12, heads=3, mlp_dim=768),
+    "vit-s16": ViTConfig(
+        name="vit-s16", image_size=224, patch_size=16, num_classes=1000,
+        width=384, depth=12, heads=6, mlp_dim=1536),
+    "vit-b16": ViTConfig(
+        name="vit-b16", image_size=224, patch_size=16, num_classes=1000,
+        width=768, depth=12, heads=12, mlp_dim=3072),
+}
+
+
+def get_preset(name: str) -> ViTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}") from None

@@ -1,0 +1,299 @@
+"""A Vision Transformer as two pure functions over a nested dict of arrays.
+
+    params = init_params(key, cfg)                      # dict of jax.Array, nothing else
+    logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
+
+Axis letters in shape comments:
+    B batch   T tokens (patches + class token)   E embedding width   H heads
+    D head dim (E = H * D)   M MLP hidden   L encoder layers   P patch pixels (p*p*C)
+    K classes
+
+Parameter layout (`init_params`); the encoder blocks are *stacked* along a leading layer
+axis L, one layout for every use (a Python loop or `lax.scan` over it, and a pipeline
+shards it):
+
+    patch_embed/kernel (P, E)   patch_embed/bias (E,)
+    cls_token (E,)              pos_embed (T, E)
+    blocks/ln1/{scale,bias} (L, E)
+    blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
+    blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)
+    blocks/ln2/{scale,bias} (L, E)
+    blocks/mlp/fc1/kernel (L, E, M)            blocks/mlp/fc1/bias (L, M)
+    blocks/mlp/fc2/kernel (L, M, E)            blocks/mlp/fc2/bias (L, E)
+    final_ln/{scale,bias} (E,)
+    head/kernel (E, K)          head/bias (K,)
+
+`param_axes(cfg)` gives the same tree with each leaf's logical axis names (for sharding
+rules). Initialisation follows common ViT practice (ViT, DeiT, timm): every weight matrix,
+the position embedding and the head from a normal with std 0.02 truncated at two standard
+deviations (rescaled so the std really is 0.02); biases and the class token zero;
+LayerNorm scale one, bias zero.
+
+Regularisation: dropout (rate `cfg.dropout`) after the embedding and at the end of each
+residual branch (after the attention output projection and after the second MLP layer);
+stochastic depth (`cfg.drop_path`) drops a whole residual branch per example, with the
+rate growing linearly from 0 at the first block to `cfg.drop_path` at the last. Every
+random mask is drawn from `fold_in(rng, example_id)` (then the layer and the site), so it
+belongs to the example, not to the device holding it: 1, 2 or 8 devices give the same
+numbers. All dropout sites sit on full-width activations, so tensor parallelism needs no
+special care either.
+
+Tensor parallelism (`tp_axis`): inside `shard_map`, the attention heads and the MLP hidden
+units may be split over a mesh axis. The block then reads its local head count from the
+kernel shapes, and the two Megatron operators appear in `_block`: `_copy_to_tp` (identity
+forward, all-reduce of the gradient backward: "f") before each column-parallel matmul and
+`_reduce_from_tp` (all-reduce forward, identity backward: "g") after each row-parallel one.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from vit_pure.config import ViTConfig
+from vit_pure.policy import Policy, matmul
+
+F32 = jnp.float32
+_INIT_STD = 0.02
+# Dropout sites, folded into each example's key with the layer index.
+_SITE_EMBED, _SITE_ATTN, _SITE_MLP, _SITE_PATH_ATTN, _SITE_PATH_MLP = range(5)
+
+
+# ------------------------------------------------------------------------ initialisation
+def _trunc_normal(key, shape, dtype):
+    # std of a unit normal truncated to [-2, 2] is 0.8796; divide it out.
+    return (_INIT_STD / 0.87962566) * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+
+
+def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
+    """Fresh parameters for `cfg`, as a nested dict of arrays (see the module docstring)."""
+    E, H, D, M, L = cfg.width, cfg.heads, cfg.head_dim, cfg.mlp_dim, cfg.depth
+    keys = iter(jax.random.split(key, 8))
+
+    def w(shape):
+        return _trunc_normal(next(keys), shape, dtype)
+
+    def zeros(*shape):
+        return jnp.zeros(shape, dtype)
+
+    def ones(*shape):
+        return jnp.ones(shape, dtype)
+
+    return {
+        "patch_embed": {"kernel": w((cfg.patch_dim, E)), "bias": zeros(E)},
+        "cls_token": zeros(E),
+        "pos_embed": w((cfg.seq_len, E)),
+        "blocks": {
+            "ln1": {"scale": ones(L, E), "bias": zeros(L, E)},
+            "attn": {
+                "qkv": {"kernel": w((L, E, 3, H, D)), "bias": zeros(L, 3, H, D)},
+                "out": {"kernel": w((L, H, D, E)), "bias": zeros(L, E)},
+            },
+            "ln2": {"scale": ones(L, E), "bias": zeros(L, E)},
+            "mlp": {
+                "fc1": {"kernel": w((L, E, M)), "bias": zeros(L, M)},
+                "fc2": {"kernel": w((L, M, E)), "bias": zeros(L, E)},
+            },
+        },
+        "final_ln": {"scale": ones(E), "bias": zeros(E)},
+        "head": {"kernel": w((E, cfg.num_classes)), "bias": zeros(cfg.num_classes)},
+    }
+
+
+def param_axes(cfg: ViTConfig) -> dict:
+    """Logical axis names of every parameter, in the same tree as `init_params`."""
+    del cfg  # the names do not depend on the sizes
+    ln = {"scale": ("layers", "embed"), "bias": ("layers", "embed")}
+    return {
+        "patch_embed": {"kernel": ("patch", "embed"), "bias": ("embed",)},
+        "cls_token": ("embed",),
+        "pos_embed": ("tokens", "embed"),
+        "blocks": {
+            "ln1": dict(ln),
+            "attn": {
+                "qkv": {"kernel": ("layers", "embed", "qkv", "heads", "head_dim"),
+                        "bias": ("layers", "qkv", "heads", "head_dim")},
+                "out": {"kernel": ("layers", "heads", "head_dim", "embed"),
+                        "bias": ("layers", "embed")},
+            },
+            "ln2": dict(ln),
+            "mlp": {
+                "fc1": {"kernel": ("layers", "embed", "mlp"), "bias": ("layers", "mlp")},
+                "fc2": {"kernel": ("layers", "mlp", "embed"), "bias": ("layers", "embed")},
+            },
+        },
+        "final_ln": {"scale": ("embed",), "bias": ("embed",)},
+        "head": {"kernel": ("embed", "classes"), "bias": ("classes",)},
+    }
+
+
+def count_params(params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------------------- primitives
+def _layer_norm(x, p, eps):
+    """LayerNorm with float32 statistics; returns x's dtype."""
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"].astype(F32) + p["bias"].astype(F32)).astype(x.dtype)
+
+
+def _example_keys(rng, example_ids):
+    """One key per example, from its global index in the batch: (B,) keys."""
+    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(example_ids)
+
+
+def _site_keys(ex_keys, layer, site):
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, layer), site))(ex_keys)
+
+
+def _dropout(x, rate, ex_keys, layer, site):
+    if ex_keys is None or rate == 0.0:
+        return x
+    keys = _site_keys(ex_keys, layer, site)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _drop_path(x, rate, ex_keys, layer, site):
+    """Stochastic depth: zero the whole residual branch x (B, T, E) for some examples."""
+    if ex_keys is None:
+        return x
+    keys = _site_keys(ex_keys, layer, site)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys)  # (B,)
+    return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _copy_to_tp(x, tp_axis):
+    """Megatron's "f": identity forward; backward, all-reduce the gradient over `tp_axis`.
+
+    x is the same on every device of `tp_axis`; each device feeds it to its own slice of a
+    column-parallel matmul, so x's gradient is the sum of the slices' contributions.
+    """
+    return x if tp_axis is None else jax.lax.pcast(x, tp_axis, to="varying")
+
+
+def _reduce_from_tp(y, tp_axis):
+    """Megatron's "g": all-reduce forward (sum the row-parallel partial products over
+    `tp_axis`); backward, the identity."""
+    return y if tp_axis is None else jax.lax.psum(y, tp_axis)
+
+
+# --------------------------------------------------------------------------- the network
+def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
+    """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
+    cd = policy.compute_dtype
+    p = cfg.patch_size
+    patches = rearrange(images, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
+    x = matmul(patches.astype(cd), params["patch_embed"]["kernel"], policy.precision)
+    x = x + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
+    cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
+    x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"].astype(F32)  # (B, T, E)
+    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED)
+
+
+def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
+    """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
+    cd, prec = policy.compute_dtype, policy.precision
+    E = x.shape[-1]
+    # Stochastic depth rate grows linearly with the (possibly traced) layer index.
+    path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
+    path_keys = ex_keys if cfg.drop_path > 0 else None
+
+    # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
+    a = p["attn"]
+    h = _copy_to_tp(_layer_norm(x, p["ln1"], cfg.ln_eps), tp_axis)
+    qkv = matmul(h, a["qkv"]["kernel"].reshape(E, -1), prec)  # (B, T, 3*Hl*D) f32
+    qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(F32)
+    q, k, v = rearrange(qkv.astype(cd), "b t (three h d) -> three b h t d",
+                        three=3, d=cfg.head_dim)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=prec,
+                        preferred_element_type=F32) / math.sqrt(cfg.head_dim)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cd)  # softmax in f32
+    ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v, precision=prec, preferred_element_type=F32)
+    ctx = rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
+    y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), prec)  # partial sum over heads
+    y = _reduce_from_tp(y, tp_axis) + a["out"]["bias"].astype(F32)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN)
+    x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
+
+    # MLP; with tensor parallelism this device holds Ml of M hidden units.
+    m = p["mlp"]
+    h = _copy_to_tp(_layer_norm(x, p["ln2"], cfg.ln_eps), tp_axis)
+    h = matmul(h, m["fc1"]["kernel"], prec) + m["fc1"]["bias"].astype(F32)  # (B, T, Ml)
+    h = jax.nn.gelu(h).astype(cd)
+    y = matmul(h, m["fc2"]["kernel"], prec)  # partial sum over hidden units
+    y = _reduce_from_tp(y, tp_axis) + m["fc2"]["bias"].astype(F32)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP)
+    return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
+
+
+def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=False,
+            remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None):
+    """Run the stacked blocks (leading axis = layers) over x (B, T, E).
+
+    `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
+    layers; the index seeds dropout). `gather(layer_params)`, if given, is applied to each
+    layer's params just before use (FSDP gathers sharded weights there).
+    """
+    if remat not in ("none", "block"):
+        raise ValueError(f"remat must be 'none' or 'block', got {remat!r}")
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+
+    def body(x, p_and_layer):
+        p, layer = p_and_layer
+        if gather is not None:
+            p = gather(p)
+        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis)
+
+    if remat == "block":
+        body = jax.checkpoint(body)
+    layers = layer_offset + jnp.arange(num_layers)
+    if scan:
+        x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
+        return x
+    for i in range(num_layers):
+        x = body(x, (jax.tree.map(lambda a: a[i], blocks), layers[i]))
+    return x
+
+
+def head(params, x, cfg: ViTConfig, policy: Policy):
+    """tokens (B, T, E) -> logits (B, K) in the output dtype (class token only)."""
+    cls = _layer_norm(x[:, 0], params["final_ln"], cfg.ln_eps)  # (B, E)
+    logits = matmul(cls, params["head"]["kernel"], policy.precision)
+    logits = logits + params["head"]["bias"].astype(F32)
+    return logits.astype(policy.output_dtype)
+
+
+def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
+          rng: jax.Array | None = None, example_ids: jax.Array | None = None,
+          scan: bool = False, remat: str = "none", tp_axis: str | None = None,
+          gather: Callable | None = None) -> jax.Array:
+    """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
+
+    train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
+    example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
+    so a batch split over devices gives the same masks as one device.
+    """
+    ex_keys = None
+    if train and (cfg.dropout > 0 or cfg.drop_path > 0):
+        if rng is None:
+            raise ValueError("apply(train=True) needs rng for dropout / drop path")
+        if example_ids is None:
+            example_ids = jnp.arange(images.shape[0])
+        ex_keys = _example_keys(rng, example_ids)
+    params = policy.cast_to_compute(params)  # the one place params change dtype
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    if gather is not None:
+        top = gather(top)
+    x = embed(top, images, cfg, policy, ex_keys)
+    x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
+                tp_axis=tp_axis, gather=gather)
+    return head(top, x, cfg, policy)
