@@ -1,0 +1,552 @@
+"""Checkpoints: a training state of plain pytrees, saved atomically as ``.npz`` + JSON.
+
+The state is a dict of named pytrees, for example::
+
+    {"params": params, "opt_state": opt_state, "loss_scale": ls, "step": 1200,
+     "rng": jax.random.key_data(key), "data_pos": 38400}
+
+``save`` writes it, ``latest`` finds the newest checkpoint that is intact, ``restore`` rebuilds
+the pytrees from a template of the same structure (the caller places them on devices). Nothing
+is pickled, so loading a checkpoint never runs code from the file.
+
+On-disk format, version 1
+-------------------------
+::
+
+    ckpt_dir/
+      step_00001200/                 one complete checkpoint, "step_" + step as 8+ digits
+        arrays.npz                   every array of the state
+        manifest.json                what the arrays are, with checksums; meta
+      .tmp-step_00001400-4242/       a save in progress or one that crashed (pid 4242):
+                                     never read, deleted by the next save
+      .trash-step_00000800-4242/     a checkpoint being deleted or replaced: same
+
+A directory named ``step_*`` only ever appears by an ``os.rename`` of a fully written and
+fsynced temporary directory, so it is complete unless it was damaged afterwards; ``verify``
+and ``latest`` check that with the checksums.
+
+``arrays.npz`` is an ordinary uncompressed numpy ``.npz`` archive (a zip file holding one
+``<key>.npy`` file per array; ``np.load`` opens it). Each pytree leaf is one array, and its
+key is the state name followed by the leaf's pytree path, joined with ``/``: dict keys as
+they are, list/tuple positions as numbers, NamedTuple fields by name. For example::
+
+    params/blocks/0/attn/qkv/kernel
+    opt_state/0/count                 optax.adamw: (ScaleByAdamState, EmptyState, ...)
+    opt_state/0/mu/blocks/0/attn/qkv/kernel
+    step                              a state entry that is a single leaf
+
+``manifest.json`` (UTF-8 JSON as Python's ``json`` writes it, so a NaN in meta is ``NaN``;
+the file has one line per array, annotated here)::
+
+    {
+     "format": "vit_pure.checkpoint",
+     "version": 1,
+     "step": 1200,
+     "meta": {...},                       the caller's JSON dict (config, metrics, ...)
+     "arrays": [                          one entry per array, in pytree order
+      {"key": "params/patch_embed/kernel",
+       "dtype": "bfloat16",               the array's real dtype (numpy or ml_dtypes name)
+       "stored_dtype": "uint16",          the dtype of the .npy in arrays.npz
+       "shape": [48, 192],
+       "sha256": "9f86d0..."},            sha256 of the stored array's raw C-order bytes
+      ...
+     ]
+    }
+
+Dtypes numpy stores natively (bool, ints, floats, complex) are stored as they are, so
+``stored_dtype == dtype``. The ml_dtypes types that jax uses (bfloat16, float8_*, int4, ...)
+would need pickle in a ``.npy`` file, so they are stored as an unsigned integer of the same
+width holding the same bits (bfloat16 -> uint16, float8_e4m3fn -> uint8): viewing the stored
+array as the real dtype restores it exactly. Python scalars in the state (``step: int``) are
+stored as 0-d int64 / float64 / bool arrays.
+
+Opening a checkpoint with numpy and json only::
+
+    import hashlib, json
+    import numpy as np
+
+    d = "ckpts/step_00001200"
+    with open(f"{d}/manifest.json") as f:
+        manifest = json.load(f)
+    arrays = {}
+    with np.load(f"{d}/arrays.npz", allow_pickle=False) as npz:
+        for e in manifest["arrays"]:
+            a = npz[e["key"]]                                   # e["stored_dtype"]
+            assert hashlib.sha256(a.tobytes()).hexdigest() == e["sha256"]
+            if e["dtype"] == "bfloat16":                        # uint16 bit patterns
+                a = (a.astype(np.uint32) << 16).view(np.float32)  # exact, as float32
+            arrays[e["key"]] = a
+
+(bfloat16 is the top half of a float32, so the shift is exact.) With ``ml_dtypes`` installed
+(jax depends on it) any such array is restored to its real dtype by
+``a.view(getattr(ml_dtypes, e["dtype"]))``; ``load_numpy`` does exactly that.
+
+One writer per ``ckpt_dir``: in a multi-process job only process 0 calls ``save`` (with
+arrays it can fetch fully), because ``save`` deletes the temporary directories it finds.
+Re-saving an existing step renames the old directory to ``.trash-*`` and the new one into
+place; a crash between those two renames leaves that step absent (``latest`` then returns the
+step before it) rather than half written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+FORMAT = "vit_pure.checkpoint"
+VERSION = 1
+ARRAYS_FILE = "arrays.npz"
+MANIFEST_FILE = "manifest.json"
+
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_TMP_PREFIX = ".tmp-"  # a save in progress, or one that crashed
+_TRASH_PREFIX = ".trash-"  # a checkpoint on its way out (retention, or re-save of a step)
+_NATIVE_KINDS = "biufc"  # bool, signed, unsigned, float, complex: .npy without pickle
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, corrupt or partial, or does not fit the template."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step_00001200``: the directory name of the checkpoint of ``step``."""
+    return f"step_{step:08d}"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def save(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    state: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    keep: int | None = 3,
+) -> pathlib.Path:
+    """Write ``state`` (named pytrees) and ``meta`` (a JSON dict) as ``ckpt_dir/step_XXXXXXXX``.
+
+    Atomic: the checkpoint is written and fsynced in a temporary sibling directory, then
+    renamed into place; a crash at any point leaves the previous checkpoints intact and at
+    most a ``.tmp-*`` directory that readers ignore and the next save deletes. Saving a step
+    that exists replaces it. Afterwards only the newest ``keep`` complete checkpoints are
+    kept (``keep=None`` keeps all); the one just written is never deleted, even when newer
+    ones exist. Returns the checkpoint's path.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    step = int(step)
+    # Check everything that can be checked before touching the disk.
+    leaves = [kv for name, tree in _checked_items(state) for kv in _flatten(name, tree)[0]]
+    for key, leaf in leaves:
+        _check_storable(key, leaf)
+    try:
+        meta_json = json.loads(json.dumps(dict(meta)))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"meta is not JSON-serialisable: {_one_line(e)}") from None
+
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    _delete_stale(ckpt_dir)
+    final = ckpt_dir / step_dir_name(step)
+    tmp = ckpt_dir / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    tmp.mkdir()
+
+    # Arrays are fetched to host one at a time while they are written, so at most one
+    # leaf's host copy exists at once.
+    entries: list[dict[str, Any]] = []
+
+    def stored_arrays() -> Iterator[tuple[str, np.ndarray]]:
+        for key, leaf in leaves:
+            stored, dtype_name = _encode(_to_host(leaf))
+            entries.append(
+                {
+                    "key": key,
+                    "dtype": dtype_name,
+                    "stored_dtype": stored.dtype.name,
+                    "shape": list(stored.shape),
+                    "sha256": _sha256(stored),
+                }
+            )
+            yield key, stored
+
+    _write_npz(tmp / ARRAYS_FILE, stored_arrays())
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "meta": meta_json,
+                "arrays": entries}
+    _write_bytes(tmp / MANIFEST_FILE, _manifest_text(manifest).encode())
+    _fsync_dir(tmp)
+
+    if final.exists():  # re-save of the same step: move the old one away, then swap in
+        old = ckpt_dir / f"{_TRASH_PREFIX}{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+
+    if keep is not None:
+        complete = [p for p in list_checkpoints(ckpt_dir) if (p / MANIFEST_FILE).is_file()]
+        for path in complete[:-keep]:
+            if path != final:
+                _delete_dir(path)
+    return final
+
+
+def _checked_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    for name in state:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise CheckpointError(f"state name {name!r} must be a non-empty str without '/'")
+    return list(state.items())
+
+
+def _check_storable(key: str, leaf: Any) -> None:
+    """Refuse, before anything is written, a leaf whose dtype has no pickle-free form."""
+    import jax
+
+    if not hasattr(leaf, "dtype"):  # a Python scalar (or something stranger)
+        leaf = np.asarray(leaf)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise CheckpointError(f"{key}: typed PRNG key; save jax.random.key_data(key) instead")
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind not in _NATIVE_KINDS and not _is_ml_dtype(dtype):
+        raise CheckpointError(f"{key}: dtype {dtype} cannot be stored without pickle")
+
+
+def _to_host(leaf: Any) -> np.ndarray:
+    """The whole leaf as a host numpy array (one device fetch; Python scalars too)."""
+    import jax
+
+    return np.asarray(jax.device_get(leaf))
+
+
+def _encode(array: np.ndarray) -> tuple[np.ndarray, str]:
+    """(array as stored in the .npz, real dtype name); see "Dtypes" in the module docstring."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    stored = array
+    if _is_ml_dtype(array.dtype):  # the same bits as an unsigned int of the same width
+        stored = array.view(np.dtype(f"uint{8 * array.dtype.itemsize}"))
+    return _c_order(stored), array.dtype.name
+
+
+def _c_order(array: np.ndarray) -> np.ndarray:
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,).)
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def _is_ml_dtype(dtype: np.dtype) -> bool:
+    return dtype.type.__module__.split(".")[0] == "ml_dtypes"
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(_c_order(array).data).hexdigest()
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    """JSON with one line per field and one line per array entry, for people reading it."""
+    fields = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in manifest.items() if k != "arrays"]
+    arrays = ",\n  ".join(json.dumps(entry) for entry in manifest["arrays"])
+    return "{\n" + ",\n".join(fields) + ',\n "arrays": [\n  ' + arrays + "\n ]\n}\n"
+
+
+def _write_npz(path: pathlib.Path, arrays: Iterator[tuple[str, np.ndarray]]) -> None:
+    """An uncompressed .npz, as ``np.savez`` writes it, then fsync."""
+    with open(path, "wb") as f:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for key, array in arrays:
+                with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_bytes(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    """Make the directory's entries (created / renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _delete_dir(path: pathlib.Path) -> None:
+    """Rename out of the ``step_*`` namespace first, so no reader sees it half deleted."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _delete_stale(ckpt_dir: pathlib.Path) -> None:
+    """Delete what crashed saves and deletions left behind."""
+    for path in ckpt_dir.iterdir():
+        if path.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and path.is_dir():
+            shutil.rmtree(path)
+
+
+# --------------------------------------------------------------------------- finding
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Every ``step_*`` directory in ``ckpt_dir``, oldest step first (not verified)."""
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for path in ckpt_dir.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.name == step_dir_name(int(match[1])) and path.is_dir():
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest(
+    ckpt_dir: str | os.PathLike, *, log: Callable[[str], Any] = print
+) -> pathlib.Path | None:
+    """The newest checkpoint that passes ``verify``, or None.
+
+    Each newer checkpoint that fails is reported with one ``log`` line and skipped.
+    Verifying reads and hashes every array of the checkpoint it returns, so a resume reads
+    it twice (here and in ``restore``); checkpoints of this kit are small enough for that.
+    """
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            verify(path)
+        except CheckpointError as e:
+            log(f"skipping corrupt checkpoint {path}: {e}")
+            continue
+        return path
+    return None
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta`` dict that was passed to ``save``."""
+    return _read_manifest(pathlib.Path(path))["meta"]
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Raise CheckpointError unless the manifest and every array in it are intact."""
+    path = pathlib.Path(path)
+    manifest = _read_manifest(path)
+    with _open_npz(path) as npz:
+        listed = {e["key"] for e in manifest["arrays"]}
+        extra = sorted(set(npz.files) - listed)
+        if extra:
+            raise CheckpointError(f"{extra[0]}: in {ARRAYS_FILE} but not in {MANIFEST_FILE}")
+        for entry in manifest["arrays"]:
+            _read_stored(npz, entry)
+
+
+def load_numpy(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All arrays by key, checksum-verified, in their real dtypes (bfloat16 via ml_dtypes).
+
+    Needs numpy (and ml_dtypes only for the dtypes numpy lacks); no jax, no template.
+    """
+    path = pathlib.Path(path)
+    manifest = _read_manifest(path)
+    with _open_npz(path) as npz:
+        return {e["key"]: _decode(e, _read_stored(npz, e)) for e in manifest["arrays"]}
+
+
+def restore(path: str | os.PathLike, template: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild the pytrees named in ``template`` from the checkpoint at ``path``.
+
+    ``template`` has the structure to rebuild: each leaf is an array or a
+    ``jax.ShapeDtypeStruct`` (its shape and dtype must match the checkpoint) or a Python
+    scalar (restored as a Python scalar of the same type). Within each named pytree the
+    keys must match exactly; state entries the template does not name are not read, so
+    ``restore(path, {"params": ...})`` loads just the parameters. Returns numpy arrays,
+    checksum-verified. Any mismatch raises CheckpointError naming the key.
+    """
+    import jax
+
+    path = pathlib.Path(path)
+    manifest = _read_manifest(path)
+    entries = {e["key"]: e for e in manifest["arrays"]}
+    restored = {}
+    with _open_npz(path) as npz:
+        for name, tree in _checked_items(template):
+            keyed, treedef = _flatten(name, tree)
+            wanted = {key for key, _ in keyed}
+            present = {key for key in entries if key == name or key.startswith(name + "/")}
+            _require_none(sorted(wanted - present), "is in the template but not in the checkpoint")
+            _require_none(sorted(present - wanted), "is in the checkpoint but not in the template")
+            values = [_restore_leaf(key, like, entries[key], npz) for key, like in keyed]
+            restored[name] = jax.tree_util.tree_unflatten(treedef, values)
+    return restored
+
+
+def _require_none(keys: list[str], problem: str) -> None:
+    if keys:
+        more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+        raise CheckpointError(f"{keys[0]} {problem}{more}")
+
+
+def _restore_leaf(key: str, like: Any, entry: dict[str, Any], npz: Any) -> Any:
+    shape, dtype_name = tuple(entry["shape"]), entry["dtype"]
+    if isinstance(like, (bool, int, float)):  # a Python scalar such as `step: int`
+        kinds = "b" if isinstance(like, bool) else "iu" if isinstance(like, int) else "f"
+        if shape != () or np.dtype(entry["stored_dtype"]).kind not in kinds:
+            raise CheckpointError(
+                f"{key}: template is a Python {type(like).__name__}, checkpoint has "
+                f"{dtype_name}{list(shape)}"
+            )
+        return type(like)(_read_stored(npz, entry).item())
+    try:
+        like_shape, like_dtype = tuple(like.shape), np.dtype(like.dtype)
+    except (AttributeError, TypeError) as e:
+        raise CheckpointError(
+            f"{key}: template leaf {type(like).__name__} needs a shape and a numpy dtype "
+            f"({_one_line(e)})"
+        ) from None
+    if like_shape != shape:
+        raise CheckpointError(
+            f"{key}: shape {list(shape)} in the checkpoint, {list(like_shape)} in the template"
+        )
+    if like_dtype.name != dtype_name:
+        raise CheckpointError(
+            f"{key}: dtype {dtype_name} in the checkpoint, {like_dtype.name} in the template"
+        )
+    return _decode(entry, _read_stored(npz, entry))
+
+
+def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
+    """The parsed manifest, checked for the fields every reader relies on."""
+    file = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{MANIFEST_FILE} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{MANIFEST_FILE} is unreadable: {_one_line(e)}") from None
+    try:
+        if manifest["format"] != FORMAT or manifest["version"] != VERSION:
+            raise CheckpointError(
+                f"{MANIFEST_FILE}: format {manifest['format']!r} version "
+                f"{manifest['version']!r}, expected {FORMAT!r} version {VERSION}"
+            )
+        if not isinstance(manifest["step"], int) or not isinstance(manifest["meta"], dict):
+            raise ValueError("'step' must be an int and 'meta' a dict")
+        for e in manifest["arrays"]:
+            np.dtype(e["stored_dtype"])
+            if not (
+                all(isinstance(e[field], str) for field in ("key", "dtype", "sha256"))
+                and isinstance(e["shape"], list)
+                and all(isinstance(n, int) for n in e["shape"])
+            ):
+                raise ValueError(f"bad entry for {e.get('key')!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{MANIFEST_FILE} is malformed: {_one_line(e)}") from None
+    return manifest
+
+
+def _open_npz(path: pathlib.Path) -> Any:
+    try:
+        return np.load(path / ARRAYS_FILE, allow_pickle=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{ARRAYS_FILE} is missing") from None
+    except Exception as e:  # a truncated zip, garbage, ...: all mean "corrupt"
+        raise CheckpointError(f"{ARRAYS_FILE} is unreadable: {_one_line(e)}") from None
+
+
+def _read_stored(npz: Any, entry: dict[str, Any]) -> np.ndarray:
+    """The array of ``entry`` as stored, after checking dtype, shape and checksum."""
+    key = entry["key"]
+    if key not in npz.files:
+        raise CheckpointError(f"{key}: missing from {ARRAYS_FILE}")
+    try:
+        array = npz[key]
+    except Exception as e:  # bad CRC, truncated member, an object array (pickle), ...
+        raise CheckpointError(f"{key}: unreadable: {_one_line(e)}") from None
+    if array.dtype != np.dtype(entry["stored_dtype"]) or list(array.shape) != entry["shape"]:
+        raise CheckpointError(
+            f"{key}: stored as {array.dtype}{list(array.shape)}, manifest says "
+            f"{entry['stored_dtype']}{entry['shape']}"
+        )
+    if _sha256(array) != entry["sha256"]:
+        raise CheckpointError(f"{key}: sha256 checksum mismatch")
+    return array
+
+
+def _decode(entry: dict[str, Any], stored: np.ndarray) -> np.ndarray:
+    """View a stored array as its real dtype (the bits are the same)."""
+    if entry["dtype"] == entry["stored_dtype"]:
+        return stored
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise CheckpointError(
+            f"{entry['key']}: dtype {entry['dtype']} needs the ml_dtypes package "
+            "(or read the raw bits as described in vit_pure/checkpoint.py)"
+        ) from None
+    dtype = getattr(ml_dtypes, entry["dtype"], None)
+    if dtype is None or np.dtype(dtype).itemsize != stored.dtype.itemsize:
+        raise CheckpointError(f"{entry['key']}: unknown dtype {entry['dtype']!r}")
+    return stored.view(dtype)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _flatten(name: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """[(key, leaf)] in pytree order, and the treedef; keys as in the module docstring."""
+    import jax
+
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    keyed = [(_key(name, path), leaf) for path, leaf in paths_and_leaves]
+    seen: set[str] = set()
+    for key, _ in keyed:
+        if key in seen:
+            raise CheckpointError(f"{key}: two leaves of {name!r} have this key")
+        seen.add(key)
+    return keyed, treedef
+
+
+def _key(name: str, path: tuple[Any, ...]) -> str:
+    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+    parts = [name]
+    for entry in path:
+        if isinstance(entry, DictKey):
+            part = entry.key
+        elif isinstance(entry, SequenceKey):
+            part = entry.idx
+        elif isinstance(entry, GetAttrKey):
+            part = entry.name
+        elif isinstance(entry, FlattenedIndexKey):
+            part = entry.key
+        else:
+            part = entry
+        part = str(part)
+        if not part or "/" in part:
+            raise CheckpointError(
+                f"{'/'.join(parts)}: pytree key {part!r} is empty or contains '/'"
+            )
+        parts.append(part)
+    return "/".join(parts)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
