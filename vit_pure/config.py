@@ -63,10 +63,11 @@ PRESETS: dict[str, ViTConfig] = {
         name="vit-cifar", image_size=32, patch_size=4, num_classes=10,
         width=384, depth=6, heads=8, mlp_dim=1536, dropout=0.1),
     # For tests: odd, distinct sizes so that a swapped axis fails loudly.
-    # 4 heads x 6 = 24 wide, 36 hidden, depth 4 (divisible by 2 and 4 for pipelines),
-    # 16px images in 4px patches -> 16 patches + class token = 17 tokens, 7 classes.
+    # 4 heads x 6 = 24 wide, 40 hidden, depth 4 (divisible by 2 and 4 for pipelines),
+    # CIFAR-sized 32px images in 8px patches -> 16 patches + class token = 17 tokens.
+    # 10 classes so that it trains on CIFAR-10 data as it is.
     "tiny": ViTConfig(
-        name="tiny", image_size=16, patch_size=4, num_classes=7,
+        name="tiny", image_size=32, patch_size=8, num_classes=10,
         width=24, depth=4, heads=4, mlp_dim=40, dropout=0.1, drop_path=0.1),
     # A small but real model for quick CPU runs on CIFAR-sized images.
     "vit-cifar-small": ViTConfig(

@@ -1,0 +1,91 @@
+"""Throughput of the data path: device-side normalize + augment, host-side batching.
+
+    python benchmarks/bench_data.py --batch 4096
+    python benchmarks/bench_data.py --batch 4096 --data-dir ../shared/data/cifar10-subset
+
+Prints one table row (images/s, median of --runs timed runs after a warm-up):
+  normalize+augment  jax.jit(lambda x: augment(key, normalize(x), ids)) on uint8 NHWC
+  augment            jax.jit(augment) alone on float32 NHWC
+  train batches      train_batches(): shuffled gather of global batches on the host
+  eval batches       eval_batches(): in-order slices, last one padded
+"""
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from vit_pure import data as D  # noqa: E402
+
+
+def median_seconds(fn, runs: int) -> float:
+    jax.block_until_ready(fn())  # warm-up (and compile)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4096, help="global batch (images)")
+    ap.add_argument("--runs", type=int, default=10, help="timed runs (median reported)")
+    ap.add_argument("--data-dir", default=None,
+                    help="CIFAR-10 folder for the host batching figure (default: synthetic "
+                         "45,000-image train split)")
+    args = ap.parse_args(argv)
+    if args.batch <= 0 or args.runs <= 0:
+        ap.error("--batch and --runs must be positive")
+
+    b = args.batch
+    rng = np.random.default_rng(0)
+    x_u8 = jax.device_put(rng.integers(0, 256, (b, 32, 32, 3), dtype=np.uint8))
+    ids = jnp.arange(b, dtype=jnp.int32)
+    key = D.augment_key(0, 0, 0)
+
+    norm_aug = jax.jit(lambda k, x, i: D.augment(k, D.normalize(x), i))
+    aug = jax.jit(D.augment)
+    x_f32 = jax.block_until_ready(jax.jit(D.normalize)(x_u8))
+    t_norm_aug = median_seconds(lambda: norm_aug(key, x_u8, ids), args.runs)
+    t_aug = median_seconds(lambda: aug(key, x_f32, ids), args.runs)
+
+    if args.data_dir:
+        splits = D.load_cifar10(args.data_dir, download=False, log=lambda s: None)
+    else:
+        splits = D.synthetic_cifar10(n_train=45000, n_val=0, n_test=10000)
+    train, test = splits["train"], splits["test"]
+    steps = D.steps_per_epoch(len(train), b)
+    if steps == 0:
+        ap.error(f"--batch {b} is larger than the {len(train)} training images")
+    epochs = iter(range(10**9))
+
+    def one_train_epoch():
+        for _ in D.train_batches(train, b, seed=0, epoch=next(epochs)):
+            pass
+
+    def one_eval_pass():
+        for _ in D.eval_batches(test, b):
+            pass
+
+    t_train = median_seconds(one_train_epoch, max(1, args.runs // 2)) / (steps * b)
+    t_eval = median_seconds(one_eval_pass, max(1, args.runs // 2)) / len(test)
+
+    dev = jax.devices()[0]
+    header = ("| device | batch | normalize+augment img/s (ms/batch) | augment img/s "
+              "| host train batches img/s | host eval batches img/s |")
+    row = (f"| {dev.platform}:{dev.device_kind} x{jax.device_count()} | {b} "
+           f"| {b / t_norm_aug:,.0f} ({1e3 * t_norm_aug:.1f}) | {b / t_aug:,.0f} "
+           f"| {1 / t_train:,.0f} | {1 / t_eval:,.0f} |")
+    print(header)
+    print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Time jitted RandAugment (and mix_batch) on one device, and each op on its own.
+
+    python benchmarks/bench_randaugment.py [--batch 1024] [--repeats 10]
+
+Under vmap, `lax.switch` evaluates every op and selects one per image, so a RandAugment
+layer should cost about the sum of the single-op times; the printout shows both.
+Prints timings only; asserts nothing.
+"""
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from vit_pure import randaugment as ra  # noqa: E402
+
+
+def time_jitted(fn, *args, repeats):
+    """(compile + first run seconds, median seconds per later run)."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - start)
+    return first, float(np.median(runs))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--num-ops", type=int, default=2)
+    parser.add_argument("--magnitude", type=float, default=9)
+    parser.add_argument("--skip-ops", action="store_true", help="skip the per-op timings")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    print(f"device: {device.platform} {device.device_kind}, jax {jax.__version__}")
+    key = jax.random.key(0)
+    images = jax.random.uniform(jax.random.key(1), (args.batch, 32, 32, 3))
+    ids = jnp.arange(args.batch, dtype=jnp.int32)
+    labels = jax.nn.one_hot(jnp.arange(args.batch) % 10, 10)
+
+    rand_augment = jax.jit(
+        lambda k, x, i: ra.rand_augment(k, x, i, num_ops=args.num_ops, magnitude=args.magnitude))
+    first, per_call = time_jitted(rand_augment, key, images, ids, repeats=args.repeats)
+    print(f"rand_augment  batch {args.batch} x 32x32x3, num_ops {args.num_ops}: "
+          f"{per_call * 1e3:8.2f} ms/batch  ({args.batch / per_call:9.0f} img/s), "
+          f"compile+first {first:.1f} s")
+
+    mix = jax.jit(lambda k, x, y: ra.mix_batch(k, x, y, mixup_alpha=0.8, cutmix_alpha=1.0))
+    first, per_call = time_jitted(mix, key, images, labels, repeats=args.repeats)
+    print(f"mix_batch     batch {args.batch}: {per_call * 1e3:8.2f} ms/batch, "
+          f"compile+first {first:.1f} s")
+
+    if args.skip_ops:
+        return
+    keys = jax.random.split(key, args.batch)
+    m = args.magnitude / ra.MAX_LEVEL
+    total = 0.0
+    for op in ra.DEFAULT_OPS:
+        batched = jax.jit(jax.vmap(lambda x, k, op=op: op(x, m, k)))
+        _, per_call = time_jitted(batched, images, keys, repeats=args.repeats)
+        total += per_call
+        print(f"  {op.__name__:14s} {per_call * 1e3:8.2f} ms/batch")
+    print(f"  sum of DEFAULT_OPS: {total * 1e3:.2f} ms/batch; x num_ops = "
+          f"{total * args.num_ops * 1e3:.2f} ms (what an all-branches switch would cost)")
+
+
+if __name__ == "__main__":
+    main()

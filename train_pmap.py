@@ -1,0 +1,93 @@
+"""Data-parallel ViT training with `jax.pmap`: every collective written in this file.
+
+    python train_pmap.py --batch 4096 --dtype bf16 --data-dir ./data
+    python train_pmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8
+
+pmap runs one copy of `_train_step` per device. State is replicated: every array carries
+a leading device axis. Each device gets its slice of the global batch, computes the
+gradient of its local mean loss, and one `lax.pmean` over the axis named 'data' turns
+those into the gradient of the global mean loss, the same on every device, so every
+device applies the same update and the replicas never drift apart.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from vit_pure import cli, loop, step
+
+AXIS = "data"
+
+
+class PmapStrategy:
+    name = "pmap"
+
+    def __init__(self, sc: step.StepConfig, optimizer):
+        self.devices = jax.local_devices()
+        self.n_devices = self.batch_divisor = len(self.devices)
+        self.sc = sc
+        self._build(optimizer)
+
+    def describe(self) -> str:
+        return f"{self.n_devices} devices on axis '{AXIS}' ({self.devices[0].platform})"
+
+    # -------------------------------------------------------------------- the two steps
+    def _build(self, optimizer):
+        sc = self.sc
+
+        def train_step(state, images, labels, example_ids, key):
+            grads, metrics = step.local_grads(
+                sc, state["params"], state["loss_scale"], images, labels, example_ids, key)
+            # All-reduce (mean) of the gradients over the data axis: each device's local
+            # gradient becomes the gradient of the global mean loss.
+            grads = lax.pmean(grads, AXIS)
+            # All-reduce (mean) of the scalar metrics, for logging.
+            metrics = lax.pmean(metrics, AXIS)
+            grad_norm = jnp.sqrt(step.sum_of_squares(grads))
+            state, _ = step.apply_gradients(sc, state, grads, grad_norm, optimizer)
+            return state, {**metrics, "grad_norm": grad_norm}
+
+        def eval_step(state, images, labels, mask):
+            sums = step.local_eval(sc, state["params"], images, labels, mask)
+            # All-reduce (sum) of loss / correct / count: padding is masked, so sums, not means.
+            return lax.psum(sums, AXIS)
+
+        # The step's key is the same on every device (in_axes=None): examples draw their
+        # own randomness from it with their global ids.
+        self.train_step = jax.pmap(train_step, axis_name=AXIS, in_axes=(0, 0, 0, 0, None),
+                                   donate_argnums=0)
+        self.eval_step = jax.pmap(eval_step, axis_name=AXIS)
+
+    # -------------------------------------------------------------------- placement
+    def put_state(self, state):
+        # Replicate: a leading device axis of size n; pmap places slice i on device i.
+        n = self.n_devices
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), state)
+
+    def put_batch(self, *arrays):
+        # Split the global batch into per-device slices: (B, ...) -> (n, B/n, ...).
+        n = self.n_devices
+        return tuple(a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in arrays)
+
+    def put_replicated(self, x):
+        return x
+
+    def host_state(self, state) -> dict:
+        return jax.device_get(jax.tree.map(lambda x: x[0], state))
+
+    def metrics_to_host(self, metrics) -> dict:
+        return {k: float(np.asarray(v)[0]) for k, v in metrics.items()}
+
+
+def main(argv=None) -> dict:
+    args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
+    return loop.run(args, lambda optimizer: PmapStrategy(
+        step.StepConfig.from_args(args), optimizer))
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main_guard(main))

@@ -1,0 +1,618 @@
+"""CIFAR-10 on the host in numpy, augmentation on the device in JAX.
+
+Two halves, kept apart on purpose:
+
+* Host side (numpy, no JAX): read the official python-format folder
+  ``<data-dir>/cifar-10-batches-py/`` once into uint8 arrays, split it into
+  train / val / test, and cut global batches: shuffled per epoch with the last
+  partial batch dropped for training, zero-padded with a mask for evaluation.
+  If the folder is missing it is downloaded, md5-checked and extracted
+  atomically. Pickles are read with a restricted unpickler, so a crafted file
+  cannot run code.
+* Device side (pure ``jnp``, usable inside jit / shard_map / pmap):
+  ``normalize`` (uint8 -> float32 with the CIFAR-10 channel statistics) and
+  ``augment`` (random horizontal flip + random resized crop, bilinear), whose
+  per-example randomness comes from ``fold_in(key, example_id)`` with the
+  example's *global* position in the global batch, so a batch gives the same
+  augmented images however it is split across devices or processes.
+
+Shapes: images are NHWC, N examples of H=W=32 pixels and C=3 channels.
+
+Usage (one training step on one host)::
+
+    splits = load_dataset("cifar10", "data/")           # {'train','val','test'}
+    check_batch(4096, jax.device_count())
+    for step, (x, y) in enumerate(train_batches(splits["train"], 4096, seed=0, epoch=e)):
+        key = augment_key(0, e, step)
+        ids = jnp.arange(4096, dtype=jnp.int32)          # global positions
+        x = augment(key, normalize(x), ids)              # inside the jitted step
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import os
+import pathlib
+import pickle
+import shutil
+import socket
+import tarfile
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Per-channel statistics of CIFAR-10 on [0, 1]-scaled pixels, as commonly used.
+# Note: the stds are the dataset mean of *per-image* stds; the pixel std over the
+# whole training set is larger (about 0.247, 0.243, 0.261), so normalised
+# training pixels have a std of about 1.2-1.3, not exactly 1. Kept for
+# comparability with the many published CIFAR-10 recipes that use them.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2023, 0.1994, 0.2010)
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck")
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+URL_ENV = "VIT_PURE_CIFAR10_URL"   # overrides CIFAR10_URL when no url= is given
+MD5_ENV = "VIT_PURE_CIFAR10_MD5"   # overrides CIFAR10_MD5 when no md5= is given
+FOLDER = "cifar-10-batches-py"
+TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_FILE = "test_batch"
+META_FILE = "batches.meta"
+VAL_FRACTION = 0.1                 # 45,000 / 5,000 on the full training set
+NET_TIMEOUT_S = 10.0               # per socket operation (connect, each read)
+
+HEIGHT = WIDTH = 32
+CHANNELS = 3
+NUM_CLASSES = 10
+
+HOW_TO_PROVIDE = (
+    "pass --data-dir DIR where DIR/cifar-10-batches-py/ exists (torchvision's "
+    "torchvision.datasets.CIFAR10(DIR, download=True) writes that folder), "
+    "or run without it with --dataset synthetic"
+)
+
+
+class DataError(ValueError):
+    """A problem with the data or a data flag; the message is one user-facing line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    images: np.ndarray  # (N, 32, 32, 3) uint8, NHWC
+    labels: np.ndarray  # (N,) int32, in 0..9
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+# --------------------------------------------------------------------------
+# Restricted unpickling
+# --------------------------------------------------------------------------
+
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    """The only globals a CIFAR-10 batch pickle needs, mapped to the objects.
+
+    Official files (Python 2, protocol 2) name ``numpy.core.multiarray._reconstruct``,
+    ``numpy.ndarray`` and ``numpy.dtype``. Files re-pickled by numpy 2 name
+    ``numpy._core...``; Python 3 at protocol 2 writes bytes as ``_codecs.encode``;
+    protocol 5 writes arrays via ``_frombuffer``. None of these can run code.
+    The objects are looked up here, never imported by the name in the file.
+    """
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    numeric = np._core.numeric if hasattr(np, "_core") else np.core.numeric
+    import _codecs
+
+    allowed = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): _codecs.encode,
+    }
+    for pkg in ("numpy.core", "numpy._core"):
+        allowed[(f"{pkg}.multiarray", "_reconstruct")] = multiarray._reconstruct
+        allowed[(f"{pkg}.multiarray", "scalar")] = multiarray.scalar
+        if hasattr(numeric, "_frombuffer"):
+            allowed[(f"{pkg}.numeric", "_frombuffer")] = numeric._frombuffer
+    for mod in ("builtins", "__builtin__"):  # Python 3 and Python 2 spellings
+        for name, obj in (("list", list), ("dict", dict), ("tuple", tuple), ("set", set),
+                          ("frozenset", frozenset), ("bytearray", bytearray)):
+            allowed[(mod, name)] = obj
+    return allowed
+
+
+_ALLOWED = _allowed_globals()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An Unpickler that resolves only the globals in ``_ALLOWED``."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refused global {module}.{name} (not part of the CIFAR-10 format)"
+            ) from None
+
+
+def restricted_load(path: str | os.PathLike) -> object:
+    """Unpickle a CIFAR-10 python-format file without admitting arbitrary code.
+
+    Raises DataError naming the file if it is missing, truncated, corrupt or
+    references anything beyond numpy arrays and plain containers.
+    """
+    path = pathlib.Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"missing file {path}; {HOW_TO_PROVIDE}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        # 'latin1' is the documented way to read Python 2 pickles holding numpy arrays.
+        return _RestrictedUnpickler(io.BytesIO(raw), encoding="latin1").load()
+    except pickle.UnpicklingError as e:
+        raise DataError(f"{path}: not a safe CIFAR-10 pickle: {_one_line(e)}") from None
+    except EOFError:
+        raise DataError(f"{path} is truncated (unexpected end of pickle data); "
+                        f"delete the folder to download it again") from None
+    except Exception as e:  # noqa: BLE001 - any other decoding failure is a bad file
+        raise DataError(f"{path} is corrupt or not a CIFAR-10 pickle "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# --------------------------------------------------------------------------
+# Reading the folder
+# --------------------------------------------------------------------------
+
+def _field(d: dict, name: str):
+    """A key of a batch dict; the files' keys are str (latin1) or bytes."""
+    if name in d:
+        return d[name]
+    return d.get(name.encode("ascii"))
+
+
+def read_batch_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file -> (images (n, 32, 32, 3) uint8 NHWC, labels (n,) int32)."""
+    path = pathlib.Path(path)
+    d = restricted_load(path)
+    if not isinstance(d, dict):
+        raise DataError(f"{path}: expected a dict with 'data' and 'labels', got {type(d).__name__}")
+    data, labels = _field(d, "data"), _field(d, "labels")
+    if data is None or labels is None:
+        raise DataError(f"{path}: missing the 'data' or 'labels' entry")
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
+            or data.shape[1] != CHANNELS * HEIGHT * WIDTH:
+        shape = getattr(data, "shape", None)
+        dtype = getattr(data, "dtype", type(data).__name__)
+        raise DataError(f"{path}: 'data' must be uint8 of shape (n, {CHANNELS * HEIGHT * WIDTH}), "
+                        f"got {dtype} {shape}")
+    try:
+        labels = np.asarray(labels)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"{path}: 'labels' is not a list of integers") from None
+    if labels.ndim != 1 or labels.shape[0] != data.shape[0] or not (
+            labels.dtype.kind in "iu" or (labels.size == 0 and labels.dtype.kind == "f")):
+        raise DataError(f"{path}: 'labels' must be {data.shape[0]} integers (one per image), "
+                        f"got {labels.dtype} {labels.shape}")
+    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        bad = labels[(labels < 0) | (labels >= NUM_CLASSES)][0]
+        raise DataError(f"{path}: label {int(bad)} out of range 0..{NUM_CLASSES - 1}")
+    # Rows are channel-major (R plane, G plane, B plane); make them NHWC.
+    images = np.ascontiguousarray(data.reshape(-1, CHANNELS, HEIGHT, WIDTH).transpose(0, 2, 3, 1))
+    return images, labels.astype(np.int32)
+
+
+def _check_meta(path: pathlib.Path) -> None:
+    d = restricted_load(path)
+    names = _field(d, "label_names") if isinstance(d, dict) else None
+    if names is None or len(names) != NUM_CLASSES:
+        raise DataError(f"{path}: expected {NUM_CLASSES} 'label_names'")
+
+
+def split_indices(n: int, split_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) indices into the n training images: a fixed-seed 90/10 split.
+
+    Each index set is sorted, so the splits keep the files' order.
+    """
+    n_val = int(round(n * VAL_FRACTION))
+    perm = np.random.default_rng(split_seed).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def _find_folder(data_dir: pathlib.Path) -> pathlib.Path:
+    # Accept the parent (the documented form) or the folder itself.
+    if data_dir.name == FOLDER and (data_dir / TRAIN_FILES[0]).exists():
+        return data_dir
+    return data_dir / FOLDER
+
+
+def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
+                 md5: str | None = None, split_seed: int = 0,
+                 log: Callable[[str], None] = print) -> dict[str, Split]:
+    """Read CIFAR-10 from ``data_dir/cifar-10-batches-py`` (downloading it if missing).
+
+    Returns {'train', 'val', 'test'}: the five training batches split 90/10 with a
+    fixed-seed permutation (45,000 / 5,000 on the full set; the same ratio on a
+    subset), and the test batch (10,000). url/md5 default to the environment
+    variables VIT_PURE_CIFAR10_URL / VIT_PURE_CIFAR10_MD5, then to the official ones.
+    """
+    if data_dir is None or str(data_dir) == "":
+        raise DataError(f"no data directory given; {HOW_TO_PROVIDE}")
+    data_dir = pathlib.Path(data_dir).expanduser()
+    folder = _find_folder(data_dir)
+    if not folder.is_dir():
+        if not download:
+            raise DataError(f"CIFAR-10 not found at {folder} (download disabled); {HOW_TO_PROVIDE}")
+        download_cifar10(data_dir, url=url, md5=md5, log=log)
+
+    parts = [read_batch_file(folder / f) for f in TRAIN_FILES]
+    test_images, test_labels = read_batch_file(folder / TEST_FILE)
+    if (folder / META_FILE).exists():
+        _check_meta(folder / META_FILE)
+    images = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([p[1] for p in parts])
+    if len(labels) < 2:
+        raise DataError(f"{folder}: only {len(labels)} training images; need at least 2")
+    train_idx, val_idx = split_indices(len(labels), split_seed)
+    splits = {
+        "train": Split(images[train_idx], labels[train_idx]),
+        "val": Split(images[val_idx], labels[val_idx]),
+        "test": Split(test_images, test_labels),
+    }
+    log(f"CIFAR-10 from {folder}: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+    return splits
+
+
+# --------------------------------------------------------------------------
+# Download
+# --------------------------------------------------------------------------
+
+def _resolve(host: str, port: int, timeout: float) -> None:
+    """getaddrinfo with a deadline (the socket timeout does not cover DNS)."""
+    result: list = []
+
+    def lookup():
+        try:
+            socket.getaddrinfo(host, port)
+            result.append(None)
+        except OSError as e:
+            result.append(e)
+
+    t = threading.Thread(target=lookup, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not result:
+        raise OSError(f"DNS lookup of {host} timed out after {timeout:.0f} s")
+    if result[0] is not None:
+        raise result[0]
+
+
+def download_cifar10(data_dir, *, url: str | None = None, md5: str | None = None,
+                     log: Callable[[str], None] = print,
+                     timeout: float | None = None) -> pathlib.Path:
+    """Download, md5-check and extract ``cifar-10-python.tar.gz`` into data_dir.
+
+    Everything happens in a temporary folder inside data_dir; only a complete,
+    verified ``cifar-10-batches-py`` is moved into place (one os.rename), and the
+    temporary folder is removed whatever happens. Returns the final folder.
+    timeout (default NET_TIMEOUT_S) bounds the DNS lookup and each socket operation.
+    """
+    timeout = NET_TIMEOUT_S if timeout is None else timeout
+    url = url or os.environ.get(URL_ENV) or CIFAR10_URL
+    md5 = (md5 or os.environ.get(MD5_ENV) or CIFAR10_MD5).lower()
+    data_dir = pathlib.Path(data_dir).expanduser()
+    final = data_dir / FOLDER
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create --data-dir {data_dir}: {e.strerror or e}") from None
+    log(f"CIFAR-10 not found at {final}; downloading {url}")
+    try:
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".cifar10-download-", dir=data_dir))
+    except OSError as e:
+        raise DataError(f"cannot write in --data-dir {data_dir}: {e.strerror or e}") from None
+    try:
+        archive = tmp / "cifar-10-python.tar.gz"
+        got = _fetch(url, archive, log, timeout)
+        if got != md5:
+            raise DataError(f"md5 mismatch for {url}: got {got}, expected {md5} "
+                            f"(corrupt or different file; nothing was kept)")
+        log(f"md5 ok ({got}); extracting")
+        extracted = tmp / "extract"
+        _safe_extract(archive, extracted, url)
+        src = _find_folder_in(extracted)
+        if src is None:
+            raise DataError(f"archive from {url} has no {FOLDER}/ folder")
+        missing = [f for f in (*TRAIN_FILES, TEST_FILE) if not (src / f).is_file()]
+        if missing:
+            raise DataError(f"archive from {url} lacks {FOLDER}/{missing[0]}")
+        try:
+            os.rename(src, final)
+        except OSError as e:
+            if not final.is_dir():  # a concurrent run may have put it there first
+                raise DataError(f"cannot move the extracted data to {final}: "
+                                f"{e.strerror or e}") from None
+        log(f"CIFAR-10 ready at {final}")
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
+    """Stream url to dest, printing progress; return the md5 hex digest."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https", "file"):
+        raise DataError(f"unsupported download URL {url!r} (use http, https or file)")
+    h = hashlib.md5()
+    try:
+        if parsed.hostname:
+            _resolve(parsed.hostname, parsed.port or (80 if parsed.scheme == "http" else 443), timeout)
+        with urllib.request.urlopen(url, timeout=timeout) as resp, open(dest, "wb") as f:
+            total = int(resp.headers.get("Content-Length") or 0)
+            done, next_report, t0 = 0, 0.25, time.monotonic()
+            while chunk := resp.read(1 << 20):
+                f.write(chunk)
+                h.update(chunk)
+                done += len(chunk)
+                if total and done / total >= next_report:
+                    log(f"  {done / 1e6:.1f} / {total / 1e6:.1f} MB "
+                        f"({done / total:.0%}, {time.monotonic() - t0:.0f} s)")
+                    next_report += 0.25
+    except DataError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise DataError(f"could not download CIFAR-10 from {url} ({_one_line(reason)}); "
+                        f"{HOW_TO_PROVIDE}") from None
+    if total and done != total:
+        raise DataError(f"download from {url} ended early ({done} of {total} bytes); try again")
+    return h.hexdigest()
+
+
+def _safe_extract(archive: pathlib.Path, dest: pathlib.Path, url: str) -> None:
+    """Extract only regular files and folders with relative, in-tree names."""
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = tar.getmembers()
+            for m in members:
+                parts = pathlib.PurePosixPath(m.name).parts
+                if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
+                    raise DataError(f"archive from {url} has an unsafe entry {m.name!r}")
+            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(dest, members=members, **kwargs)
+    except DataError:
+        raise
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise DataError(f"cannot extract the archive from {url}: {_one_line(e)}") from None
+
+
+def _find_folder_in(root: pathlib.Path) -> pathlib.Path | None:
+    for p in [root / FOLDER, *root.glob(f"*/{FOLDER}")]:
+        if p.is_dir():
+            return p
+    return None
+
+
+# --------------------------------------------------------------------------
+# Synthetic data and the dataset switch
+# --------------------------------------------------------------------------
+
+def synthetic_cifar10(*, n_train: int = 45000, n_val: int = 5000, n_test: int = 10000,
+                      seed: int = 0) -> dict[str, Split]:
+    """Random uint8 images and labels with CIFAR-10's shapes, deterministic from seed."""
+    sizes = {"train": n_train, "val": n_val, "test": n_test}
+    for name, n in sizes.items():
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise DataError(f"synthetic {name} size must be a non-negative integer, got {n!r}")
+    streams = np.random.SeedSequence(seed).spawn(len(sizes))
+    out = {}
+    for (name, n), ss in zip(sizes.items(), streams):
+        rng = np.random.default_rng(ss)
+        out[name] = Split(rng.integers(0, 256, (n, HEIGHT, WIDTH, CHANNELS), dtype=np.uint8),
+                          rng.integers(0, NUM_CLASSES, (n,), dtype=np.int32))
+    return out
+
+
+def load_dataset(name: str, data_dir, *, log: Callable[[str], None] = print,
+                 **kw) -> dict[str, Split]:
+    """``--dataset`` switch: 'cifar10' -> load_cifar10(data_dir, **kw),
+    'synthetic' -> synthetic_cifar10(**kw) (data_dir is ignored)."""
+    if name == "cifar10":
+        return load_cifar10(data_dir, log=log, **kw)
+    if name == "synthetic":
+        splits = synthetic_cifar10(**kw)
+        log("synthetic data: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+        return splits
+    raise DataError(f"unknown --dataset {name!r}; choose cifar10 or synthetic")
+
+
+# --------------------------------------------------------------------------
+# Batching (host, numpy)
+# --------------------------------------------------------------------------
+
+def check_batch(global_batch: int, n_devices: int, flag: str = "--batch") -> None:
+    """DataError unless global_batch is positive and divisible by n_devices."""
+    if n_devices <= 0:
+        raise DataError(f"device count must be positive, got {n_devices}")
+    if global_batch <= 0:
+        raise DataError(f"{flag} must be positive, got {global_batch}")
+    if global_batch % n_devices:
+        lo = global_batch // n_devices * n_devices
+        hint = f"{lo} or {lo + n_devices}" if lo else f"{n_devices}"
+        raise DataError(f"{flag} {global_batch} is not divisible by the {n_devices} devices; "
+                        f"use a multiple of {n_devices} (e.g. {hint})")
+
+
+def steps_per_epoch(n_examples: int, global_batch: int) -> int:
+    """Full training batches per epoch (the last partial batch is dropped)."""
+    if global_batch <= 0:
+        raise DataError(f"global batch must be positive, got {global_batch}")
+    return n_examples // global_batch
+
+
+def epoch_permutation(n: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The order of the n training examples in this epoch (reproducible)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def train_batches(split: Split, global_batch: int, *, seed: int,
+                  epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Shuffled global batches (images uint8 NHWC, labels int32); last partial batch dropped."""
+    n = len(split)
+    steps = steps_per_epoch(n, global_batch)
+    if steps == 0:
+        raise DataError(f"global batch {global_batch} is larger than the {n} training "
+                        f"images; lower --batch")
+    perm = epoch_permutation(n, seed=seed, epoch=epoch)
+    return _gather(split, perm, global_batch, steps)
+
+
+def _gather(split, perm, b, steps):
+    for s in range(steps):
+        idx = perm[s * b:(s + 1) * b]
+        yield split.images[idx], split.labels[idx]
+
+
+def eval_batches(split: Split, global_batch: int
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """In-order batches (images, labels, mask); the last one zero-padded, mask 0 there.
+
+    Every image appears exactly once with mask 1, so sum(mask * correct) counts
+    each image once however the batch is split across devices.
+    """
+    if global_batch <= 0:
+        raise DataError(f"global batch must be positive, got {global_batch}")
+    return _eval_gen(split, global_batch)
+
+
+def _eval_gen(split, b):
+    n = len(split)
+    for start in range(0, n, b):
+        images = split.images[start:start + b]
+        labels = split.labels[start:start + b]
+        k = len(labels)
+        mask = np.zeros((b,), np.float32)
+        mask[:k] = 1.0
+        if k < b:
+            images = np.concatenate([images, np.zeros((b - k, *images.shape[1:]), images.dtype)])
+            labels = np.concatenate([labels, np.zeros((b - k,), labels.dtype)])
+        yield images, labels, mask
+
+
+def process_slice(x: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+    """This process's contiguous share of a global batch (leading axis).
+
+    Process i holds rows [i*n/P, (i+1)*n/P); with ``example_ids`` sliced the
+    same way, augment gives each row the randomness it has in the global batch.
+    """
+    if process_count <= 0 or not 0 <= process_index < process_count:
+        raise DataError(f"process index {process_index} out of range for {process_count} processes")
+    n = x.shape[0]
+    if n % process_count:
+        raise DataError(f"global batch {n} is not divisible by the {process_count} processes")
+    per = n // process_count
+    return x[process_index * per:(process_index + 1) * per]
+
+
+# --------------------------------------------------------------------------
+# Device side: normalisation and augmentation (pure jnp)
+# --------------------------------------------------------------------------
+
+def normalize(images_u8: jax.Array) -> jax.Array:
+    """uint8 NHWC -> float32 NHWC, (x/255 - mean) / std per channel."""
+    x = images_u8.astype(jnp.float32) * (1.0 / 255.0)
+    mean = jnp.asarray(CIFAR10_MEAN, jnp.float32)
+    std = jnp.asarray(CIFAR10_STD, jnp.float32)
+    return (x - mean) / std
+
+
+# Random resized crop ranges (fractions of the image area; width/height ratio).
+CROP_SCALE = (0.9, 1.0)
+CROP_RATIO = (0.9, 1.1)
+_AUGMENT_TAG = 0x61756700  # 'aug\0': keeps augmentation keys apart from others drawn from seed
+
+
+def augment_key(seed: int, epoch: int, step: int) -> jax.Array:
+    """The augmentation key of one training step: key(seed) -> tag -> epoch -> step."""
+    key = jax.random.fold_in(jax.random.key(seed), _AUGMENT_TAG)
+    return jax.random.fold_in(jax.random.fold_in(key, epoch), step)
+
+
+def crop_params(key: jax.Array, height: int, width: int):
+    """One example's (top, left, crop_h, crop_w, flip) from its key.
+
+    Area fraction ~ U(CROP_SCALE); log aspect ratio (w/h) ~ U(log CROP_RATIO); the
+    crop is clipped to the image and placed uniformly (sub-pixel) inside it.
+    """
+    u = jax.random.uniform(key, (5,), jnp.float32)
+    scale = CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[0]
+    log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    ratio = jnp.exp(log_lo + (log_hi - log_lo) * u[1])
+    crop_w = jnp.minimum(width * jnp.sqrt(scale * ratio), width)
+    crop_h = jnp.minimum(height * jnp.sqrt(scale / ratio), height)
+    top = (height - crop_h) * u[2]
+    left = (width - crop_w) * u[3]
+    flip = u[4] < 0.5
+    return top, left, crop_h, crop_w, flip
+
+
+def _sample_points(start, length, n: int):
+    """Bilinear sampling of [start, start+length) at n output pixels (one axis).
+
+    Output pixel o samples the input at its centre, start + (o + 0.5) * length/n,
+    in pixel-centre coordinates (-0.5), between input pixels i0 and i1 = i0 + 1
+    with weight frac on i1; neighbours outside the image are clamped.
+    """
+    o = jnp.arange(n, dtype=jnp.float32)
+    c = jnp.clip(start + (o + 0.5) * (length / n) - 0.5, 0.0, n - 1.0)
+    i0 = jnp.floor(c)
+    frac = c - i0
+    i0 = i0.astype(jnp.int32)
+    return i0, jnp.minimum(i0 + 1, n - 1), frac
+
+
+def crop_flip_resize(image: jax.Array, top, left, crop_h, crop_w, flip) -> jax.Array:
+    """One HWC image: crop the box, resize it bilinearly back to HxW, maybe mirror it.
+
+    Separable: blend two gathered rows per output row, then two gathered columns
+    per output column. The mirror is the column sample points in reverse order.
+    """
+    h, w, _ = image.shape
+    y0, y1, fy = _sample_points(top, crop_h, h)                 # (h_out,)
+    x0, x1, fx = _sample_points(left, crop_w, w)                # (w_out,)
+    x0, x1, fx = (jnp.where(flip, a[::-1], a) for a in (x0, x1, fx))
+    x = image.astype(jnp.float32)
+    rows = x[y0] + (x[y1] - x[y0]) * fy[:, None, None]          # (h_out, w_in, c)
+    out = rows[:, x0] + (rows[:, x1] - rows[:, x0]) * fx[None, :, None]  # (h_out, w_out, c)
+    return out.astype(image.dtype)
+
+
+def augment(key: jax.Array, images: jax.Array, example_ids: jax.Array) -> jax.Array:
+    """Random horizontal flip + random resized crop of a float NHWC batch.
+
+    example_ids: (N,) int32, each example's position in the *global* batch; its
+    key is fold_in(key, example_id), so results do not depend on how the global
+    batch is split over devices or processes. Same shape and dtype out.
+    """
+    _, h, w, _ = images.shape
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, example_ids.astype(jnp.int32))
+
+    def one(k, image):
+        return crop_flip_resize(image, *crop_params(k, h, w))
+
+    return jax.vmap(one)(keys, images)

@@ -1,0 +1,165 @@
+"""The step math both training scripts share: optimizer, loss, per-device gradients, update.
+
+Everything here is collective-free. The per-device training step is split so that each
+script writes its collectives between the pieces, once:
+
+    grads, metrics = local_grads(sc, params, ...)     # this device's slice of the batch
+    grads   = <all-reduce over 'data'>(grads)         # written in the script
+    metrics = <all-reduce over 'data'>(metrics)       # written in the script
+    norm    = <global gradient norm>                  # a collective under model parallelism
+    state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from vit_pure import data as data_lib
+from vit_pure.config import ViTConfig
+from vit_pure.model import apply, init_params
+from vit_pure.policy import LossScale, Policy, select_tree
+
+F32 = jnp.float32
+
+
+def decay_mask(params) -> Any:
+    """Weight decay on weight matrices only: not on biases, LayerNorms, the position
+    embedding or the class token."""
+    def is_kernel(path, _):
+        return getattr(path[-1], "key", None) == "kernel"
+    return jax.tree_util.tree_map_with_path(is_kernel, params)
+
+
+def make_optimizer(args, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW with linear warm-up and cosine decay. Gradient clipping is not in here: it
+    needs the *global* gradient norm, which under model parallelism is a collective, so
+    the scripts compute the norm and `apply_gradients` clips."""
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, total_steps // 20)
+    warmup = min(warmup, max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+    optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=args.weight_decay,
+                            mask=decay_mask)
+    return optimizer, schedule
+
+
+def init_state(key, cfg: ViTConfig, policy: Policy, optimizer) -> dict:
+    """The whole training state, one plain pytree."""
+    params = policy.cast_to_param(init_params(key, cfg))
+    return {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "loss_scale": LossScale.create(dynamic=policy.needs_loss_scaling),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+# --------------------------------------------------------------------------- step pieces
+def cross_entropy(logits, labels, num_classes: int, smoothing: float = 0.0):
+    """Per-example softmax cross-entropy in float32, with optional label smoothing."""
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes, dtype=F32), smoothing) \
+        if smoothing else jax.nn.one_hot(labels, num_classes, dtype=F32)
+    return optax.softmax_cross_entropy(logits.astype(F32), targets)
+
+
+def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int):
+    """uint8 batch -> normalised float32, with the training augmentation (on device).
+
+    Models with another input size (the 224 px ImageNet presets) get the batch resized.
+    """
+    x = data_lib.normalize(images_u8)
+    if train:
+        x = data_lib.augment(key, x, example_ids)
+    if x.shape[1] != image_size:
+        x = jax.image.resize(x, (x.shape[0], image_size, image_size, x.shape[3]), "bilinear")
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The static settings of a training step (hashable: safe to close over in jit)."""
+    cfg: ViTConfig
+    policy: Policy
+    label_smoothing: float = 0.0
+    grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
+    scan: bool = True
+    remat: str = "none"
+    augment: bool = True
+
+    @classmethod
+    def from_args(cls, args) -> "StepConfig":
+        return cls(args.cfg, args.policy_obj, args.label_smoothing, args.grad_clip, args.scan,
+                   args.remat)
+
+
+def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
+                key, *, tp_axis=None, gather=None):
+    """Loss and gradients of *this device's* slice of the batch; no collectives.
+
+    Returns (grads of the local mean loss, unscaled), {"loss", "accuracy"} local means.
+    `key` is the step's key (the same on every device); each example's randomness comes
+    from its global `example_ids` entry, never from the device it sits on.
+    """
+    aug_key, drop_key = jax.random.split(key)
+    images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
+                            image_size=sc.cfg.image_size)
+
+    def loss_fn(p):
+        logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
+                       example_ids=example_ids, scan=sc.scan, remat=sc.remat,
+                       tp_axis=tp_axis, gather=gather)
+        loss = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
+        return loss_scale.scale_loss(loss), (loss, logits)
+
+    grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(params)
+    accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
+    return loss_scale.unscale(grads), {"loss": loss, "accuracy": accuracy}
+
+
+def sum_of_squares(tree) -> jax.Array:
+    """This device's sum of squared entries (float32) of every leaf of `tree`."""
+    return sum((jnp.sum(jnp.square(x.astype(F32))) for x in jax.tree.leaves(tree)),
+               jnp.zeros((), F32))
+
+
+def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
+    """The optimizer update, given gradients already reduced over the data axis and
+    their global norm (which the script computes: with sharded params it takes a
+    collective). Clips to `sc.grad_clip`; with a dynamic loss scale (float16), a step
+    whose gradients are not finite is skipped and the scale shrinks.
+    Returns (new state, grads_finite).
+    """
+    finite = jnp.isfinite(grad_norm)
+    if sc.grad_clip > 0:
+        factor = jnp.minimum(1.0, sc.grad_clip / jnp.maximum(grad_norm, 1e-12))
+        grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    loss_scale = state["loss_scale"]
+    if loss_scale.dynamic:
+        params = select_tree(finite, params, state["params"])
+        opt_state = select_tree(finite, opt_state, state["opt_state"])
+    new = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale.adjust(finite),
+           "step": state["step"] + 1}
+    return new, finite
+
+
+def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
+    """Sums over this device's slice (padding masked out): loss, correct, count."""
+    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
+    logits = apply(params, images, sc.cfg, sc.policy, scan=sc.scan, tp_axis=tp_axis, gather=gather)
+    loss = cross_entropy(logits, labels, sc.cfg.num_classes)
+    correct = (jnp.argmax(logits, -1) == labels).astype(F32)
+    return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+
+def step_key(seed: int, epoch: int, step: int) -> jax.Array:
+    """The key of one training step; reproducible from (seed, epoch, step)."""
+    return data_lib.augment_key(seed, epoch, step)
+
+
