@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import cli, loop, step
 
@@ -26,10 +27,12 @@ AXIS = "data"
 class PmapStrategy:
     name = "pmap"
 
-    def __init__(self, sc: step.StepConfig, optimizer):
-        self.devices = jax.local_devices()
+    def __init__(self, sc: step.StepConfig, optimizer, devices=None):
+        self.devices = jax.local_devices() if devices is None else list(devices)
         self.n_devices = self.batch_divisor = len(self.devices)
         self.sc = sc
+        # Arrays with a leading device axis: slice i lives on device i.
+        self._device_axis = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), PartitionSpec(AXIS))
         self._build(optimizer)
 
     def describe(self) -> str:
@@ -40,6 +43,9 @@ class PmapStrategy:
         sc = self.sc
 
         def train_step(state, images, labels, example_ids, key):
+            # Under pmap each device holds its own copy of the params and nothing tracks
+            # replication, so grad of the local loss is exactly this device's gradient:
+            # no hidden reduction (compare train_shardmap.py's pcast).
             grads, metrics = step.local_grads(
                 sc, state["params"], state["loss_scale"], images, labels, example_ids, key)
             # All-reduce (mean) of the gradients over the data axis: each device's local
@@ -59,19 +65,23 @@ class PmapStrategy:
         # The step's key is the same on every device (in_axes=None): examples draw their
         # own randomness from it with their global ids.
         self.train_step = jax.pmap(train_step, axis_name=AXIS, in_axes=(0, 0, 0, 0, None),
-                                   donate_argnums=0)
-        self.eval_step = jax.pmap(eval_step, axis_name=AXIS)
+                                   donate_argnums=0, devices=self.devices)
+        self.eval_step = jax.pmap(eval_step, axis_name=AXIS, devices=self.devices)
 
     # -------------------------------------------------------------------- placement
     def put_state(self, state):
-        # Replicate: a leading device axis of size n; pmap places slice i on device i.
-        n = self.n_devices
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), state)
+        # Replicate: every array gets a leading device axis of size n, slice i on device i
+        # (a broadcast view on the host, copied once to each device).
+        def replicate(x):
+            x = np.broadcast_to(np.asarray(x), (self.n_devices, *np.shape(x)))
+            return jax.device_put(x, self._device_axis)
+        return jax.tree.map(replicate, state)
 
     def put_batch(self, *arrays):
         # Split the global batch into per-device slices: (B, ...) -> (n, B/n, ...).
         n = self.n_devices
-        return tuple(a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in arrays)
+        return tuple(jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._device_axis)
+                     for a in arrays)
 
     def put_replicated(self, x):
         return x
