@@ -2,13 +2,31 @@
 
     python train_shardmap.py --batch 4096 --dtype bf16 --data-dir ./data
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \
-        --mesh data=2,model=4
+        --mesh data=2,model=4 --fsdp
 
-The mesh has a 'data' axis (the batch is split over it) and a 'model' axis (tensor
-parallelism: attention heads and MLP hidden units split over it, Megatron style). Inside
-`shard_map` the step sees only its device's block of every array, and nothing moves
-between devices unless a collective below (or the model's two tensor-parallel operators,
-`_copy_to_tp` / `_reduce_from_tp` in vit_pure/model.py) says so.
+The mesh has two axes, `--mesh data=D,model=M` (D*M = the device count):
+
+* 'data': the batch is split over it (data parallelism). With `--fsdp` the weight
+  matrices and their optimizer state are split over it too (ZeRO-3 / fully sharded data
+  parallelism): each layer all-gathers its weights just before use, and the gradients come
+  back reduce-scattered, each device keeping and updating only its own shard.
+* 'model': tensor parallelism, Megatron style. Attention heads and MLP hidden units are
+  split over it: q/k/v and fc1 are column-parallel, the attention output projection and
+  fc2 row-parallel. The two operators that make this work are in vit_pure/model.py
+  (`_copy_to_tp`, Megatron's "f", and `_reduce_from_tp`, its "g").
+
+Which array is split over which axis comes from the parameters' logical axis names and the
+two small rule tables `TP_RULES` and `FSDP_RULES` below.
+
+FSDP AND THE BACKWARD PASS. Each layer's weights are all-gathered (`fsdp_gather`) inside
+the layer loop, just before the layer runs. The backward pass needs them again; by
+default autodiff keeps the gathered copies (they are residuals of the matmuls), so the
+forward gathers once and peak memory holds every layer's whole weights for a moment.
+With `--remat block` each block is recomputed in the backward pass, its gather included:
+the weights are gathered a second time there and only one layer's whole weights exist
+at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map` the step sees
+only its device's block of every array, and nothing moves between devices unless a
+collective in this file (or one of the model's two tensor-parallel operators) says so.
 
 THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
 vary across each mesh axis. Parameters enter replicated (P() over 'data'): *invariant*.
@@ -18,10 +36,16 @@ varying, and the transpose of that broadcast, in the backward pass, is a psum. S
 pmap-style `pmean(grad(local_loss))` comes out N times too large, silently. This script
 makes the broadcast explicit instead: `lax.pcast(params, 'data', to='varying')` before
 taking the gradient (so autodiff reduces nothing), then one `lax.pmean(grads, 'data')`,
-written here. tests/test_train.py pins the naive recipe's factor of N down.
+written here. FSDP-sharded parameters already vary over 'data' (each device holds another
+shard); their reduction is the reduce-scatter written in `fsdp_gather`'s backward pass.
+tests/test_train.py pins the naive recipe's factor of N down; tests/test_model_parallel.py
+checks every layout against a single-device reference.
 """
 from __future__ import annotations
 
+import argparse
+import collections
+import functools
 import math
 import sys
 
@@ -37,21 +61,32 @@ from vit_pure.model import init_params, param_axes
 
 DATA, MODEL = "data", "model"
 
-# Logical axis -> mesh axis: the tensor-parallel sharding rules. Attention heads and MLP
-# hidden units are split over 'model'; every other axis is replicated.
+# ------------------------------------------------------------------------ sharding rules
+# Logical axis name -> mesh axis. Every axis not named here is replicated.
+#
+# Tensor parallelism: attention heads (q/k/v kernels and biases, the output projection's
+# input) and MLP hidden units (fc1's output, fc2's input) are split over 'model'.
 TP_RULES = {"heads": MODEL, "mlp": MODEL}
+# FSDP (--fsdp): the embedding axis of every weight *matrix* (the kernels and the position
+# embedding) is split over 'data', if it divides. Vectors (biases, LayerNorm, the class
+# token) stay replicated: well under 1% of the bytes, and each would cost a collective.
+FSDP_RULES = {"embed": DATA}
+FSDP_MIN_RANK = 2  # a leaf counts as a matrix if it has >= 2 axes besides 'layers'
 
 
 def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
     """`data=D[,model=M]` -> {'data': D, 'model': M}; D*M must equal the device count."""
     sizes = {DATA: None, MODEL: 1}
+    seen = set()
     if text:
         for item in text.split(","):
             name, sep, value = item.partition("=")
             name = name.strip()
-            if not sep or name not in sizes or not value.strip().isdigit() or int(value) < 1:
+            if (not sep or name not in sizes or name in seen or not value.strip().isdigit()
+                    or int(value) < 1):
                 raise cli.UsageError(
                     f"--mesh {text!r}: expected data=D,model=M with positive integers")
+            seen.add(name)
             sizes[name] = int(value)
     if sizes[DATA] is None:
         if n_devices % sizes[MODEL]:
@@ -65,100 +100,261 @@ def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
     return sizes
 
 
-def param_specs(cfg, mesh_sizes: dict[str, int]) -> dict:
-    """Each parameter's PartitionSpec, from its logical axis names and TP_RULES."""
-    m = mesh_sizes[MODEL]
+def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
+    """Each parameter's PartitionSpec, from its logical axis names and the rule tables."""
+    m, d = mesh_sizes[MODEL], mesh_sizes[DATA]
     if m > 1:
         if cfg.heads % m:
             raise cli.UsageError(f"--mesh model={m}: {cfg.heads} heads do not divide by {m}")
         if cfg.mlp_dim % m:
             raise cli.UsageError(f"--mesh model={m}: MLP width {cfg.mlp_dim} does not divide by {m}")
-    rules = TP_RULES if m > 1 else {}
-    return jax.tree.map(lambda names: P(*(rules.get(n) for n in names)), param_axes(cfg),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+
+    def spec(names, shape):
+        is_matrix = sum(n != "layers" for n in names) >= FSDP_MIN_RANK
+        axes = []
+        for name, size in zip(names, shape.shape):
+            axis = TP_RULES.get(name) if m > 1 else None
+            if axis is None and fsdp and d > 1 and is_matrix and size % d == 0:
+                axis = FSDP_RULES.get(name)
+            axes.append(axis)
+        return P(*axes)
+
+    return jax.tree.map(spec, param_axes(cfg), shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def format_layout(specs, params_shapes, opt_state_shapes, mesh: jax.sharding.Mesh) -> str:
-    """Per parameter its PartitionSpec and per-device bytes; totals vs pure data parallel."""
-    rows, total_dev, total_full = [], 0, 0
-    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+def _entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, 'data', or ('data', 'model')."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def mesh_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec splits an array over, e.g. ('data', 'model')."""
+    return tuple(axis for entry in spec for axis in _entry_axes(entry))
+
+
+def _is_spec(x):
+    return isinstance(x, P)
+
+
+# ---------------------------------------------------------------------------------- FSDP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fsdp_gather(shard: jax.Array, axis: int) -> jax.Array:
+    """FSDP's collective pair for one weight: this device's shard -> the whole weight.
+
+    Forward: all-gather over 'data' along `axis`. Backward (`_fsdp_gather_bwd`): the
+    matching reduce-scatter of the whole weight's gradient, so each device receives the
+    gradient of its own shard, already averaged over 'data'.
+
+    Autodiff would derive the same reduce-scatter by itself (under check_vma the transpose
+    of a varying all_gather is psum_scatter, a *sum*); the custom VJP writes it here so
+    that the backward collective, its float32 accumulation and the division that makes it
+    the mean over 'data' are all in the code, not implied. tests/test_model_parallel.py
+    checks the result against single-device gradients.
+    """
+    # All-gather over 'data': the D shards of this weight, concatenated along `axis`.
+    return lax.all_gather(shard, DATA, axis=axis, tiled=True)
+
+
+def _fsdp_gather_fwd(shard, axis):
+    return fsdp_gather(shard, axis), None
+
+
+def _fsdp_gather_bwd(axis, _, grad_whole):
+    # Reduce-scatter over 'data': sum the D devices' gradients of the whole weight (in
+    # float32) and give each device the slice for its shard; / D makes it the mean.
+    grad_shard = lax.psum_scatter(grad_whole.astype(jnp.float32), DATA,
+                                  scatter_dimension=axis, tiled=True)
+    return ((grad_shard / lax.axis_size(DATA)).astype(grad_whole.dtype),)
+
+
+fsdp_gather.defvjp(_fsdp_gather_fwd, _fsdp_gather_bwd)
+
+
+def fsdp_gather_axes(specs) -> dict:
+    """For the model's `gather` hook: per parameter, the axis to all-gather over 'data'
+    *as the model sees it at the gather*, or None if the parameter is not split over
+    'data'. The blocks are gathered one layer at a time inside the layer loop, after the
+    leading layer axis is sliced off, so their axes shift down by one. The top-level
+    params (patch_embed, ..., head) and one layer's params (ln1, attn, ln2, mlp) have
+    disjoint keys, so one table serves both calls of the hook."""
+    def axis_of(spec, shift):
+        where = [i for i, entry in enumerate(spec) if DATA in _entry_axes(entry)]
+        return where[0] - shift if where else None
+
+    top = {k: jax.tree.map(lambda s: axis_of(s, 0), v, is_leaf=_is_spec)
+           for k, v in specs.items() if k != "blocks"}
+    layer = jax.tree.map(lambda s: axis_of(s, 1), specs["blocks"], is_leaf=_is_spec)
+    return {**top, **layer}
+
+
+def make_gather(axes_table: dict):
+    """The model's `gather` hook: all-gather every FSDP-sharded leaf of a params subtree."""
+    def gather(tree):
+        return {k: jax.tree.map(lambda x, a: x if a is None else fsdp_gather(x, a),
+                                v, axes_table[k]) for k, v in tree.items()}
+    return gather
+
+
+# ------------------------------------------------------------------------------- layout
+def _bytes(shape_dtype, spec, mesh_shape) -> int:
+    """Bytes of one device's block of an array with this shape, dtype and spec."""
+    shards = math.prod(mesh_shape[a] for a in mesh_axes(spec))
+    return math.prod(shape_dtype.shape) * jnp.dtype(shape_dtype.dtype).itemsize // shards
+
+
+def bytes_per_device(tree, device) -> int:
+    """Measured: the bytes of `tree`'s arrays that actually sit on `device`."""
+    return sum(shard.data.nbytes for x in jax.tree.leaves(tree)
+               for shard in x.addressable_shards if shard.device == device)
+
+
+def format_layout(specs, params_shapes, opt_state_shapes, opt_specs, optimizer,
+                  mesh_shape: dict) -> str:
+    """Per parameter its PartitionSpec and bytes per device, for the parameter and its
+    optimizer state, next to pure data parallelism (everything replicated)."""
     flat = jax.tree_util.tree_flatten_with_path(params_shapes)[0]
-    for (path, x), spec in zip(flat, flat_specs):
-        full = math.prod(x.shape) * x.dtype.itemsize
-        shards = math.prod(mesh.shape[a] for a in spec if a is not None)
-        total_dev += full // shards
-        total_full += full
-        name = "/".join(str(k.key) for k in path)
-        rows.append(f"  {name:<24} {str(spec):<40} {full // shards:>12,} B/device")
-    opt_full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_state_shapes))
-    ratio = total_dev / total_full
-    rows.append(f"  params: {total_dev:,} B/device (pure data parallel: {total_full:,}); "
-                f"optimizer state: {int(opt_full * ratio):,} B/device (pure data parallel: "
-                f"{opt_full:,})")
+    names = ["/".join(str(k.key) for k in path) for path, _ in flat]
+    # The optimizer state holds its own copies of param-shaped arrays (Adam: mu, nu);
+    # tree_map_params finds them, so each can be charged to its parameter's row.
+    name_tree = jax.tree.unflatten(jax.tree.structure(params_shapes), names)
+    opt_rows = collections.Counter()
+    owners = optax.tree_map_params(optimizer, lambda _, name: name, opt_state_shapes,
+                                   name_tree, transform_non_params=lambda _: "(other)")
+    for owner, x, spec in zip(jax.tree.leaves(owners), jax.tree.leaves(opt_state_shapes),
+                              jax.tree.leaves(opt_specs, is_leaf=_is_spec)):
+        opt_rows[owner] += _bytes(x, spec, mesh_shape)
+
+    rows = [f"  {'parameter':<24} {'PartitionSpec':<44} {'params B/dev':>13} "
+            f"{'opt state B/dev':>16} {'params, DP':>14}"]
+    dp_params = sum(_bytes(x, P(), mesh_shape) for _, x in flat)
+    dp_opt = sum(_bytes(x, P(), mesh_shape) for x in jax.tree.leaves(opt_state_shapes))
+    total = 0
+    for name, (_, x), spec in zip(names, flat, jax.tree.leaves(specs, is_leaf=_is_spec)):
+        b = _bytes(x, spec, mesh_shape)
+        total += b
+        rows.append(f"  {name:<24} {str(spec):<44} {b:>13,} {opt_rows[name]:>16,} "
+                    f"{_bytes(x, P(), mesh_shape):>14,}")
+    if opt_rows["(other)"]:
+        rows.append(f"  {'(optimizer step counts)':<24} {'P()':<44} {0:>13,} "
+                    f"{opt_rows['(other)']:>16,} {0:>14,}")
+    opt_total = sum(opt_rows.values())
+    rows.append(f"  total: params {total:,} B/device (data parallel {dp_params:,}: "
+                f"/{dp_params / total:.2f}); optimizer state {opt_total:,} B/device "
+                f"(data parallel {dp_opt:,}: /{dp_opt / opt_total:.2f})")
     return "\n".join(rows)
 
 
+# ------------------------------------------------------------------------------ strategy
 class ShardMapStrategy:
     name = "shard_map"
 
     def __init__(self, sc: step.StepConfig, optimizer, mesh_text: str | None = None,
-                 devices=None):
+                 devices=None, fsdp: bool = False):
         devices = jax.devices() if devices is None else devices
         sizes = parse_mesh(mesh_text, len(devices))
         self.mesh = jax.make_mesh((sizes[DATA], sizes[MODEL]), (DATA, MODEL),
                                   axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
         self.batch_divisor = sizes[DATA]
         self.sc = sc
+        self.fsdp = fsdp
         self.tp_axis = MODEL if sizes[MODEL] > 1 else None
-        self.param_specs = param_specs(sc.cfg, sizes)
-        params_shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg))
-        opt_specs = optax.tree_map_params(
-            optimizer, lambda _, spec: spec, jax.eval_shape(optimizer.init, params_shapes),
-            self.param_specs, transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P))
-        self.state_specs = {"params": self.param_specs, "opt_state": opt_specs,
+        self.param_specs = param_specs(sc.cfg, sizes, fsdp)
+        self.params_shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg))
+        self.opt_state_shapes = jax.eval_shape(optimizer.init, self.params_shapes)
+        # The optimizer state is laid out like the parameters it belongs to (Adam's mu and
+        # nu); its other leaves (the step count) are replicated.
+        self.opt_specs = optax.tree_map_params(
+            optimizer, lambda _, spec: spec, self.opt_state_shapes, self.param_specs,
+            transform_non_params=lambda _: P(), is_leaf=_is_spec)
+        self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
                             "loss_scale": P(), "step": P()}
-        self.layout = format_layout(self.param_specs, params_shapes,
-                                    jax.eval_shape(optimizer.init, params_shapes), self.mesh)
+        self._measured_line = None
+        self.layout = format_layout(self.param_specs, self.params_shapes,
+                                    self.opt_state_shapes, self.opt_specs, optimizer,
+                                    dict(self.mesh.shape))
         self._build(optimizer)
 
     def describe(self) -> str:
+        fsdp = "on" if any(DATA in mesh_axes(s) for s in
+                           jax.tree.leaves(self.param_specs, is_leaf=_is_spec)) else "off"
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
-                f"{self.mesh.devices.flat[0].platform} devices; layout:\n{self.layout}")
+                f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
+                f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
+                f"  {self._measured()}")
+
+    def _measured(self) -> str:  # measured once per strategy: describe() may be called again
+        if self._measured_line is None:
+            self._measured_line = self.measure_layout()
+        return self._measured_line
+
+    def measure_layout(self) -> str:
+        """Place zeros with the state's shardings and count the bytes on each device: the
+        layout as the runtime holds it, not as the table above computes it."""
+        shardings = {k: jax.tree.map(self._sharding, self.state_specs[k], is_leaf=_is_spec)
+                     for k in ("params", "opt_state")}
+        shapes = {"params": self.params_shapes, "opt_state": self.opt_state_shapes}
+        placed = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                         out_shardings=shardings)()
+        devices = list(self.mesh.devices.flat)
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        p = [bytes_per_device(placed["params"], d) for d in local]
+        o = [bytes_per_device(placed["opt_state"], d) for d in local]
+        jax.tree.map(lambda x: x.delete(), placed)
+        return (f"measured on the placed arrays, per device (min..max over {len(local)}): "
+                f"params {min(p):,}..{max(p):,} B, optimizer state {min(o):,}..{max(o):,} B")
 
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):
-        sc, tp = self.sc, self.tp_axis
-        is_tp = jax.tree.leaves(jax.tree.map(lambda spec: MODEL in spec, self.param_specs,
-                                             is_leaf=lambda x: isinstance(x, P)))
+        sc, tp, specs = self.sc, self.tp_axis, self.param_specs
+        gather = make_gather(fsdp_gather_axes(specs)) if self.fsdp else None
 
-        def sharded(tree):  # the leaves split over 'model'
-            return [x for x, s in zip(jax.tree.leaves(tree), is_tp) if s]
+        def over_data(spec):  # is this leaf split over 'data' (FSDP)?
+            return DATA in mesh_axes(spec)
 
-        def replicated(tree):  # the leaves every 'model' device holds whole
-            return [x for x, s in zip(jax.tree.leaves(tree), is_tp) if not s]
-
-        def train_step(state, images, labels, example_ids, key):
-            # Mark the (replicated) params as varying over 'data' *before* differentiating,
-            # so autodiff inserts no hidden reduction (see THE GRADIENT PITFALL above).
-            params = lax.pcast(state["params"], DATA, to="varying")
+        def global_grads(state, images, labels, example_ids, key):
+            # Mark the data-replicated params as varying over 'data' *before*
+            # differentiating, so autodiff inserts no hidden reduction (see THE GRADIENT
+            # PITFALL above). FSDP shards already vary over 'data'.
+            params = jax.tree.map(
+                lambda x, s: x if over_data(s) else lax.pcast(x, DATA, to="varying"),
+                state["params"], specs)
             grads, metrics = step.local_grads(
-                sc, params, state["loss_scale"], images, labels, example_ids, key, tp_axis=tp)
-            # All-reduce (mean) of the gradients over 'data': local -> global mean loss.
-            # (With tensor parallelism each device holds only its shard's gradient; the
+                sc, params, state["loss_scale"], images, labels, example_ids, key,
+                tp_axis=tp, gather=gather)
+            # All-reduce (mean) over 'data' of the gradients of the data-replicated params:
+            # local -> global mean loss. FSDP shards skip this: their gradients were
+            # reduce-scattered (mean) over 'data' in fsdp_gather's backward pass. (The
             # reductions over 'model' happened inside the model's f/g operators.)
-            grads = lax.pmean(grads, DATA)
+            grads = jax.tree.map(lambda g, s: g if over_data(s) else lax.pmean(g, DATA),
+                                 grads, specs)
             # All-reduce (mean) of the scalar metrics, for logging.
             metrics = lax.pmean(metrics, DATA)
-            # The global gradient norm (for clipping and the overflow check): sum the
-            # squares of each device's shards of model-sharded params over 'model'.
-            grad_norm = jnp.sqrt(step.sum_of_squares(replicated(grads))
-                                 + lax.psum(step.sum_of_squares(sharded(grads)), MODEL))
-            state, _ = step.apply_gradients(sc, state, grads, grad_norm, optimizer)
-            return state, {**metrics, "grad_norm": grad_norm}
+            return grads, {**metrics, "grad_norm": global_norm(grads)}
+
+        def global_norm(grads):
+            # The global gradient norm (for clipping and the overflow check). Each device
+            # holds blocks of the sharded gradients: sum the squares of each group of
+            # leaves locally, then all-reduce (sum) that scalar over the mesh axes the
+            # group is split over ('model' for TP, 'data' for FSDP, or both).
+            groups = collections.defaultdict(list)
+            for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=_is_spec)):
+                groups[tuple(sorted(mesh_axes(s)))].append(g)
+            total = jnp.zeros((), jnp.float32)
+            for axes, leaves in sorted(groups.items()):
+                sq = step.sum_of_squares(leaves)
+                total = total + (lax.psum(sq, axes) if axes else sq)
+            return jnp.sqrt(total)
+
+        def train_step(state, images, labels, example_ids, key):
+            grads, metrics = global_grads(state, images, labels, example_ids, key)
+            # Each device updates its own block of the params and optimizer state.
+            state, _ = step.apply_gradients(sc, state, grads, metrics["grad_norm"], optimizer)
+            return state, metrics
 
         def eval_step(state, images, labels, mask):
-            sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp)
+            sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp,
+                                   gather=gather)
             # All-reduce (sum) of loss / correct / count over 'data' (padding is masked).
             return lax.psum(sums, DATA)
 
@@ -167,6 +363,12 @@ class ShardMapStrategy:
             train_step, mesh=self.mesh,
             in_specs=(self.state_specs, batch, batch, batch, P()),
             out_specs=(self.state_specs, P())), donate_argnums=0)
+        # The first half of train_step, for tests: the gradients of the global mean loss,
+        # laid out like the params.
+        self.grads_step = jax.jit(jax.shard_map(
+            global_grads, mesh=self.mesh,
+            in_specs=(self.state_specs, batch, batch, batch, P()),
+            out_specs=(self.param_specs, P())))
         self.eval_step = jax.jit(jax.shard_map(
             eval_step, mesh=self.mesh,
             in_specs=(self.state_specs, batch, batch, batch), out_specs=P()))
@@ -176,8 +378,7 @@ class ShardMapStrategy:
         return NamedSharding(self.mesh, spec)
 
     def put_state(self, state):
-        shardings = jax.tree.map(self._sharding, self.state_specs,
-                                 is_leaf=lambda x: isinstance(x, P))
+        shardings = jax.tree.map(self._sharding, self.state_specs, is_leaf=_is_spec)
         return jax.device_put(state, shardings)
 
     def put_batch(self, *arrays):
@@ -197,14 +398,19 @@ class ShardMapStrategy:
 def build_parser():
     parser = cli.build_parser(__doc__.splitlines()[0])
     parser.add_argument("--mesh", default=None,
-                        help="mesh sizes, e.g. data=8 or data=2,model=4 (default: all devices on data)")
+                        help="mesh sizes, e.g. data=8 or data=2,model=4 (default: all "
+                             "devices on data); model splits heads and MLP width")
+    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                        help="shard weight matrices and their optimizer state over 'data' "
+                             "(ZeRO-3); the gathered weights are kept for the backward "
+                             "pass, add --remat block to gather them again there instead")
     return parser
 
 
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     return loop.run(args, lambda optimizer: ShardMapStrategy(
-        step.StepConfig.from_args(args), optimizer, args.mesh))
+        step.StepConfig.from_args(args), optimizer, args.mesh, fsdp=args.fsdp))
 
 
 if __name__ == "__main__":

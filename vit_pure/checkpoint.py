@@ -9,6 +9,18 @@ The state is a dict of named pytrees, for example::
 the pytrees from a template of the same structure (the caller places them on devices). Nothing
 is pickled, so loading a checkpoint never runs code from the file.
 
+Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
+``jax.Array`` in full, and the training loop (vit_pure/loop.py) saves
+``strategy.host_state(state)`` and lays a restored state out with ``strategy.put_state``.
+That keeps the file independent of the layout that wrote it: a checkpoint of
+``train_pmap.py`` resumes in ``train_shardmap.py`` and back, on another device count, mesh
+shape (data / tensor parallel) or FSDP setting. The price is that one host holds the
+whole state while saving (about 1 GB for vit-b16 with AdamW in float32: fine for this kit;
+per-shard formats avoid it but tie restoring to the layout).
+In the training loop's checkpoints the state holds ``params``, ``opt_state``,
+``loss_scale``, ``step`` and ``rng`` (the key data of ``jax.random.key(seed)``), and meta
+holds the data position, the total step count and every flag (see ``loop.Checkpoints``).
+
 On-disk format, version 1
 -------------------------
 ::

@@ -7,7 +7,9 @@ import sys
 from typing import Any, Callable
 
 from vit_pure import data as data_lib
+from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
+from vit_pure.model import REMAT_MODES
 from vit_pure.policy import Policy
 
 
@@ -34,8 +36,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--label-smoothing", type=float, default=0.0)
     a("--scan", action=argparse.BooleanOptionalAction, default=True,
       help="lax.scan over the encoder layers (faster compile) instead of a Python loop")
-    a("--remat", default="none", choices=["none", "block"],
-      help="recompute each encoder block in the backward pass")
+    a("--remat", default="none", choices=list(REMAT_MODES),
+      help="recompute in the backward pass: each whole encoder block (block), or all but "
+           "its matmul outputs (block-save-dots); same results, less memory")
+    a("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
+      help="gradient accumulation: run each device's slice of the batch as K micro-batches "
+           "per optimizer step (same results); auto: the smallest K whose compiled step "
+           "fits in device memory")
     a("--eval-every", type=int, default=1, help="evaluate on the validation split every N epochs (0: never)")
     a("--eval-batch", type=int, default=None, help="evaluation batch (default: --batch)")
     a("--log-json", default=None, help="append one JSON object per log line to this file")
@@ -43,6 +50,36 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--cpu-devices", type=int, default=None,
       help="on a CPU-only machine, run on N fake devices")
     a("--no-progress", action="store_true", help="no tqdm progress bars")
+    a("--no-final-eval", action="store_true",
+      help="skip the final validation and test evaluation (runs that only time the steps)")
+    a("--synthetic-train", type=int, default=None, metavar="N",
+      help="--dataset synthetic: training images (default 45000)")
+    a("--synthetic-val", type=int, default=None, metavar="N",
+      help="--dataset synthetic: validation images (default 5000)")
+    a("--synthetic-test", type=int, default=None, metavar="N",
+      help="--dataset synthetic: test images (default 10000)")
+
+    g = p.add_argument_group("checkpoints and preemption")
+    g.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                   help="write checkpoints here: at the end of each epoch, every --ckpt-every "
+                        "steps, at the end of the run, and on SIGTERM/SIGINT")
+    g.add_argument("--ckpt-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N steps (0: only at the times above)")
+    g.add_argument("--ckpt-keep", type=int, default=3, metavar="K",
+                   help="keep the newest K checkpoints")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --ckpt-dir (start "
+                        "from scratch if there is none)")
+    g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop (with a checkpoint) once global step STEP is done, keeping the "
+                        "learning-rate schedule of the full run; continue with --resume")
+
+    g = p.add_argument_group("profiling")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a jax.profiler trace of --profile-steps here "
+                        "(TensorBoard's profile plugin, or ui.perfetto.dev)")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="the steps to trace, inclusive, counted as in the log (default 3:5)")
     return p
 
 
@@ -62,6 +99,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.steps is not None and args.steps <= 0:
         parser.error("--steps must be positive")
+    _check_checkpoint_flags(parser, args)
+    _check_profile_flags(parser, args)
+    _check_synthetic_flags(parser, args)
     try:
         args.policy_obj = Policy.parse(args.policy or args.dtype, args.matmul_precision)
     except ValueError as e:
@@ -70,17 +110,91 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
+def _accum_steps(text: str):
+    """--accum-steps: "auto" or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
+
+def _check_checkpoint_flags(parser, args) -> None:
+    if args.ckpt_every < 0:
+        parser.error("--ckpt-every must be >= 0")
+    if args.ckpt_keep < 1:
+        parser.error("--ckpt-keep must be >= 1")
+    if args.stop_after is not None and args.stop_after <= 0:
+        parser.error("--stop-after must be positive")
+    if args.ckpt_dir is None:
+        for flag, given in (("--resume", args.resume), ("--ckpt-every", args.ckpt_every)):
+            if given:
+                parser.error(f"{flag} needs --ckpt-dir")
+
+
+def _check_profile_flags(parser, args) -> None:
+    """--profile-steps A:B -> args.profile_range = (A, B), 1 <= A <= B (default 3:5)."""
+    args.profile_range = None
+    if args.profile is None:
+        if args.profile_steps is not None:
+            parser.error("--profile-steps needs --profile")
+        return
+    text = args.profile_steps or "3:5"
+    first, sep, last = text.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()
+            and 1 <= int(first) <= int(last)):
+        parser.error(f"--profile-steps {text!r}: expected A:B with 1 <= A <= B, e.g. 3:5")
+    args.profile_range = (int(first), int(last))
+
+
+def _check_synthetic_flags(parser, args) -> None:
+    """args.synthetic_sizes: the load_dataset keywords of the --synthetic-* flags."""
+    sizes = {f"n_{name}": getattr(args, f"synthetic_{name}") for name in ("train", "val", "test")}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if sizes and args.dataset != "synthetic":
+        parser.error("--synthetic-train/--synthetic-val/--synthetic-test need --dataset synthetic")
+    for k, v in sizes.items():
+        if v < 0:
+            parser.error(f"--synthetic-{k[2:]} must be >= 0")
+    args.synthetic_sizes = sizes
+
 
 class UsageError(ValueError):
     """A bad flag combination, reported as one line."""
 
 
+class Interrupted(Exception):
+    """SIGTERM / SIGINT stopped a run that had nowhere to save (no --ckpt-dir).
+
+    `main_guard` prints the message and exits with 128 + the signal number (130 for
+    SIGINT, 143 for SIGTERM), the shell's convention for "killed by this signal", so a
+    wrapper or scheduler does not mistake the run for a finished one.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def main_guard(fn: Callable[[], Any]) -> int:
-    """Run a script's main; bad input becomes one line on stderr and exit code 2."""
+    """Run a script's main; bad input becomes one line on stderr and exit code 2.
+
+    A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
+    normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
+    second signal, which stops at once without saving.
+    """
     try:
         fn()
-    except (data_lib.DataError, UsageError, FloatingPointError) as e:
+    except (data_lib.DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # a second SIGTERM / SIGINT (or one before run() started)
+        print("interrupted: stopped at once; nothing saved since the last checkpoint",
+              file=sys.stderr)
+        return 130
     return 0
 

@@ -470,20 +470,26 @@ def epoch_permutation(n: int, *, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def train_batches(split: Split, global_batch: int, *, seed: int,
-                  epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Shuffled global batches (images uint8 NHWC, labels int32); last partial batch dropped."""
+def train_batches(split: Split, global_batch: int, *, seed: int, epoch: int,
+                  start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Shuffled global batches (images uint8 NHWC, labels int32); last partial batch dropped.
+
+    `start` skips the epoch's first `start` batches without gathering them: a run resumed
+    mid-epoch gets exactly the batches the uninterrupted run would have had.
+    """
     n = len(split)
     steps = steps_per_epoch(n, global_batch)
     if steps == 0:
         raise DataError(f"global batch {global_batch} is larger than the {n} training "
                         f"images; lower --batch")
+    if not 0 <= start <= steps:
+        raise DataError(f"start batch {start} is outside the epoch's {steps} batches")
     perm = epoch_permutation(n, seed=seed, epoch=epoch)
-    return _gather(split, perm, global_batch, steps)
+    return _gather(split, perm, global_batch, steps, start)
 
 
-def _gather(split, perm, b, steps):
-    for s in range(steps):
+def _gather(split, perm, b, steps, start=0):
+    for s in range(start, steps):
         idx = perm[s * b:(s + 1) * b]
         yield split.images[idx], split.labels[idx]
 

@@ -53,6 +53,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from einops import rearrange
+from jax.ad_checkpoint import checkpoint_name
 
 from vit_pure.config import ViTConfig
 from vit_pure.policy import Policy, matmul
@@ -61,6 +62,9 @@ F32 = jnp.float32
 _INIT_STD = 0.02
 # Dropout sites, folded into each example's key with the layer index.
 _SITE_EMBED, _SITE_ATTN, _SITE_MLP, _SITE_PATH_ATTN, _SITE_PATH_MLP = range(5)
+# Rematerialisation modes of `encoder` (the --remat flag).
+REMAT_MODES = ("none", "block", "block-save-dots")
+_DOT = "dot"  # the checkpoint name of every matmul / attention-einsum output in `_block`
 
 
 # ------------------------------------------------------------------------ initialisation
@@ -171,6 +175,13 @@ def _drop_path(x, rate, ex_keys, layer, site):
     return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def _dot_out(y):
+    """Tag a matmul or attention-einsum output so that remat="block-save-dots" keeps it
+    (an identity otherwise). policy.matmul is a custom VJP, which hides its dot from
+    `jax.checkpoint_policies.dots_saveable`; hence names, not that policy."""
+    return checkpoint_name(y, _DOT)
+
+
 def _copy_to_tp(x, tp_axis):
     """Megatron's "f": identity forward; backward, all-reduce the gradient over `tp_axis`.
 
@@ -210,27 +221,28 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
     h = _copy_to_tp(_layer_norm(x, p["ln1"], cfg.ln_eps), tp_axis)
-    qkv = matmul(h, a["qkv"]["kernel"].reshape(E, -1), prec)  # (B, T, 3*Hl*D) f32
+    qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), prec))  # (B, T, 3*Hl*D) f32
     qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(F32)
     q, k, v = rearrange(qkv.astype(cd), "b t (three h d) -> three b h t d",
                         three=3, d=cfg.head_dim)
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=prec,
-                        preferred_element_type=F32) / math.sqrt(cfg.head_dim)
+    scores = _dot_out(jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=prec,
+                                 preferred_element_type=F32)) / math.sqrt(cfg.head_dim)
     probs = jax.nn.softmax(scores, axis=-1).astype(cd)  # softmax in f32
-    ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v, precision=prec, preferred_element_type=F32)
+    ctx = _dot_out(jnp.einsum("bhqk,bhkd->bhqd", probs, v, precision=prec,
+                              preferred_element_type=F32))
     ctx = rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), prec)  # partial sum over heads
-    y = _reduce_from_tp(y, tp_axis) + a["out"]["bias"].astype(F32)
+    y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(F32)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
     h = _copy_to_tp(_layer_norm(x, p["ln2"], cfg.ln_eps), tp_axis)
-    h = matmul(h, m["fc1"]["kernel"], prec) + m["fc1"]["bias"].astype(F32)  # (B, T, Ml)
+    h = _dot_out(matmul(h, m["fc1"]["kernel"], prec)) + m["fc1"]["bias"].astype(F32)  # (B, T, Ml)
     h = jax.nn.gelu(h).astype(cd)
     y = matmul(h, m["fc2"]["kernel"], prec)  # partial sum over hidden units
-    y = _reduce_from_tp(y, tp_axis) + m["fc2"]["bias"].astype(F32)
+    y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(F32)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
@@ -242,9 +254,20 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). `gather(layer_params)`, if given, is applied to each
     layer's params just before use (FSDP gathers sharded weights there).
+
+    `remat` trades compute for memory in the backward pass (same results either way):
+      "none"             keep every activation the backward pass needs (fastest);
+      "block"            keep only each block's input, recompute the whole block
+                         forward in the backward pass (about one more forward pass);
+      "block-save-dots"  keep the outputs of the block's matmuls and attention einsums,
+                         recompute only the cheap elementwise work between them
+                         (LayerNorm, softmax, GELU, dropout masks); in between in memory.
+    Under tensor parallelism "block" also repeats a forward all-reduce in the backward
+    pass (the attention output's, which the MLP's input is recomputed from);
+    "block-save-dots" keeps its result (the name sits after the psum) and repeats none.
     """
-    if remat not in ("none", "block"):
-        raise ValueError(f"remat must be 'none' or 'block', got {remat!r}")
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
@@ -254,7 +277,9 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
         return _block(p, x, layer, cfg, policy, ex_keys, tp_axis)
 
     if remat == "block":
-        body = jax.checkpoint(body)
+        body = jax.checkpoint(body)  # saves nothing inside the block
+    elif remat == "block-save-dots":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(_DOT))
     layers = layer_offset + jnp.arange(num_layers)
     if scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))

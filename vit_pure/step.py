@@ -90,11 +90,17 @@ class StepConfig:
     scan: bool = True
     remat: str = "none"
     augment: bool = True
+    # Gradient accumulation: each device's slice of the batch runs as this many
+    # micro-batches, one after another, inside the compiled step (see `local_grads`).
+    accum_steps: int = 1
 
     @classmethod
     def from_args(cls, args) -> "StepConfig":
+        # `--accum-steps auto` is resolved to a number by vit_pure.accum before any
+        # strategy is built (it writes the choice back into args.accum_steps).
+        accum = getattr(args, "accum_steps", 1)
         return cls(args.cfg, args.policy_obj, args.label_smoothing, args.grad_clip, args.scan,
-                   args.remat)
+                   args.remat, accum_steps=1 if accum == "auto" else int(accum))
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
@@ -104,21 +110,62 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     Returns (grads of the local mean loss, unscaled), {"loss", "accuracy"} local means.
     `key` is the step's key (the same on every device); each example's randomness comes
     from its global `example_ids` entry, never from the device it sits on.
+
+    Gradient accumulation (`sc.accum_steps` = K > 1): the slice of b examples is cut into
+    K micro-batches of b/K, run one after another in a `lax.scan`; their gradients are
+    summed here, in float32, and divided by K. Only one micro-batch's activations are
+    alive at a time, so activation memory shrinks about K-fold, and the result is the
+    K = 1 result up to float summation order: each micro-batch carries its examples'
+    global ids, so every dropout / drop-path / augmentation draw stays with its example.
+    There is deliberately no collective in here: the caller reduces the *summed*
+    gradients over the data axis once per optimizer step, so K micro-batches cost one
+    all-reduce, not K (reducing per micro-batch would move K times the bytes for the
+    same result, since the sum commutes with the all-reduce).
+
+    (A pipeline, if one is added, nests inside this: each accumulation micro-batch
+    would itself be split into the pipeline's micro-batches, which fill the stages;
+    accumulation only repeats the whole pipelined forward/backward K times.)
     """
     aug_key, drop_key = jax.random.split(key)
+    # The whole local slice is augmented at once, before it is cut into micro-batches,
+    # so the images are exactly those a K = 1 step sees (uint8 -> f32 costs little memory).
     images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
                             image_size=sc.cfg.image_size)
 
-    def loss_fn(p):
-        logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                       example_ids=example_ids, scan=sc.scan, remat=sc.remat,
-                       tp_axis=tp_axis, gather=gather)
-        loss = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
-        return loss_scale.scale_loss(loss), (loss, logits)
+    def micro_grads(images, labels, example_ids):
+        def loss_fn(p):
+            logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
+                           example_ids=example_ids, scan=sc.scan, remat=sc.remat,
+                           tp_axis=tp_axis, gather=gather)
+            loss = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
+            return loss_scale.scale_loss(loss), (loss, logits)
 
-    grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(params)
-    accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
-    return loss_scale.unscale(grads), {"loss": loss, "accuracy": accuracy}
+        grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(params)
+        accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
+        return loss_scale.unscale(grads), {"loss": loss, "accuracy": accuracy}
+
+    K = sc.accum_steps
+    if K == 1:
+        return micro_grads(images, labels, example_ids)
+    if labels.shape[0] % K:
+        raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does not "
+                         f"divide into {K} micro-batches")
+
+    def micro_batches(x):  # (b, ...) -> (K, b/K, ...): micro-batch k is rows k*b/K...
+        return x.reshape(K, x.shape[0] // K, *x.shape[1:])
+
+    def accumulate(total, batch):
+        grads, metrics = micro_grads(*batch)
+        return jax.tree.map(lambda t, g: t + g.astype(F32), total, grads), metrics
+
+    # The running sum starts at zero in float32. (zeros_like keeps the params' type under
+    # shard_map, e.g. "varying over 'data'", which scan needs the carry to keep.)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)
+    total, metrics = jax.lax.scan(
+        accumulate, zeros, tuple(micro_batches(x) for x in (images, labels, example_ids)))
+    # Equal-size micro-batches: the mean over the slice is the mean of the K means.
+    grads = jax.tree.map(lambda t, p: (t / K).astype(p.dtype), total, params)
+    return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
 
 def sum_of_squares(tree) -> jax.Array:

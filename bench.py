@@ -1,0 +1,558 @@
+"""Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
+
+    python bench.py --cpu-devices 8 --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
+    python bench.py --config "pmap:1:fp32; pmap:1:bf16; shard_map:data=2:bf16:scan=0"
+    python bench.py --model tiny --batch 32 --steps 3 --config "shard_map:2:fp32"
+
+A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
+    STRATEGY  pmap | shard_map
+    LAYOUT    a device count N (shard_map: the mesh data=N) or a mesh data=D,model=M;
+              empty means every device (with --cpu-devices N: N)
+    POLICY    fp32 | bf16 | fp16 | p=DTYPE,c=DTYPE,o=DTYPE (as --policy in the scripts)
+    OPTIONS   key=value pairs, comma-separated, overriding the global flags for this
+              configuration: scan=0|1, remat=NAME, accum=K, precision=default|high|highest
+Give several with repeated --config flags or separated by ';' (or both).
+
+What is timed is what training runs. Each configuration builds the training script's own
+strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy) and drives its
+compiled `train_step` as vit_pure.loop.run does: host batches cut from a synthetic
+CIFAR-shaped uint8 split by data.train_batches, put on the devices every step, the
+state donated, on-device augmentation, dropout, the gradient all-reduce, clipping,
+AdamW and the metric reductions included, one step in flight while the next is
+dispatched. A step's time is the interval between the completions of two consecutive
+steps; the table shows the median over --steps timed steps after --warmup steps.
+
+Each configuration runs in a fresh Python process, given exactly as many fake CPU
+devices as its layout needs (XLA_FLAGS is set there before jax starts its backend), so
+configurations do not share memory, caches or a process-wide peak RSS.
+
+Columns:
+    img/s, step ms      median step, as above
+    compile s           lowering + XLA compilation of the train step
+    GFLOP/img           model FLOPs per training image, counted from the config
+                        (`train_flops_per_image`): matmuls only, training = 3 x forward
+    XLA GFLOP/img       the compiled program's own count (`cost_analysis()['flops']`, per
+                        device, x devices / batch). It also counts elementwise work
+                        (LayerNorm, softmax, GELU, augmentation, AdamW), so it is a little
+                        higher. XLA counts a while loop's body once, so for a step with
+                        lax.scan (over layers or accumulation micro-batches) the figure
+                        comes from compiling an unrolled twin of the step (not timed).
+    TFLOP/s             GFLOP/img x img/s: achieved model FLOP/s of the whole step
+    ceiling TFLOP/s     a large jitted matmul measured in the same process just before
+                        and just after the timed steps (mean of the two medians of 5
+                        runs; compute-dtype inputs, float32 accumulation, the
+                        policy's precision). On CPU the fake devices share
+                        the host's cores, so this is the whole host's ceiling; on an
+                        accelerator it is one device's, times the device count.
+    MFU                 TFLOP/s / ceiling
+    MFU (datasheet)     TFLOP/s / (published dense peak x devices) on known accelerators
+    mem/dev             peak bytes per device: device.memory_stats() where the backend
+                        has it (GPU, TPU), else the compiled step's memory_analysis():
+                        arguments + outputs - donated aliases + temporaries
+    peak RSS            the process's peak resident set (host memory), all devices
+    load                1-minute load average of the host when the configuration
+                        started - when it ended
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vit_pure import cli, data, step
+from vit_pure.config import PRESETS, ViTConfig, get_preset
+from vit_pure.policy import Policy, tree_bytes
+
+RESULT_TAG = "BENCH_RESULT "
+
+# Published dense (no sparsity) peak throughput in TFLOP/s, per device, by matmul input
+# type. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16/FP16 989, TF32 495,
+# FP32 67; PCIe: 756, 378, 51), NVIDIA H200 Tensor Core GPU datasheet (as H100 SXM),
+# NVIDIA A100 Tensor Core GPU datasheet (BF16/FP16 312, TF32 156, FP32 19.5). The
+# datasheets print the sparse figures (2x) first; these are the dense ones.
+PUBLISHED_PEAK_TFLOPS = {
+    # device_kind substring: {"half": bf16/fp16, "tf32": f32 at default precision, "f32"}
+    "H100 PCIe": {"half": 756.0, "tf32": 378.0, "f32": 51.0},
+    "H100": {"half": 989.0, "tf32": 495.0, "f32": 67.0},
+    "H200": {"half": 989.0, "tf32": 495.0, "f32": 67.0},
+    "A100": {"half": 312.0, "tf32": 156.0, "f32": 19.5},
+}
+
+
+# ----------------------------------------------------------------------- FLOP counting
+def forward_flops_per_image(cfg: ViTConfig) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one image's forward pass.
+
+    patch embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
+    scores (H x T x T x D), attention-weighted values (H x T x T x D), output projection
+    (T x E x E), MLP (T x E x M twice); the head reads the class token only (E x K).
+    Elementwise work (LayerNorm, softmax, GELU, residual adds) is left out, as usual.
+    """
+    T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim
+    patch_embed = cfg.num_patches * cfg.patch_dim * E
+    block = (T * E * 3 * E          # qkv
+             + T * T * E            # q . k over all heads (H x D = E)
+             + T * T * E            # probs . v
+             + T * E * E            # output projection
+             + 2 * T * E * M)       # fc1, fc2
+    head = E * cfg.num_classes
+    return 2 * (patch_embed + cfg.depth * block + head)
+
+
+def train_flops_per_image(cfg: ViTConfig) -> int:
+    """A training step's matmul FLOPs per image: the forward pass and a backward pass of
+    twice its cost (for every matmul, one for the input's gradient and one for the
+    weight's). The usual convention; exact but for the patch embedding's input gradient,
+    which nothing needs (0.06% of the total for vit-cifar)."""
+    return 3 * forward_flops_per_image(cfg)
+
+
+_DOT_RE = re.compile(r"stablehlo\.dot_general.*?contracting_dims = \[([\d, ]*)\] x .*?"
+                     r": \(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
+
+
+def _dims(tensor_type: str) -> list[int]:
+    """'2x17x24xf32' -> [2, 17, 24]."""
+    return [int(d) for d in tensor_type.split("x")[:-1]]
+
+
+def stablehlo_dot_flops(text: str) -> int:
+    """FLOPs of every dot_general in a lowered StableHLO module (jitted.lower().as_text()):
+    2 x output elements x contracted elements. Each dot is counted once as written, so
+    a loop body (lax.scan) counts once: use it on unrolled programs."""
+    total = 0
+    for lhs_contract, lhs, out in _DOT_RE.findall(text):
+        lhs_dims = _dims(lhs)
+        contracted = math.prod(lhs_dims[int(i)] for i in lhs_contract.split(",") if i.strip())
+        total += 2 * math.prod(_dims(out)) * contracted
+    return total
+
+
+# ---------------------------------------------------------------- configuration syntax
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    strategy: str                  # "pmap" | "shard_map"
+    layout: str                    # "" | "N" | "data=D[,model=M]"
+    policy: str                    # as --policy
+    options: dict                  # scan, remat, accum, precision (after defaults)
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.strategy}:{self.layout}:{self.policy}" + (f":{opts}" if opts else "")
+
+
+_OPTION_KEYS = ("scan", "remat", "accum", "precision")
+
+
+def parse_configs(texts: list[str]) -> list[BenchConfig]:
+    """The --config values -> BenchConfigs (options only as given; defaults come later)."""
+    out = []
+    for text in texts:
+        for item in (s.strip() for s in text.split(";")):
+            if not item:
+                continue
+            fields = item.split(":")
+            if len(fields) not in (3, 4) or fields[0] not in ("pmap", "shard_map"):
+                raise cli.UsageError(
+                    f"--config {item!r}: expected STRATEGY:LAYOUT:POLICY[:OPTIONS] with "
+                    f"STRATEGY pmap or shard_map")
+            strategy, layout, policy = (f.strip() for f in fields[:3])
+            try:
+                Policy.parse(policy)
+            except ValueError as e:
+                raise cli.UsageError(f"--config {item!r}: {e}") from None
+            if strategy == "pmap" and layout and not layout.isdigit():
+                raise cli.UsageError(f"--config {item!r}: pmap's layout is a device count")
+            if not re.fullmatch(r"\d*|data=\d+(,model=\d+)?|model=\d+", layout):
+                raise cli.UsageError(f"--config {item!r}: layout is N or data=D,model=M")
+            options = {}
+            for pair in (fields[3].split(",") if len(fields) == 4 and fields[3] else []):
+                key, sep, value = pair.partition("=")
+                if not sep or key.strip() not in _OPTION_KEYS:
+                    raise cli.UsageError(f"--config {item!r}: options are key=value with key "
+                                         f"in {', '.join(_OPTION_KEYS)}")
+                options[key.strip()] = value.strip()
+            out.append(BenchConfig(strategy, layout, policy, options))
+    if not out:
+        raise cli.UsageError("no --config given")
+    return out
+
+
+def layout_devices(layout: str, default: int | None) -> int | None:
+    """How many devices a layout names (None: every device)."""
+    if not layout:
+        return default
+    if layout.isdigit():
+        return int(layout)
+    sizes = dict(p.split("=", 1) for p in layout.split(",") if "=" in p)
+    try:
+        return math.prod(int(v) for v in sizes.values())
+    except ValueError:
+        raise cli.UsageError(f"layout {layout!r}: expected N or data=D,model=M") from None
+
+
+# ------------------------------------------------------------------ measuring, in-process
+def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5) -> float:
+    """FLOP/s of one jitted size^3 matmul on the default device: compute-dtype inputs,
+    float32 accumulation, as the model's matmuls run. Median of `runs` after a warm-up."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (size, size), jnp.float32).astype(compute_dtype)
+    b = jax.random.normal(kb, (size, size), jnp.float32).astype(compute_dtype)
+    f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision,
+                                        preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(a, b))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        times.append(time.perf_counter() - t0)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def published_peak(device, policy: Policy) -> float | None:
+    """The datasheet dense peak (FLOP/s, one device) for this policy's matmuls, if known."""
+    kind = getattr(device, "device_kind", "")
+    for name, peaks in PUBLISHED_PEAK_TFLOPS.items():  # "H100 PCIe" before "H100"
+        if name in kind:
+            if jnp.dtype(policy.compute_dtype).itemsize == 2:
+                return peaks["half"] * 1e12
+            # float32 matmuls use TF32 tensor cores unless the precision forbids it.
+            return peaks["tf32" if policy.matmul_precision == "default" else "f32"] * 1e12
+    return None
+
+
+class _Args:
+    """The few fields step.make_optimizer reads (the scripts' defaults)."""
+    lr, weight_decay, warmup_steps = 1e-3, 0.05, None
+
+
+def make_step_config(cfg: ViTConfig, policy: Policy, *, scan=True, remat="none",
+                     accum=1) -> step.StepConfig:
+    fields = {f.name for f in dataclasses.fields(step.StepConfig)}
+    extra = {}
+    if accum != 1:
+        if "accum_steps" not in fields:
+            raise cli.UsageError("accum: this checkout's StepConfig has no accum_steps")
+        extra["accum_steps"] = accum
+    return step.StepConfig(cfg, policy, scan=scan, remat=remat, **extra)
+
+
+def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices):
+    """The training script's own strategy over `devices`."""
+    if name == "pmap":
+        from train_pmap import PmapStrategy
+        if len(devices) == len(jax.local_devices()):
+            return PmapStrategy(sc, optimizer)
+        return PmapStrategy(sc, optimizer, devices=devices)
+    from train_shardmap import ShardMapStrategy
+    mesh = f"data={layout}" if layout.isdigit() else (layout or None)
+    return ShardMapStrategy(sc, optimizer, mesh, devices=devices)
+
+
+def _host_batches(batch: int, seed: int):
+    """Global batches (uint8 images, int32 labels) from a synthetic CIFAR-shaped split,
+    through data.train_batches exactly as training draws them, epoch after epoch."""
+    split = data.synthetic_cifar10(n_train=2 * batch, n_val=0, n_test=0, seed=seed)["train"]
+    epoch = 0
+    while True:
+        yield from data.train_batches(split, batch, seed=seed, epoch=epoch)
+        epoch += 1
+
+
+def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
+                       steps: int, warmup: int, seed: int = 0) -> dict:
+    """Compile the strategy's train_step and time it as loop.run drives it.
+
+    Returns compile_s, step_s (the timed steps' intervals), loss (after all
+    warmup + steps + 1 steps), lowered, compiled, param_bytes, opt_state_bytes.
+    """
+    host_state = step.init_state(jax.random.key(seed), sc.cfg, sc.policy, optimizer)
+    param_bytes = tree_bytes(host_state["params"])
+    opt_state_bytes = tree_bytes(host_state["opt_state"])
+    # (put_state may reuse host_state's buffers, which donation then deletes.)
+    state = strategy.put_state(host_state)
+    batches = _host_batches(batch, seed)
+    example_ids = np.arange(batch, dtype=np.int32)
+
+    def inputs(i):
+        images, labels = next(batches)
+        return (*strategy.put_batch(images, labels, example_ids),
+                strategy.put_replicated(step.step_key(seed, 0, i)))
+
+    t0 = time.perf_counter()
+    lowered = strategy.train_step.lower(state, *inputs(0))
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+
+    # One step more than timed: where dispatch turns out synchronous (the call returns
+    # only when the step is done, as XLA:CPU may do), a step's completion is observed
+    # one call late, and the extra step keeps the last timed interval honest.
+    finished, previous, metrics = [], None, None
+    start = time.perf_counter()
+    for i in range(warmup + steps + 1):
+        # The state is donated: each call consumes the last state's buffers.
+        state, metrics = compiled(state, *inputs(i))
+        if previous is not None:  # one step in flight, as in loop.run
+            jax.block_until_ready(previous)
+            finished.append(time.perf_counter())
+        previous = metrics
+    jax.block_until_ready(previous)
+    finished.append(time.perf_counter())
+    intervals = np.diff([start] + finished)
+    return {"compile_s": compile_s, "step_s": intervals[warmup:warmup + steps].tolist(),
+            "loss": float(strategy.metrics_to_host(metrics)["loss"]), "compiled": compiled,
+            "lowered": lowered,
+            "param_bytes": param_bytes, "opt_state_bytes": opt_state_bytes}
+
+
+def compiled_peak_bytes(compiled) -> int:
+    """Per-device bytes the compiled program needs: args + outputs - aliases + temps."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+def device_peak_bytes(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def xla_flops_per_image(compiled, n_devices: int, batch: int) -> float:
+    """XLA's flop count of a compiled step, per image (its count is per device)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) * n_devices / batch
+
+
+def run_config(job: dict) -> dict:
+    """Measure one configuration in this process (the devices are already set up)."""
+    cfg = get_preset(job["model"])
+    opts = job["options"]
+    policy = Policy.parse(job["policy"], opts["precision"])
+    scan, accum = opts["scan"] in ("1", "true", True), int(opts["accum"])
+    n = job["devices"] or len(jax.devices())
+    if n > len(jax.devices()):
+        raise cli.UsageError(f"{job['label']}: needs {n} devices, {len(jax.devices())} visible")
+    devices = jax.devices()[:n]
+    platform_name = devices[0].platform
+
+    optimizer, _ = step.make_optimizer(_Args, 1000)
+    sc = make_step_config(cfg, policy, scan=scan, remat=opts["remat"], accum=accum)
+    strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices)
+    data.check_batch(job["batch"], strategy.batch_divisor)
+
+    # The ceiling just before and just after the timed steps (their mean): on a shared
+    # machine whose load drifts, this keeps the ceiling and the step under the same load.
+    size = job["matmul_size"] or (2048 if platform_name == "cpu" else 8192)
+    load_start = os.getloadavg()[0]
+    ceiling_before = matmul_ceiling(policy.compute_dtype, policy.precision, size)
+    res = measure_train_step(strategy, sc, optimizer, job["batch"], steps=job["steps"],
+                             warmup=job["warmup"])
+    ceiling_after = matmul_ceiling(policy.compute_dtype, policy.precision, size)
+    ceiling = (ceiling_before + ceiling_after) / 2
+    ceiling_total = ceiling * (1 if platform_name == "cpu" else n)
+    compiled = res.pop("compiled")
+    step_s = statistics.median(res["step_s"])
+    ips = job["batch"] / step_s
+    flops = train_flops_per_image(cfg)
+    achieved = flops * ips
+
+    xla_flops = None
+    if job["xla_check"]:
+        if scan or accum != 1:
+            # XLA counts a while-loop body once: count an unrolled twin (compiled, not run).
+            twin_sc = make_step_config(cfg, policy, scan=False, remat=opts["remat"])
+            twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices)
+            twin_state = step.init_state(jax.random.key(0), cfg, policy, optimizer)
+            args = (twin.put_state(twin_state),
+                    *twin.put_batch(np.zeros((job["batch"], 32, 32, 3), np.uint8),
+                                    np.zeros(job["batch"], np.int32),
+                                    np.arange(job["batch"], dtype=np.int32)),
+                    twin.put_replicated(step.step_key(0, 0, 0)))
+            xla_flops = xla_flops_per_image(twin.train_step.lower(*args).compile(), n,
+                                            job["batch"])
+        else:
+            xla_flops = xla_flops_per_image(compiled, n, job["batch"])
+
+    peak = published_peak(devices[0], policy)
+    dev_bytes = device_peak_bytes(devices[0])
+    return {
+        "label": job["label"], "devices": n, "platform": platform_name,
+        "device_kind": devices[0].device_kind, "policy": str(policy),
+        "images_per_s": ips, "step_ms": 1e3 * step_s,
+        "step_ms_all": [1e3 * s for s in res["step_s"]], "compile_s": res["compile_s"],
+        "gflop_per_image": flops / 1e9,
+        "xla_gflop_per_image": None if xla_flops is None else xla_flops / 1e9,
+        "tflops": achieved / 1e12, "ceiling_tflops": ceiling_total / 1e12,
+        "mfu": achieved / ceiling_total,
+        "mfu_datasheet": None if peak is None else achieved / (peak * n),
+        "mem_per_device": dev_bytes if dev_bytes is not None else compiled_peak_bytes(compiled),
+        "mem_source": "memory_stats" if dev_bytes is not None else "memory_analysis",
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": res["loss"], "load_start": load_start, "load": os.getloadavg()[0],
+        "ceiling_before_after_tflops": [ceiling_before / 1e12, ceiling_after / 1e12],
+    }
+
+
+# -------------------------------------------------------------------------- the driver
+def use_cpu_devices(n: int) -> None:
+    """Ask XLA for n fake CPU devices. Must run before jax's first device query."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def _child(job_json: str) -> int:
+    job = json.loads(job_json)
+    if job["devices"]:
+        use_cpu_devices(job["devices"])  # only the CPU backend reads this
+    if job["cpu"]:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        result = run_config(job)
+    except (cli.UsageError, data.DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+def run_in_child(job: dict) -> dict:
+    """Run one configuration in a fresh interpreter; its result, or {"error": ...}."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    return {"label": job["label"], "error": lines[-1] if lines else f"exit code {proc.returncode}"}
+
+
+def _mib(n):
+    return "" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = ["config", "dev", "img/s", "step ms", "compile s", "GFLOP/img", "XLA GFLOP/img",
+            "TFLOP/s", "ceiling TFLOP/s", "MFU", "MFU (datasheet)", "mem/dev", "peak RSS",
+            "load"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        rows.append("| " + " | ".join([
+            r["label"], str(r["devices"]), f"{r['images_per_s']:.1f}", f"{r['step_ms']:.0f}",
+            f"{r['compile_s']:.1f}", f"{r['gflop_per_image']:.4g}",
+            _fmt(r["xla_gflop_per_image"], ".4g"), f"{r['tflops']:.3g}",
+            f"{r['ceiling_tflops']:.3g}", f"{100 * r['mfu']:.0f}%",
+            "n/a" if r["mfu_datasheet"] is None else f"{100 * r['mfu_datasheet']:.1f}%",
+            _mib(r["mem_per_device"]), _mib(r["peak_rss"]),
+            f"{r['load_start']:.1f}-{r['load']:.1f}"]) + " |")
+    return "\n".join(rows)
+
+
+def machine_line() -> str:
+    return (f"{datetime.datetime.now().isoformat(timespec='minutes')}, "
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"jax {jax.__version__}, load {os.getloadavg()[0]:.2f} at start")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--config", action="append", default=[], metavar="STRATEGY:LAYOUT:POLICY[:OPTIONS]",
+      help="a configuration to measure (repeatable; ';' separates several)")
+    a("--model", default="vit-cifar", choices=sorted(PRESETS))
+    a("--batch", type=int, default=128, help="global batch")
+    a("--steps", type=int, default=5, help="timed steps per configuration (median reported)")
+    a("--warmup", type=int, default=2, help="untimed steps after compilation")
+    a("--scan", action=argparse.BooleanOptionalAction, default=True,
+      help="lax.scan over the encoder layers (default for every configuration)")
+    a("--remat", default="none", help="rematerialisation policy (as the scripts' --remat)")
+    a("--accum-steps", type=int, default=1, help="gradient accumulation micro-batches")
+    a("--matmul-precision", default="default", choices=["default", "high", "highest"])
+    a("--cpu-devices", type=int, default=None,
+      help="run on the CPU backend; N fake devices for configurations with an empty layout")
+    a("--matmul-size", type=int, default=None,
+      help="side of the ceiling matmul (default 2048 on CPU, 8192 on accelerators)")
+    a("--no-xla-check", dest="xla_check", action="store_false",
+      help="skip XLA's flop count (saves the unrolled twin's compile for scan steps)")
+    a("--json", default=None, help="also write the results to this JSON file")
+    a("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.child is not None:
+        sys.exit(_child(args.child))
+    for name in ("batch", "steps", "accum_steps"):
+        if getattr(args, name) <= 0:
+            raise cli.UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup < 0:
+        raise cli.UsageError("--warmup must be >= 0")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise cli.UsageError("--cpu-devices must be >= 1")
+    defaults = {"scan": "1" if args.scan else "0", "remat": args.remat,
+                "accum": str(args.accum_steps), "precision": args.matmul_precision}
+    jobs = []
+    for c in parse_configs(args.config):
+        options = {**defaults, **c.options}
+        jobs.append({
+            "label": c.label, "strategy": c.strategy, "layout": c.layout, "policy": c.policy,
+            "options": options, "devices": layout_devices(c.layout, args.cpu_devices),
+            "cpu": args.cpu_devices is not None, "model": args.model, "batch": args.batch,
+            "steps": args.steps, "warmup": args.warmup, "matmul_size": args.matmul_size,
+            "xla_check": args.xla_check})
+
+    print(f"# bench: {args.model}, global batch {args.batch}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps; defaults {defaults}")
+    print(f"# {machine_line()}")
+    print(f"# command: python {' '.join(shlex.quote(a) for a in sys.argv)}", flush=True)
+    results = []
+    for job in jobs:
+        r = run_in_child(job)
+        results.append(r)
+        if "error" in r:
+            print(f"# {job['label']}: failed: {r['error']}", flush=True)
+        else:
+            print(f"# {job['label']}: {r['images_per_s']:.1f} img/s, steps (ms) "
+                  f"{', '.join(f'{s:.0f}' for s in r['step_ms_all'])}, loss {r['loss']:.4f}, "
+                  f"load {r['load']:.2f}", flush=True)
+    print()
+    print(markdown_table(results))
+    first = next((r for r in results if "error" not in r), None)
+    if first:
+        print(f"\nmachine: {first['device_kind']} ({first['platform']}); memory: "
+              f"{first['mem_source']}; GFLOP/img from the config, training = 3 x forward")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main_guard(main))

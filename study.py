@@ -1,0 +1,362 @@
+"""Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
+precision do to memory, speed and the loss, measured on the real training step.
+
+    python study.py --model vit-cifar --steps 3 --out study.md --png study.png
+    python study.py --model tiny --param-dtypes f32,bf16 --compute-dtypes f32,f16 \
+        --batches 32 --precisions default --steps 2 --out /tmp/study.md
+
+For every combination of --param-dtypes x --compute-dtypes x --batches x --precisions
+(default: {f32, bf16, f16} x {f32, bf16, f16} x {128, 4096} x {default, highest}) it
+builds the shard_map strategy of train_shardmap.py over the current devices (all on the
+'data' axis), compiles its train_step and runs --warmup + --steps steps on synthetic
+CIFAR-shaped data (the same data and seed for every configuration), with bench.py's
+timing (bench.measure_train_step). The Markdown table (--out) has one row each:
+
+    param bytes        the parameters, in the parameter dtype
+    opt-state bytes    AdamW's two moments (they take the parameter dtype) and counters
+    peak mem/dev       the compiled step's memory_analysis(), per device: arguments +
+                       outputs - donated aliases + temporaries (comparable across the
+                       configurations of one process, unlike a device's running peak)
+    step s, img/s      median over the timed steps
+    loss@N             the training loss of the N-th (last) step, N = warmup + steps + 1
+                       (bench.measure_train_step runs one untimed step at the end);
+                       "nan"/"inf" flags a configuration that diverged
+    batch converts     see `batch_converts`: the dtype conversions the input batch goes
+                       through before it reaches the first matmul
+    dots @precision    how many of the lowered step's dot_generals carry the policy's
+                       matmul precision (see `dot_precisions`), out of all of them
+
+Parameters in float16 need the loss scale: init_state creates a dynamic `LossScale`
+whenever the policy has float16 anywhere (Policy.needs_loss_scaling). A batch too big
+for memory in one piece runs as several micro-batches with gradient accumulation
+(StepConfig.accum_steps, one optimizer step per global batch; --micro-batch sets the
+per-device micro-batch; 0 turns accumulation off). With --png (and matplotlib
+installed) a bar chart of images/s and peak memory is written too.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import itertools
+import math
+import os
+import re
+import sys
+
+import bench
+from vit_pure import cli, data, step
+from vit_pure.config import PRESETS, get_preset
+from vit_pure.policy import Policy
+
+_SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
+          "f16": "f16", "fp16": "f16", "float16": "f16"}
+
+
+# ------------------------------------------------------------------ reading the programs
+@dataclasses.dataclass
+class _Inst:
+    name: str
+    dtype: str        # element type of the result ('' for tuples)
+    opcode: str
+    operands: list    # operand instruction names, in order
+    calls: list       # computations it calls (fusion / call / while body)
+    index: int | None  # parameter(i) / get-tuple-element index=i
+
+
+def _matching_paren(s: str, start: int) -> int:
+    depth = 0
+    for i in range(start, len(s)):
+        depth += {"(": 1, ")": -1}.get(s[i], 0)
+        if depth == 0:
+            return i
+    return len(s) - 1
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[_Inst]], str]:
+    """Optimized HLO text (compiled.as_text()) -> ({computation: [instructions]}, entry)."""
+    comps, entry, current = {}, None, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("{") and " -> " in stripped and " = " not in stripped.split("(")[0]:
+            is_entry = stripped.startswith("ENTRY ")
+            current = stripped.removeprefix("ENTRY ").split(" ")[0].lstrip("%")
+            comps[current] = []
+            entry = current if is_entry else entry
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        if current is None or " = " not in stripped:
+            continue
+        name, rest = stripped.removeprefix("ROOT ").split(" = ", 1)
+        end = _matching_paren(rest, 0) if rest.startswith("(") else rest.index(" ")
+        dtype = "" if rest.startswith("(") else rest[:end].split("[")[0]
+        rest = rest[end + 1:].lstrip()
+        opcode = rest.split("(", 1)[0]
+        args_end = _matching_paren(rest, len(opcode))
+        args, attrs = rest[len(opcode) + 1:args_end], rest[args_end + 1:]
+        calls = re.findall(r"(?:calls|body)=%?([\w.\-]+)", attrs)
+        idx = re.search(r"index=(\d+)", attrs)
+        index = int(args) if opcode == "parameter" else (int(idx.group(1)) if idx else None)
+        comps[current].append(_Inst(name.lstrip("%"), dtype, opcode,
+                                    re.findall(r"%([\w.\-]+)", args), calls, index))
+    return comps, entry
+
+
+def batch_converts(hlo_text: str) -> list[str]:
+    """The dtype conversions the input batch goes through before its first matmul.
+
+    Follows the data flow of the step's uint8 image parameter through the optimized
+    program (compiled.as_text()), into fusions and loop bodies, and lists every
+    `convert` on the way, stopping at matmuls (dot, convolution, custom calls).
+
+    What the count means. The batch crosses from host to device as uint8 (a quarter of
+    float32's bytes), so one convert is unavoidable: normalisation's uint8 -> float32.
+    The policy then casts the (augmented) images to the compute dtype exactly once, in
+    `model.embed`, just before the patch-embedding matmul: a second convert,
+    float32 -> bf16/f16, for low-precision compute, none for float32. Parameters are cast
+    separately (Policy.cast_to_compute), so no matmul ever sees mixed operand dtypes and
+    nothing promotes the batch again, whatever the parameter dtype: the kit's own code
+    accounts for 1 (c=f32) or 2 (c=bf16/f16) converts. XLA fuses them with the
+    normalisation and the augmentation into one loop, so each is no extra pass over
+    memory. Anything beyond that is the compiler's doing: on XLA:CPU a bf16 matmul
+    with a transposed operand (here the patch embedding's weight gradient,
+    patches^T @ grad) is not supported by its bf16 kernels, so XLA converts both
+    operands back to float32 first: a third convert, bf16 -> f32.
+    """
+    comps, entry = parse_hlo(hlo_text)
+    params = [i for i in comps[entry] if i.opcode == "parameter" and i.dtype == "u8"]
+    if len(params) != 1:
+        raise ValueError(f"expected one uint8 (image) parameter, found {len(params)}")
+    found = []
+
+    def walk(comp: str, tainted: set[str], tainted_elements: set[int] = frozenset()) -> bool:
+        """Mark what depends on the batch in `comp`; True if its root does."""
+        dtypes = {}
+        last = None
+        for inst in comps[comp]:
+            dtypes[inst.name] = inst.dtype
+            last = inst
+            if inst.opcode == "get-tuple-element" and inst.index in tainted_elements \
+                    and inst.operands and inst.operands[0] in tainted_params:
+                tainted.add(inst.name)
+                continue
+            hit = [k for k, op in enumerate(inst.operands) if op in tainted]
+            if not hit or inst.opcode in ("dot", "convolution", "custom-call"):
+                continue
+            if inst.opcode == "convert":
+                found.append(f"{dtypes.get(inst.operands[0], '?')}->{inst.dtype}")
+            if inst.opcode in ("fusion", "call") and inst.calls:
+                callee = inst.calls[0]
+                inner = {i.name for i in comps[callee]
+                         if i.opcode == "parameter" and i.index in hit}
+                if not walk(callee, inner):
+                    continue
+            elif inst.opcode == "while" and inst.calls:
+                # The loop state is one tuple; find which of its elements carry the batch.
+                producer = next((i for i in comps[comp] if i.name == inst.operands[0]), None)
+                elements = ({k for k, op in enumerate(producer.operands) if op in tainted}
+                            if producer is not None and producer.opcode == "tuple" else set())
+                body = inst.calls[-1]
+                body_params = {i.name for i in comps[body] if i.opcode == "parameter"}
+                tainted_params.update(body_params)
+                walk(body, set(), elements)
+                continue  # what leaves the loop is gradients, not the batch
+            tainted.add(inst.name)
+        return last is not None and last.name in tainted
+
+    tainted_params: set[str] = set()
+    walk(entry, {params[0].name})
+    return found
+
+
+def dot_precisions(lowered_text: str) -> collections.Counter:
+    """Precision attributes of the dot_generals in lowered StableHLO (lowered.as_text()):
+    Counter({'HIGHEST': 54}) means all 54 matmuls run at HIGHEST; 'none' counts dots
+    with no precision attribute (they get the backend default)."""
+    found = collections.Counter()
+    for line in lowered_text.splitlines():
+        if "stablehlo.dot_general" in line:
+            m = re.search(r"precision = \[(\w+), (\w+)\]", line)
+            found["none" if m is None else
+                  m.group(1) if m.group(1) == m.group(2) else f"{m.group(1)},{m.group(2)}"] += 1
+    return found
+
+
+# ------------------------------------------------------------------------- one config
+def accumulation(batch: int, n_devices: int, micro_batch: int) -> int:
+    """Micro-batches per device so that each holds at most `micro_batch` examples."""
+    per_device = batch // n_devices
+    if not micro_batch or per_device <= micro_batch:
+        return 1
+    if per_device % micro_batch:
+        raise cli.UsageError(f"batch {batch} on {n_devices} devices ({per_device} each) does "
+                             f"not divide into micro-batches of {micro_batch}")
+    if "accum_steps" not in {f.name for f in dataclasses.fields(step.StepConfig)}:
+        raise cli.UsageError(f"batch {batch} needs gradient accumulation, which this checkout's "
+                             f"StepConfig lacks; use --micro-batch 0 or a smaller batch")
+    return per_device // micro_batch
+
+
+def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: str, *,
+            steps: int, warmup: int, micro_batch: int, devices) -> dict:
+    import numpy as np
+    from train_shardmap import ShardMapStrategy
+
+    policy = Policy.parse(f"p={param_dtype},c={compute_dtype},o=f32", precision)
+    accum = accumulation(batch, len(devices), micro_batch)
+    optimizer, _ = step.make_optimizer(bench._Args, warmup + steps + 1)
+    sc = bench.make_step_config(cfg, policy, accum=accum)
+    strategy = ShardMapStrategy(sc, optimizer, None, devices=devices)
+    data.check_batch(batch, strategy.batch_divisor)
+    res = bench.measure_train_step(strategy, sc, optimizer, batch, steps=steps, warmup=warmup)
+    compiled = res["compiled"]
+    # The lowered (pre-optimisation) program for the precision check: each dot as written.
+    precisions = dot_precisions(res["lowered"].as_text())
+    step_s = float(np.median(res["step_s"]))
+    return {
+        "param_dtype": param_dtype, "compute_dtype": compute_dtype, "batch": batch,
+        "accum": accum, "precision": precision, "param_bytes": res["param_bytes"],
+        "opt_state_bytes": res["opt_state_bytes"],
+        "peak_bytes": bench.compiled_peak_bytes(compiled),
+        "step_s": step_s, "images_per_s": batch / step_s, "loss": res["loss"],
+        "loss_steps": warmup + steps + 1, "converts": batch_converts(compiled.as_text()),
+        "dots_at_precision": precisions.get(precision.upper(), 0),
+        "dots": sum(precisions.values()), "compile_s": res["compile_s"],
+    }
+
+
+# ---------------------------------------------------------------------------- output
+def markdown(rows: list[dict]) -> str:
+    head = ["params", "compute", "batch", "precision", "param bytes", "opt-state bytes",
+            "peak mem/dev", "step s", "img/s", "loss@N", "batch converts", "dots @precision"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        batch = f"{r['batch']}" + (f" ({r['accum']}x{r['batch'] // r['accum']})"
+                                   if r.get("accum", 1) > 1 else "")
+        if "error" in r:
+            lines.append(f"| {r['param_dtype']} | {r['compute_dtype']} | {batch} | "
+                         f"{r['precision']} | failed: {r['error']} |" + " |" * 7)
+            continue
+        lines.append("| " + " | ".join([
+            r["param_dtype"], r["compute_dtype"], batch, r["precision"],
+            f"{r['param_bytes'] / 2**20:.1f} MiB", f"{r['opt_state_bytes'] / 2**20:.1f} MiB",
+            f"{r['peak_bytes'] / 2**20:,.0f} MiB", f"{r['step_s']:.2f}",
+            f"{r['images_per_s']:.1f}", f"{r['loss']:.4f}",
+            f"{len(r['converts'])} ({', '.join(r['converts'])})",
+            f"{r['dots_at_precision']}/{r['dots']}"]) + " |")
+    return "\n".join(lines)
+
+
+def write_png(rows: list[dict], path: str) -> str:
+    """A bar chart of images/s and peak memory per configuration; a note if it can't."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"(no chart: matplotlib is not installed; `pip install matplotlib` for {path})"
+    ok = [r for r in rows if "error" not in r]
+    labels = [f"p={r['param_dtype']} c={r['compute_dtype']}\nB={r['batch']} {r['precision']}"
+              for r in ok]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(ok)), 8), sharex=True)
+    axes[0].bar(range(len(ok)), [r["images_per_s"] for r in ok])
+    axes[0].set_ylabel("images/s")
+    axes[1].bar(range(len(ok)), [r["peak_bytes"] / 2**30 for r in ok], color="tab:orange")
+    axes[1].set_ylabel("peak memory / device (GiB)")
+    axes[1].set_xticks(range(len(ok)), labels, rotation=90, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"chart: {path}"
+
+
+def _dtype_list(text: str, flag: str) -> list[str]:
+    out = []
+    for name in text.split(","):
+        if name.strip().lower() not in _SHORT:
+            raise cli.UsageError(f"{flag}: unknown dtype {name!r}; use f32, bf16, f16")
+        out.append(_SHORT[name.strip().lower()])
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--param-dtypes", default="f32,bf16,f16")
+    a("--compute-dtypes", default="f32,bf16,f16")
+    a("--batches", default="128,4096", help="global batches, comma-separated")
+    a("--precisions", default="default,highest", help="matmul precisions, comma-separated")
+    a("--model", default="vit-cifar", choices=sorted(PRESETS))
+    a("--steps", type=int, default=3, help="timed steps per configuration")
+    a("--warmup", type=int, default=1, help="untimed steps after compilation")
+    a("--micro-batch", type=int, default=256,
+      help="largest per-device micro-batch; bigger batches accumulate gradients (0: never)")
+    a("--cpu-devices", type=int, default=None, help="run on N fake CPU devices")
+    a("--out", default="study.md", help="Markdown table (rewritten after every row)")
+    a("--png", default=None, help="also draw a chart here (needs matplotlib)")
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.cpu_devices is not None:
+        if args.cpu_devices < 1:
+            raise cli.UsageError("--cpu-devices must be >= 1")
+        bench.use_cpu_devices(args.cpu_devices)  # before jax's first device query
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.steps <= 0 or args.warmup < 0 or args.micro_batch < 0:
+        raise cli.UsageError("--steps must be positive, --warmup and --micro-batch >= 0")
+    pds = _dtype_list(args.param_dtypes, "--param-dtypes")
+    cds = _dtype_list(args.compute_dtypes, "--compute-dtypes")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise cli.UsageError(f"--batches {args.batches!r}: comma-separated integers") from None
+    if any(b <= 0 for b in batches):
+        raise cli.UsageError("--batches must be positive")
+    precisions = [s.strip() for s in args.precisions.split(",")]
+    for prec in precisions:
+        if prec not in ("default", "high", "highest"):
+            raise cli.UsageError(f"--precisions: {prec!r} is not default, high or highest")
+    cfg = get_preset(args.model)
+
+    import jax
+    devices = jax.devices()
+    header = (f"Model {cfg.name}, shard_map over {len(devices)} {devices[0].device_kind} "
+              f"device(s), {args.warmup} warm-up + {args.steps} timed steps (loss@N: N = "
+              f"{args.warmup + args.steps + 1}), synthetic data, {bench.machine_line()}.\n"
+              f"Command: python {' '.join(sys.argv)}\n")
+    rows = []
+    grid = list(itertools.product(batches, pds, cds, precisions))
+    for batch, pd, cd, prec in grid:
+        print(f"[{len(rows) + 1}/{len(grid)}] p={pd} c={cd} batch {batch} {prec} ...",
+              end=" ", flush=True)
+        try:
+            row = run_one(cfg, pd, cd, batch, prec, steps=args.steps, warmup=args.warmup,
+                          micro_batch=args.micro_batch, devices=devices)
+            print(f"{row['images_per_s']:.1f} img/s, loss {row['loss']:.4f}, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+        except cli.UsageError:
+            raise
+        except Exception as e:  # a configuration that fails is a finding, not the end
+            row = {"param_dtype": pd, "compute_dtype": cd, "batch": batch, "precision": prec,
+                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            print(row["error"], flush=True)
+        rows.append(row)
+        with open(args.out, "w") as f:
+            f.write(header + "\n" + markdown(rows) + "\n")
+    note = write_png(rows, args.png) if args.png else ""
+    with open(args.out, "w") as f:
+        f.write(header + "\n" + markdown(rows) + "\n" + (f"\n{note}\n" if note else ""))
+    print(markdown(rows))
+    if note:
+        print(note)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main_guard(main))

@@ -1,0 +1,120 @@
+"""bench.py's FLOP count and the dtype/precision study (study.py), on the tiny model."""
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import bench
+import study
+from vit_pure import PRESETS, Policy, apply, init_params, step
+from train_shardmap import ShardMapStrategy
+
+TINY = PRESETS["tiny"]
+
+
+def _lowered_train_step(policy: Policy, *, scan: bool, batch: int = 8, devices=2):
+    optimizer, _ = step.make_optimizer(bench._Args, 10)
+    sc = step.StepConfig(TINY, policy, scan=scan)
+    strategy = ShardMapStrategy(sc, optimizer, None, devices=jax.devices()[:devices])
+    state = strategy.put_state(step.init_state(jax.random.key(0), TINY, policy, optimizer))
+    inputs = strategy.put_batch(np.zeros((batch, 32, 32, 3), np.uint8),
+                                np.zeros(batch, np.int32), np.arange(batch, dtype=np.int32))
+    return strategy.train_step.lower(state, *inputs,
+                                     strategy.put_replicated(step.step_key(0, 0, 0)))
+
+
+def test_analytic_flops_by_hand_and_for_vit_cifar():
+    # tiny: 17 tokens, width 24, MLP 40, 16 patches of 192 pixels, 10 classes, depth 4.
+    block = 17 * 24 * 72 + 2 * 17 * 17 * 24 + 17 * 24 * 24 + 2 * 17 * 24 * 40
+    assert bench.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
+    # The brief's figure for the reference model: about 4.27 GFLOP per training image.
+    assert bench.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
+
+
+@pytest.fixture(scope="module")
+def unrolled_step():
+    """The lowered float32 training step of the tiny model, layers unrolled, batch 8 on
+    2 devices (4 each)."""
+    return _lowered_train_step(Policy(), scan=False, batch=8, devices=2)
+
+
+def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
+    """Every dot_general of the lowered (unrolled) programs, counted: the forward pass is
+    exactly the analytic count; the training step is 3x that minus the patch embedding's
+    input gradient, which autodiff does not compute (nothing needs it). The training
+    step's program is one device's: 4 of the 8 images."""
+    params = init_params(jax.random.key(0), TINY)
+    images = np.zeros((6, 32, 32, 3), np.float32)
+    fwd = jax.jit(lambda p, x: apply(p, x, TINY)).lower(params, images).as_text()
+    assert bench.stablehlo_dot_flops(fwd) == 6 * bench.forward_flops_per_image(TINY)
+
+    patch_input_grad = 2 * TINY.num_patches * TINY.patch_dim * TINY.width
+    assert bench.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
+        bench.train_flops_per_image(TINY) - patch_input_grad)
+
+
+def test_analytic_flops_match_xla_cost_analysis(unrolled_step):
+    """XLA's own count (cost_analysis) also includes elementwise work: LayerNorm, softmax,
+    GELU, augmentation, AdamW. For the 24-wide tiny model that is a third on top of the
+    matmuls, so the tolerance is [1.0, 1.5] x the analytic matmul count (for vit-cifar
+    bench.py measures 1.01-1.02 x). XLA's count is per device: x 2 devices / 8 images."""
+    ratio = (bench.xla_flops_per_image(unrolled_step.compile(), 2, 8)
+             / bench.train_flops_per_image(TINY))
+    assert 1.0 <= ratio <= 1.5, ratio
+
+
+@pytest.mark.parametrize("precision, expected", [("highest", "HIGHEST"), ("default", "DEFAULT")])
+def test_matmul_precision_reaches_every_dot(precision, expected):
+    """--matmul-precision sets Policy.matmul_precision; every dot_general of the training
+    step (forward, both backward matmuls of each layer, the attention einsums and their
+    gradients) must carry it."""
+    lowered = _lowered_train_step(Policy.parse("bf16", precision), scan=True).as_text()
+    # With scan the layer is written once: 6 forward dots (qkv, scores, probs.v, out,
+    # fc1, fc2) and 12 backward ones (2 per dot); outside it the patch embedding (forward
+    # + weight gradient) and the head (forward + 2): 18 + 5.
+    assert study.dot_precisions(lowered) == {expected: 23}
+
+
+def test_parse_configs_and_bad_input():
+    cs = bench.parse_configs(["pmap:2:fp32; shard_map:data=4,model=2:p=f32,c=bf16,o=f32:scan=0",
+                              "shard_map::bf16:accum=2,remat=block"])
+    assert [c.strategy for c in cs] == ["pmap", "shard_map", "shard_map"]
+    assert cs[1].layout == "data=4,model=2" and cs[1].policy == "p=f32,c=bf16,o=f32"
+    assert cs[1].options == {"scan": "0"} and cs[2].options == {"accum": "2", "remat": "block"}
+    assert bench.layout_devices("data=4,model=2", None) == 8
+    assert bench.layout_devices("", 3) == 3
+    for bad in ["pmap:fp32", "jit:1:fp32", "pmap:1:fp64", "pmap:data=2:fp32", "shard_map:x:fp32",
+                "pmap:1:fp32:speed=fast"]:
+        with pytest.raises(bench.cli.UsageError):
+            bench.parse_configs([bad])
+
+
+def test_study_runs_a_2x2_corner(tmp_path):
+    out = tmp_path / "study.md"
+    rows = study.main(["--model", "tiny", "--param-dtypes", "f32,f16", "--compute-dtypes",
+                       "f32,bf16", "--batches", "16", "--precisions", "default", "--steps", "1",
+                       "--warmup", "1", "--out", str(out)])
+    assert [(r["param_dtype"], r["compute_dtype"]) for r in rows] == [
+        ("f32", "f32"), ("f32", "bf16"), ("f16", "f32"), ("f16", "bf16")]
+    assert all("error" not in r for r in rows), [r.get("error") for r in rows]
+    table = out.read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| params"))
+    for column in ("param bytes", "opt-state bytes", "peak mem/dev", "step s", "img/s",
+                   "loss@N", "batch converts", "dots @precision"):
+        assert column in header
+    assert sum(line.startswith("| f") for line in table.splitlines()) == 4
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
+        jax.eval_shape(lambda: init_params(jax.random.key(0), TINY))))
+    by = {(r["param_dtype"], r["compute_dtype"]): r for r in rows}
+    assert by["f32", "f32"]["param_bytes"] == 4 * n_params
+    assert by["f16", "f32"]["param_bytes"] == 2 * n_params
+    # AdamW's two moments take the parameter dtype (plus two int32 step counters).
+    assert by["f16", "f32"]["opt_state_bytes"] == 2 * 2 * n_params + 8
+    for key in [("f32", "f32"), ("f32", "bf16")]:  # f32 master weights train
+        assert np.isfinite(by[key]["loss"])
+    # The input batch: uint8 -> f32 (normalisation) always; f32 -> bf16 once more, in
+    # model.embed, when computing in bf16 (see study.batch_converts).
+    assert by["f32", "f32"]["converts"] == ["u8->f32"]
+    assert by["f32", "bf16"]["converts"][:2] == ["u8->f32", "f32->bf16"]
+    assert all(r["dots_at_precision"] == r["dots"] > 0 for r in rows)

@@ -1,0 +1,340 @@
+"""Runs that survive: checkpoints, exact resume, preemption, non-finite loss, profiling.
+
+Every run here is the tiny model on 80 synthetic training images with a global batch of 16:
+5 steps per epoch, 6 steps in all, so a resume from step 1..3 crosses an epoch boundary.
+Two straight runs (one per script, a checkpoint after every step) are the references.
+"""
+import json
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import train_pmap
+import train_shardmap
+from vit_pure import checkpoint, cli, loop
+from vit_pure.config import get_preset
+from vit_pure.model import init_params
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",
+        "--synthetic-val", "16", "--synthetic-test", "16", "--steps", "6", "--batch", "16",
+        "--no-progress", "--eval-every", "0",
+        "--accum-steps", "1"]  # not auto: its choice depends on the free memory
+MESH = ["--mesh", "data=4,model=2"]  # tensor parallel: a different layout from pmap's
+SUBPROCESS_TIMEOUT_S = 300
+
+
+def leaves(state) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def assert_bitwise(got, want):
+    got, want = leaves(got), leaves(want)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+
+
+def assert_close(got, want, atol):
+    got, want = leaves(got), leaves(want)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=atol, err_msg=k)
+
+
+def copy_checkpoint(src_dir: pathlib.Path, step: int, dst_dir: pathlib.Path) -> pathlib.Path:
+    name = checkpoint.step_dir_name(step)
+    shutil.copytree(src_dir / name, dst_dir / name)
+    return dst_dir / name
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The references: 6 steps straight per script, checkpointed after every step.
+    The pmap run also profiles steps 2-3 and writes a JSON log."""
+    root = tmp_path_factory.mktemp("straight")
+    every = ["--ckpt-every", "1", "--ckpt-keep", "10"]
+    pmap = train_pmap.main(BASE + every + [
+        "--ckpt-dir", str(root / "pmap"), "--log-json", str(root / "pmap.jsonl"),
+        "--profile", str(root / "profile"), "--profile-steps", "2:3"])
+    shard = train_shardmap.main(BASE + MESH + every + ["--ckpt-dir", str(root / "shard")])
+    return {"root": root, "pmap": pmap, "shard": shard}
+
+
+# --------------------------------------------------------------------------- exact resume
+def test_shardmap_resume_mid_epoch_is_bitwise_exact(straight, tmp_path, capsys):
+    """3 steps (from the straight run's checkpoint) + resume for 3 == 6 straight, bitwise."""
+    copy_checkpoint(straight["root"] / "shard", 3, tmp_path)
+    got = train_shardmap.main(BASE + MESH + ["--ckpt-dir", str(tmp_path), "--resume"])
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'step_00000003'}: step 3, epoch 1 with 3 of its 5" in out
+    assert_bitwise(got["state"], straight["shard"]["state"])
+    assert_bitwise(checkpoint.load_numpy(tmp_path / "step_00000006"),
+                   checkpoint.load_numpy(straight["root"] / "shard" / "step_00000006"))
+    assert got["test"] == straight["shard"]["test"]
+
+
+def test_sigterm_saves_exits_0_and_resume_is_bitwise_exact(straight, tmp_path, capsys):
+    """SIGTERM after the first step logs: the step finishes, a checkpoint is written, exit 0.
+    Resuming it (past a corrupt newer checkpoint) gives the straight run's state bitwise."""
+    cmd = [sys.executable, "-u", "train_pmap.py", *BASE, "--cpu-devices", "8",
+           "--eval-every", "1", "--ckpt-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    watchdog = threading.Timer(SUBPROCESS_TIMEOUT_S, proc.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step      1 "):
+                proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines)
+    assert code == 0, out
+    stopped = [ln for ln in lines if ln.startswith("stopped by SIGTERM after step ")]
+    assert len(stopped) == 1, out
+    k = int(stopped[0].split()[5].rstrip(";"))
+    assert 1 <= k < 6, out  # the signal came after step 1 logged; the run was cut short
+    assert f"checkpoint {tmp_path / checkpoint.step_dir_name(k)};" in stopped[0]
+    assert checkpoint.latest(tmp_path) == tmp_path / checkpoint.step_dir_name(k)
+    assert "final test" not in out
+
+    # A newer checkpoint that is corrupt must be reported and skipped, never loaded.
+    bad = copy_checkpoint(straight["root"] / "pmap", 5, tmp_path)
+    with open(bad / checkpoint.ARRAYS_FILE, "r+b") as f:
+        f.seek(-100, 2)
+        f.write(b"\0" * 50)
+    got = train_pmap.main(BASE + ["--ckpt-dir", str(tmp_path), "--resume"])
+    out = capsys.readouterr().out
+    assert f"skipping corrupt checkpoint {bad}" in out
+    assert f"moved corrupt checkpoint {bad}" in out
+    assert f"resumed from {tmp_path / checkpoint.step_dir_name(k)}: step {k}," in out
+    assert_bitwise(got["state"], straight["pmap"]["state"])
+    assert (tmp_path / f"corrupt-{bad.name}").is_dir()
+
+
+# --------------------------------------------------------------------------- across layouts
+def test_pmap_checkpoint_resumes_in_shardmap_tensor_parallel(straight, tmp_path, capsys):
+    """pmap (8 devices, replicated) -> shard_map data=4,model=2, stopping with --stop-after.
+
+    Not bitwise: the gradient all-reduce sums 8 device slices in one layout and 4 in the
+    other, and tensor parallelism splits the matmul sums over 'model', so float rounding
+    differs; the checkpoint itself is layout-free (unsharded arrays)."""
+    copy_checkpoint(straight["root"] / "pmap", 3, tmp_path)
+    got = train_shardmap.main(BASE + MESH + ["--ckpt-dir", str(tmp_path), "--resume",
+                                             "--stop-after", "4"])
+    out = capsys.readouterr().out
+    assert f"stopped by --stop-after after step 4; checkpoint {tmp_path / 'step_00000004'}" in out
+    assert got["stopped"] == {"step": 4, "reason": "--stop-after",
+                              "checkpoint": str(tmp_path / "step_00000004")}
+    assert "final test" not in out and "test" not in got
+    want = checkpoint.load_numpy(straight["root"] / "pmap" / "step_00000004")
+    saved = checkpoint.load_numpy(tmp_path / "step_00000004")
+    assert_close(saved, want, atol=1e-5)
+    assert checkpoint.read_meta(tmp_path / "step_00000004")["written_by"]["strategy"] == "shard_map"
+
+
+def test_shardmap_checkpoint_resumes_in_pmap(straight, tmp_path):
+    """shard_map data=4,model=2 -> pmap on 8 devices, to the end of the run."""
+    copy_checkpoint(straight["root"] / "shard", 3, tmp_path)
+    got = train_pmap.main(BASE + ["--ckpt-dir", str(tmp_path), "--resume"])
+    assert_close(got["state"], straight["shard"]["state"], atol=1e-5)
+    # Tolerance, not noise: the two references themselves differ by rounding only.
+    assert_close(straight["pmap"]["state"], straight["shard"]["state"], atol=1e-5)
+
+
+# --------------------------------------------------------------------------- refusing
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "0.002"], "--lr differs (checkpoint 0.001, this run 0.002)"),
+    (["--seed", "1"], "--seed differs (checkpoint 0, this run 1)"),
+    (["--batch", "8"], "--batch differs (checkpoint 16, this run 8)"),
+    (["--dtype", "bf16"], "dtype policy differs"),
+    (["--steps", "7"], "total steps differs (checkpoint 6, this run 7; --epochs / --steps"),
+    (["--synthetic-train", "96"], "training set differs (checkpoint '80 images"),
+])
+def test_resume_refuses_another_runs_checkpoint(straight, tmp_path, capsys, flags, message):
+    path = copy_checkpoint(straight["root"] / "pmap", 6, tmp_path)
+    argv = BASE + ["--ckpt-dir", str(tmp_path), "--resume"] + flags
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot resume from {path}: ") and message in err, err
+    assert "\n" not in err
+
+
+def test_checkpoint_dir_in_use_without_resume_is_refused(straight, tmp_path, capsys):
+    copy_checkpoint(straight["root"] / "pmap", 6, tmp_path)
+    argv = BASE + ["--ckpt-dir", str(tmp_path)]
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 2
+    assert "already holds checkpoints (newest step_00000006); add --resume" in \
+        capsys.readouterr().err
+
+
+def test_resume_with_only_corrupt_checkpoints_is_refused(straight, tmp_path, capsys):
+    path = copy_checkpoint(straight["root"] / "pmap", 2, tmp_path)
+    (path / checkpoint.MANIFEST_FILE).unlink()
+    argv = BASE + ["--ckpt-dir", str(tmp_path), "--resume"]
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 2
+    assert "none of the 1 checkpoints" in capsys.readouterr().err
+    assert path.is_dir()  # left where it was, for the user to look at
+
+
+# --------------------------------------------------------------------------- signals, cheaply
+@pytest.fixture
+def sigterm_while_loading(monkeypatch):
+    """SIGTERM delivered to this process while the data loads, before the first step."""
+    load = loop.data_lib.load_dataset
+
+    def load_then_signal(*args, **kwargs):
+        splits = load(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return splits
+    monkeypatch.setattr(loop.data_lib, "load_dataset", load_then_signal)
+
+
+def test_sigterm_without_ckpt_dir_exits_143_and_restores_handler(sigterm_while_loading, capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main_guard(lambda: train_pmap.main(BASE)) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == \
+        "interrupted by SIGTERM at step 0; no --ckpt-dir, nothing saved\n"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_second_signal_stops_at_once(monkeypatch, tmp_path, capsys):
+    load = loop.data_lib.load_dataset
+
+    def load_then_signal_twice(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        return load(*args, **kwargs)
+    monkeypatch.setattr(loop.data_lib, "load_dataset", load_then_signal_twice)
+    before = signal.getsignal(signal.SIGINT)
+    argv = BASE + ["--ckpt-dir", str(tmp_path)]
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 130
+    assert "stopped at once" in capsys.readouterr().err
+    assert checkpoint.list_checkpoints(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_resume_in_empty_dir_starts_fresh_and_sigterm_saves(sigterm_while_loading, tmp_path,
+                                                           capsys):
+    """The same command can start a job and restart it after preemption."""
+    argv = BASE + ["--ckpt-dir", str(tmp_path / "new"), "--resume"]
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 0
+    out = capsys.readouterr().out
+    assert "no checkpoint in" in out and "starting from step 0" in out
+    step_0 = tmp_path / "new" / "step_00000000"
+    assert f"stopped by SIGTERM after step 0; checkpoint {step_0}" in out
+    want = init_params(jax.random.key(0), get_preset("tiny"))  # --seed 0, float32
+    saved = checkpoint.restore(step_0, {"params": want})
+    assert_bitwise(saved["params"], want)
+
+
+# --------------------------------------------------------------------------- NaNs, crashes
+def test_nan_loss_in_fp32_stops_naming_the_step(tmp_path, capsys):
+    """A huge learning rate: step 1 is fine and saved, its update blows the params up, so
+    step 2's loss is NaN. The error names step 2 and the last good checkpoint."""
+    argv = BASE + ["--lr", "1e30", "--warmup-steps", "0", "--ckpt-dir", str(tmp_path),
+                   "--ckpt-every", "1", "--mesh", "data=8"]
+    assert cli.main_guard(lambda: train_shardmap.main(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: non-finite loss (nan) at step 2; stopped without saving it. "
+                   f"Last good checkpoint: {tmp_path / 'step_00000001'}")
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
+    checkpoint.verify(tmp_path / "step_00000001")
+
+
+def test_fp16_goes_on_past_nan_and_a_crash_while_saving_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    """Two facts, one run (runs cost compile time). The blow-up above, in fp16: the loss
+    scale skips the non-finite steps and shrinks, and the run goes on. Then the process
+    dies while writing step 4's checkpoint: step 3's stays complete and loadable."""
+    real = checkpoint._write_bytes
+
+    def write_bytes(path, data):
+        if ".tmp-step_00000004" in str(path):
+            raise OSError("simulated crash while writing the manifest")
+        real(path, data)
+    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+    log = tmp_path / "log.jsonl"
+    ckpts = tmp_path / "ckpts"
+    with pytest.raises(OSError, match="simulated crash"):
+        train_pmap.main(BASE + ["--lr", "1e30", "--warmup-steps", "0", "--dtype", "fp16",
+                                "--steps", "4", "--log-json", str(log),
+                                "--ckpt-dir", str(ckpts), "--ckpt-every", "1"])
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "split" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert any(np.isnan(r["loss"]) for r in steps[:-1])  # it went on after a NaN
+    assert steps[-1]["skipped_steps"] >= 2
+    assert steps[-1]["loss_scale"] <= 2.0 ** 15 / 4
+
+    assert checkpoint.latest(ckpts) == ckpts / "step_00000003"
+    assert list(ckpts.glob(".tmp-step_00000004-*"))  # the half-written one, never read
+    saved = checkpoint.load_numpy(ckpts / "step_00000003")
+    assert saved["loss_scale/scale"] == steps[2]["loss_scale"] < 2.0 ** 15
+    assert all(np.isfinite(v).all() for k, v in saved.items() if k.startswith("params/"))
+
+
+# --------------------------------------------------------------------------- profiling
+def test_profile_trace_and_memory_figures(straight):
+    records = [json.loads(line)
+               for line in (straight["root"] / "pmap.jsonl").read_text().splitlines()]
+    profile = [r for r in records if r.get("event") == "profile"]
+    assert profile == [{"event": "profile", "first": 2, "last": 3,
+                        "dir": str(straight["root"] / "profile")}]
+    assert list((straight["root"] / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    assert list((straight["root"] / "profile").glob("plugins/profile/*/*.trace.json.gz"))
+    memory = [r for r in records if r.get("event") == "memory"]
+    assert [r["step"] for r in memory] == [1, 3, 6]  # first log point, profile end, run end
+    assert all(r["host_peak_rss_bytes"] > 50 * 2**20 for r in memory)
+
+
+# --------------------------------------------------------------------------- small pieces
+def test_train_batches_start_skips_exactly_the_first_batches():
+    split = loop.data_lib.synthetic_cifar10(n_train=70, n_val=0, n_test=0)["train"]
+    full = list(loop.data_lib.train_batches(split, 16, seed=3, epoch=2))
+    tail = list(loop.data_lib.train_batches(split, 16, seed=3, epoch=2, start=3))
+    assert len(full) == 4 and len(tail) == 1
+    assert tail[0][0].tobytes() == full[3][0].tobytes()
+    assert tail[0][1].tobytes() == full[3][1].tobytes()
+    assert list(loop.data_lib.train_batches(split, 16, seed=3, epoch=2, start=4)) == []
+    with pytest.raises(loop.data_lib.DataError, match="start batch 5 is outside"):
+        loop.data_lib.train_batches(split, 16, seed=3, epoch=2, start=5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resume"], "--resume needs --ckpt-dir"),
+    (["--ckpt-every", "5"], "--ckpt-every needs --ckpt-dir"),
+    (["--ckpt-dir", "x", "--ckpt-keep", "0"], "--ckpt-keep must be >= 1"),
+    (["--stop-after", "0"], "--stop-after must be positive"),
+    (["--profile-steps", "2:3"], "--profile-steps needs --profile"),
+    (["--profile", "x", "--profile-steps", "3:2"], "expected A:B with 1 <= A <= B"),
+    (["--profile", "x", "--profile-steps", "3"], "expected A:B with 1 <= A <= B"),
+    (["--dataset", "cifar10", "--synthetic-train", "80"], "need --dataset synthetic"),
+])
+def test_bad_checkpoint_and_profile_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(cli.build_parser("x"), flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_profile_steps_default_and_synthetic_sizes():
+    args = cli.parse_args(cli.build_parser("x"), ["--profile", "p", "--dataset", "synthetic",
+                                                  "--synthetic-train", "80"])
+    assert args.profile_range == (3, 5)
+    assert args.synthetic_sizes == {"n_train": 80}

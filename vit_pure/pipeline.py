@@ -1,0 +1,274 @@
+"""Pipeline parallelism (GPipe) for the ViT, inside `jax.shard_map`.
+
+The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
+over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
+axis), so stage s holds layers s*L/S ... (s+1)*L/S - 1. The rest of the model is
+replicated over that axis, but only one stage really uses each piece:
+
+    stage 0        patch embedding, class token, position embedding, blocks 0 .. L/S-1
+    stage s        blocks s*L/S .. (s+1)*L/S - 1
+    stage S-1      blocks ..., final LayerNorm, head, loss
+
+Each device's slice of the batch (b examples) is cut into K micro-batches of b/K. The
+schedule is GPipe's: a loop of K + S - 1 *ticks*; at tick t every stage runs its layers on
+the activations it holds (stage 0 takes micro-batch t, fresh from the embedding), then one
+`lax.ppermute` hands each stage's output to the next stage. Stage s works on micro-batch
+t - s, so micro-batch k leaves the last stage at tick k + S - 1:
+
+    tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
+    stage 0:   m0   m1   m2   m3   .
+    stage 1:   .    m0   m1   m2   m3         "." = idle (the bubble)
+
+The backward pass is not written by hand: `jax.grad` differentiates the whole loop, which
+runs the ticks in reverse with each ppermute transposed (stage s+1 -> s). That is GPipe:
+all forwards, then all backwards. Out of S * (K + S - 1) stage-ticks, S * (S - 1) are
+idle, so the *bubble fraction* is (S - 1) / (K + S - 1): more micro-batches, smaller bubble.
+
+SPMD has no "idle": every device runs the same program every tick. An idle stage computes
+on something harmless (zeros, or a repeat of a real micro-batch) and its result is
+*masked*: the last stage keeps only the outputs of ticks S-1 .. K+S-2, and the loss is
+zeroed on every stage but the last. A masked value gets a zero cotangent, so the idle work
+adds exactly nothing to any gradient.
+
+Randomness: dropout and stochastic depth draw from each example's global id and the
+*global* layer index (`layer_offset` = stage * L/S), so the pipelined step computes
+exactly the single-device reference's numbers (tests/test_pipeline.py checks it).
+
+Collectives written here (and nowhere else in the pipeline):
+  * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1;
+  * `lax.psum` over the pipe axis of the loss and metrics (they exist on the last stage
+    only) and of the gradients of the pipe-replicated parameters (see `pipeline_grads`).
+Everything about the 'data' axis (and FSDP) stays in the script, as with `step.local_grads`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from vit_pure.config import ViTConfig
+from vit_pure.model import _example_keys, embed, encoder, head
+from vit_pure.step import F32, StepConfig, cross_entropy, prepare_images
+
+
+# ----------------------------------------------------------------------------- planning
+def check_pipeline(cfg: ViTConfig, stages: int, microbatches: int,
+                   local_batch: int | None = None) -> None:
+    """ValueError (one line) unless the depth splits into `stages` and the per-device
+    batch into `microbatches`."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"pipeline: stages ({stages}) and micro-batches ({microbatches}) "
+                         f"must be positive")
+    if cfg.depth % stages:
+        raise ValueError(f"pipeline: depth {cfg.depth} of {cfg.name} does not split into "
+                         f"{stages} equal stages (pipe must divide the depth)")
+    if local_batch is not None and local_batch % microbatches:
+        raise ValueError(f"pipeline: the per-device batch {local_batch} does not divide into "
+                         f"{microbatches} micro-batches")
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """GPipe's idle share of stage-ticks: (S - 1) / (K + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def describe(cfg: ViTConfig, stages: int, microbatches: int) -> str:
+    """The stage assignment and the schedule, for the log at start."""
+    per = cfg.depth // stages
+    lines = [f"pipeline: {stages} stages x {per} blocks, GPipe schedule, {microbatches} "
+             f"micro-batches, {microbatches + stages - 1} ticks, bubble fraction "
+             f"{bubble_fraction(stages, microbatches):.3f} = (S-1)/(K+S-1)"]
+    for s in range(stages):
+        parts = ["patch+class+position embedding"] if s == 0 else []
+        parts.append(f"blocks {s * per}..{(s + 1) * per - 1}")
+        if s == stages - 1:
+            parts.append("final LayerNorm, head, loss")
+        lines.append(f"    stage {s}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def _micro(x, k: int):
+    """(b, ...) -> (k, b/k, ...): micro-batch i is rows i*b/k ... (i+1)*b/k - 1."""
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+# ------------------------------------------------------------------------- the schedule
+def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
+                      pipe_axis: str, scan: bool = False, remat: str = "none",
+                      tp_axis: str | None = None):
+    """GPipe over this stage's blocks (L/S layers, leading axis).
+
+    x_micro (K, m, T, E): the embedded micro-batches (only stage 0's copy is read).
+    ex_keys_micro (K, m) per-example dropout keys, or None.
+    Returns (K, m, T, E): the encoder's outputs, valid on the last stage only (the other
+    stages return their own last outputs, which the caller masks).
+    """
+    K = x_micro.shape[0]
+    S = lax.axis_size(pipe_axis)
+    stage = lax.axis_index(pipe_axis)
+    per_stage = jax.tree.leaves(blocks)[0].shape[0]
+    if per_stage * S != cfg.depth:
+        raise ValueError(f"pipeline: this stage holds {per_stage} of {cfg.depth} layers over "
+                         f"{S} stages; split the blocks' layer axis over {pipe_axis!r}")
+    # Activations move one stage down the line per tick; the last stage sends nothing
+    # and stage 0 receives nothing (ppermute fills it with zeros).
+    shift = [(s, s + 1) for s in range(S - 1)]
+
+    received = jnp.zeros_like(x_micro[0])  # what this stage got from stage - 1
+    outputs = []
+    for t in range(K + S - 1):
+        # Stage 0 starts micro-batch t (after the last one it repeats it: idle work);
+        # every other stage continues the micro-batch the previous stage just finished.
+        x = jnp.where(stage == 0, x_micro[min(t, K - 1)], received)
+        # This stage holds micro-batch t - stage; its examples' keys seed the dropout
+        # (clipped at the ends, where the stage is idle and its result is masked).
+        keys = None if ex_keys_micro is None else \
+            ex_keys_micro[jnp.clip(t - stage, 0, K - 1)]
+        y = encoder(blocks, x, cfg, policy, keys, scan=scan, remat=remat, tp_axis=tp_axis,
+                    layer_offset=stage * per_stage)
+        if t >= S - 1:  # on the last stage, the output of micro-batch t - (S - 1)
+            outputs.append(y)
+        if t < K + S - 2 and S > 1:
+            # Collective-permute over the pipe axis: stage s's output -> stage s+1, the
+            # input of its next tick. (Autodiff's transpose sends the cotangents back,
+            # s+1 -> s, in the backward pass.)
+            received = lax.ppermute(y, pipe_axis, perm=shift)
+    return jnp.stack(outputs)
+
+
+def pipelined_logits(params, images, cfg: ViTConfig, policy, ex_keys, *, pipe_axis: str,
+                     microbatches: int, scan: bool = False, remat: str = "none",
+                     tp_axis: str | None = None, gather=None):
+    """The forward pass, pipelined: images (b, h, w, C) -> logits (b, classes), valid on
+    the last stage. params: this stage's blocks (L/S layers), every other parameter whole.
+
+    `gather` (FSDP) is applied once per step to the non-block params and to each of this
+    stage's layers, *before* the tick loop: inside it, every layer would all-gather its
+    weights K + S - 1 times (and reduce-scatter as often in the backward pass).
+    """
+    params = policy.cast_to_compute(params)  # the one place params change dtype
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    blocks = params["blocks"]
+    if gather is not None:
+        top = gather(top)
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        layers = [gather(jax.tree.map(lambda a, i=i: a[i], blocks)) for i in range(n)]
+        blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    K = microbatches
+    # Every stage holds the same images (replicated over the pipe axis). Mark them varying
+    # over it, like the parameters they meet in the patch embedding's matmul: the custom
+    # VJP of policy.matmul needs both operands of the same type (no communication; the
+    # images get no gradient).
+    images = lax.pcast(images, pipe_axis, to="varying")
+    # Every stage embeds (one matmul, cheap) but only stage 0's result is read.
+    x = embed(top, images, cfg, policy, ex_keys)  # (b, T, E)
+    y = pipelined_encoder(blocks, _micro(x, K), cfg, policy,
+                          None if ex_keys is None else _micro(ex_keys, K),
+                          pipe_axis=pipe_axis, scan=scan, remat=remat, tp_axis=tp_axis)
+    y = y.reshape(x.shape)  # (K, m, T, E) -> (b, T, E), the examples back in order
+    return head(top, y, cfg, policy)  # meaningful on the last stage only
+
+
+def _on_last_stage(x, pipe_axis):
+    """x where this is the last stage, zeros elsewhere (the mask of the idle copies)."""
+    last = lax.axis_index(pipe_axis) == lax.axis_size(pipe_axis) - 1
+    return jax.tree.map(lambda v: jnp.where(last, v, jnp.zeros_like(v)), x)
+
+
+# ---------------------------------------------------------------------- training / eval
+def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, example_ids, key,
+                   *, pipe_axis: str, microbatches: int, tp_axis: str | None = None,
+                   gather=None):
+    """`step.local_grads` for a pipeline stage: the loss and gradients of this device's
+    slice of the batch, with the encoder pipelined over `pipe_axis`.
+
+    params["blocks"] is this stage's slice of the layers (varying over `pipe_axis`); every
+    other parameter is replicated over `pipe_axis`. Returns (grads laid out like params,
+    unscaled; {"loss", "accuracy"}), the same on every stage except for the blocks.
+    Gradient accumulation (`sc.accum_steps`) nests outside the pipeline: each
+    accumulation micro-batch is itself pipelined in `microbatches` pieces.
+
+    The replicated pieces and the gradient pitfall: the embedding is used on stage 0 only
+    and the final norm / head on the last stage only. Each stage marks its copy of them
+    varying over `pipe_axis` (`lax.pcast`) *before* differentiating, so autodiff computes
+    the plain per-stage gradient (nonzero on one stage only) and hides no reduction; the
+    sum over stages is then the explicit `lax.psum` at the end, which hands every stage
+    the whole gradient so that all copies take the same optimizer step. (Without the
+    pcast, check_vma's transpose of the implicit broadcast would do that psum silently.)
+    """
+    check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
+                   labels.shape[0] // sc.accum_steps)
+    aug_key, drop_key = jax.random.split(key)
+    images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
+                            image_size=sc.cfg.image_size)
+    use_keys = sc.cfg.dropout > 0 or sc.cfg.drop_path > 0
+
+    def micro_grads(params, images, labels, example_ids):
+        ex_keys = _example_keys(drop_key, example_ids) if use_keys else None
+
+        def loss_fn(p):
+            logits = pipelined_logits(p, images, sc.cfg, sc.policy, ex_keys,
+                                      pipe_axis=pipe_axis, microbatches=microbatches,
+                                      scan=sc.scan, remat=sc.remat, tp_axis=tp_axis,
+                                      gather=gather)
+            ce = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
+            acc = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
+            # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
+            # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
+            # mask turns into 0 on all but the last stage.
+            loss, acc = lax.psum(_on_last_stage((ce, acc), pipe_axis), pipe_axis)
+            return loss_scale.scale_loss(loss), (loss, acc)
+
+        grads, (loss, acc) = jax.grad(loss_fn, has_aux=True)(params)
+        return loss_scale.unscale(grads), {"loss": loss, "accuracy": acc}
+
+    # Varying over the pipe axis before the gradient (see the docstring): each stage's
+    # copy of the replicated pieces gets its own, per-stage gradient.
+    params = {k: v if k == "blocks" else lax.pcast(v, pipe_axis, to="varying")
+              for k, v in params.items()}
+    A = sc.accum_steps
+    if A == 1:
+        grads, metrics = micro_grads(params, images, labels, example_ids)
+    else:
+        if labels.shape[0] % A:
+            raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does "
+                             f"not divide into {A} micro-batches")
+
+        def accumulate(total, batch):
+            g, m = micro_grads(params, *batch)
+            return jax.tree.map(lambda t, x: t + x.astype(F32), total, g), m
+
+        zeros = jax.tree.map(lambda x: jnp.zeros_like(x, F32), params)
+        total, metrics = lax.scan(accumulate, zeros,
+                                  tuple(_micro(x, A) for x in (images, labels, example_ids)))
+        grads = jax.tree.map(lambda t, x: (t / A).astype(x.dtype), total, params)
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+
+    # All-reduce (sum) over the pipe axis of the gradients of the pipe-replicated params:
+    # the embedding's gradient is nonzero on stage 0 only, the final norm's and head's on
+    # the last stage only; the sum gives every stage the whole gradient. The blocks'
+    # gradients stay where their layers live.
+    grads = {k: g if k == "blocks" else lax.psum(g, pipe_axis) for k, g in grads.items()}
+    return grads, metrics
+
+
+def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis: str,
+                  microbatches: int, tp_axis: str | None = None, gather=None):
+    """`step.local_eval` for a pipeline stage: sums over this device's slice (padding
+    masked out) of loss, correct, count; the same on every stage.
+
+    Uses `microbatches` pieces if the slice divides into them, else their greatest common
+    divisor with the slice (an evaluation batch need not share the training batch's size).
+    """
+    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
+    k = math.gcd(labels.shape[0], microbatches)
+    logits = pipelined_logits(params, images, sc.cfg, sc.policy, None, pipe_axis=pipe_axis,
+                              microbatches=k, scan=sc.scan, tp_axis=tp_axis, gather=gather)
+    loss = cross_entropy(logits, labels, sc.cfg.num_classes)
+    correct = (jnp.argmax(logits, -1) == labels).astype(F32)
+    sums = {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),
+            "count": jnp.sum(mask)}
+    # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
+    return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)
