@@ -7,10 +7,22 @@ import sys
 from typing import Any, Callable
 
 from vit_pure import data as data_lib
+from vit_pure import distributed
 from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.model import REMAT_MODES
 from vit_pure.policy import Policy
+
+
+# Named recipes for --preset. Each maps flag destinations to values; flags given on the
+# command line override them.
+RECIPES: dict[str, dict[str, Any]] = {
+    # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
+    # ../shared/data/cifar10-subset); README "Accuracy" has its result and how it was chosen.
+    "cpu-quick": dict(model="vit-cifar-small", dtype="bf16", batch=128, epochs=30, lr=2e-3,
+                      warmup_steps=100, weight_decay=0.05, label_smoothing=0.1,
+                      randaugment=(2, 9), eval_every=5, cpu_devices=1, accum_steps=1),
+}
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -33,7 +45,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
       help="linear warm-up steps (default: 5%% of the run)")
     a("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
     a("--grad-clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    a("--label-smoothing", type=float, default=0.0)
+    a("--preset", default=None, choices=sorted(RECIPES),
+      help="a named recipe (see vit_pure/cli.py RECIPES); flags given explicitly override it")
+
+    g = p.add_argument_group("recipe (the defaults are the full CIFAR-10 recipe; see README)")
+    g.add_argument("--label-smoothing", type=float, default=0.1)
+    g.add_argument("--randaugment", type=_randaugment, default=(2, 9), metavar="N,M",
+                   help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off")
+    g.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
+                   help="mixup with Beta(ALPHA, ALPHA) weights (0: off)")
+    g.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
+                   help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, "
+                        "each batch uses one of the two")
     a("--scan", action=argparse.BooleanOptionalAction, default=True,
       help="lax.scan over the encoder layers (faster compile) instead of a Python loop")
     a("--remat", default="none", choices=list(REMAT_MODES),
@@ -43,6 +66,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
       help="gradient accumulation: run each device's slice of the batch as K micro-batches "
            "per optimizer step (same results); auto: the smallest K whose compiled step "
            "fits in device memory")
+    a("--memory-budget", type=float, default=None, metavar="GIB",
+      help="memory --accum-steps auto may plan for, in GiB, all of this process's devices "
+           "together (default: 80%% of the free device memory; on CPU of the available RAM)")
     a("--eval-every", type=int, default=1, help="evaluate on the validation split every N epochs (0: never)")
     a("--eval-batch", type=int, default=None, help="evaluation batch (default: --batch)")
     a("--log-json", default=None, help="append one JSON object per log line to this file")
@@ -70,6 +96,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint in --ckpt-dir (start "
                         "from scratch if there is none)")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate the newest checkpoint in --ckpt-dir on the test split, and exit")
     g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="stop (with a checkpoint) once global step STEP is done, keeping the "
                         "learning-rate schedule of the full run; continue with --resume")
@@ -80,10 +108,29 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "(TensorBoard's profile plugin, or ui.perfetto.dev)")
     g.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="the steps to trace, inclusive, counted as in the log (default 3:5)")
+
+    g = p.add_argument_group(
+        "several processes (hosts)",
+        "Run the same command in every process, adding --coordinator, --num-processes and "
+        "its own --process-id (or --distributed where JAX detects them: SLURM, Open MPI, "
+        "Cloud TPU). Each process loads its share of every batch; process 0 logs and "
+        "writes the checkpoints (--ckpt-dir: a directory all processes see).")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0, where JAX's coordinator listens")
+    g.add_argument("--num-processes", type=int, default=None, metavar="P",
+                   help="how many processes the job has")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's number, 0..P-1")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process job, letting jax.distributed.initialize detect "
+                        "what the three flags above leave out")
     return p
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:  # the preset's values become defaults: explicit flags win
+        parser.set_defaults(**RECIPES[preset])
     args = parser.parse_args(argv)
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
@@ -99,6 +146,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.steps is not None and args.steps <= 0:
         parser.error("--steps must be positive")
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        parser.error("--memory-budget must be positive")
     _check_checkpoint_flags(parser, args)
     _check_profile_flags(parser, args)
     _check_synthetic_flags(parser, args)
@@ -107,7 +156,22 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     except ValueError as e:
         parser.error(f"--policy: {e}")
     args.cfg = get_preset(args.model)
+    _start_distributed(parser, args)
     return args
+
+
+def _randaugment(text: str) -> tuple[int, int]:
+    """--randaugment: "N,M" (N ops at magnitude M of 10) or "0" (off)."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(x) for x in parts)
+    except ValueError:
+        values = ()
+    if values == (0,):
+        return (0, 0)
+    if len(values) != 2 or values[0] < 0 or not 0 <= values[1] <= 10:
+        raise argparse.ArgumentTypeError(f"expected N,M with N >= 0 and 0 <= M <= 10, got {text!r}")
+    return values
 
 
 def _accum_steps(text: str):
@@ -128,7 +192,8 @@ def _check_checkpoint_flags(parser, args) -> None:
     if args.stop_after is not None and args.stop_after <= 0:
         parser.error("--stop-after must be positive")
     if args.ckpt_dir is None:
-        for flag, given in (("--resume", args.resume), ("--ckpt-every", args.ckpt_every)):
+        for flag, given in (("--resume", args.resume), ("--ckpt-every", args.ckpt_every),
+                            ("--eval-only", args.eval_only)):
             if given:
                 parser.error(f"{flag} needs --ckpt-dir")
 
@@ -158,6 +223,32 @@ def _check_synthetic_flags(parser, args) -> None:
         if v < 0:
             parser.error(f"--synthetic-{k[2:]} must be >= 0")
     args.synthetic_sizes = sizes
+
+
+def _start_distributed(parser, args) -> None:
+    """Join a multi-process job if asked: after XLA_FLAGS is set (--cpu-devices), before
+    anything touches a device."""
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    if not args.distributed and all(v is None for v in given.values()):
+        return  # one process
+    if not args.distributed and None in given.values():
+        missing = ", ".join(k for k, v in given.items() if v is None)
+        parser.error(f"a multi-process run needs --coordinator, --num-processes and "
+                     f"--process-id (missing {missing}); or --distributed, to let JAX detect "
+                     f"them from the cluster (SLURM, Open MPI, Cloud TPU)")
+    if args.coordinator is not None and not args.coordinator.rpartition(":")[2].isdigit():
+        parser.error(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    if args.num_processes is not None and args.num_processes < 1:
+        parser.error("--num-processes must be >= 1")
+    if (args.process_id is not None and args.num_processes is not None
+            and not 0 <= args.process_id < args.num_processes):
+        parser.error(f"--process-id must be in 0..{args.num_processes - 1}")
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:  # JAX's cluster detection found nothing to fill in
+        parser.error(f"--distributed: {e} (give --coordinator, --num-processes and "
+                     f"--process-id outside SLURM / Open MPI / Cloud TPU)")
 
 
 class UsageError(ValueError):

@@ -35,6 +35,7 @@ import optax
 
 from vit_pure import accum, checkpoint
 from vit_pure import data as data_lib
+from vit_pure import distributed
 from vit_pure.cli import Interrupted, UsageError
 from vit_pure.model import count_params
 from vit_pure.step import init_state, make_optimizer, step_key
@@ -83,7 +84,9 @@ def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> di
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
     previous = None
     for images, labels, mask in data_lib.eval_batches(split, batch):
-        sums = strategy.eval_step(state, *strategy.put_batch(images, labels, mask))
+        # Each process feeds its own rows of the batch (all of them with one process).
+        local = distributed.local_rows(images, labels, mask)
+        sums = strategy.eval_step(state, *strategy.put_batch(*local))
         if previous is not None:  # one batch in flight while the host fetches the last
             for k, v in strategy.metrics_to_host(previous).items():
                 totals[k] += v
@@ -96,7 +99,7 @@ def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> di
 
 
 def run(args, make_strategy: Callable[[optax.GradientTransformation], Strategy], *,
-        is_main: bool = True) -> dict:
+        is_main: bool | None = None) -> dict:
     """Train, evaluating on validation each `--eval-every` epochs and on test at the end.
 
     `make_strategy(optimizer)` builds the script's parallel mechanics. Returns the final
@@ -105,13 +108,25 @@ def run(args, make_strategy: Callable[[optax.GradientTransformation], Strategy],
     evaluation and with "stopped": {"step", "reason", "checkpoint"}; SIGTERM / SIGINT
     without a --ckpt-dir raises cli.Interrupted. The signal handlers are installed only
     while `run` runs, and the previous ones put back.
+
+    With several processes (vit_pure/distributed.py) every process calls `run` with the
+    same flags; only the main one (default: process 0) logs and writes checkpoints, and
+    all of them return the same result.
     """
+    if is_main is None:
+        is_main = jax.process_index() == 0
     log = Logger(args.log_json, enabled=is_main)
     profiler = Profiler(args.profile, args.profile_range, log)
     stop = StopRequest()
     try:
         with stop.handling_signals():
-            return _run(args, make_strategy, log, is_main, stop, profiler)
+            if getattr(args, "eval_only", False):
+                result = evaluate_checkpoint(args, make_strategy, log)
+            else:
+                result = _run(args, make_strategy, log, is_main, stop, profiler)
+        # No process leaves (and takes its part of the runtime with it) before all are done.
+        distributed.barrier("end of run")
+        return result
     finally:
         profiler.close()
         log.close()
@@ -146,6 +161,8 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
     data_lib.check_batch(args.batch, strategy.batch_divisor)
     eval_batch = args.eval_batch or args.batch
     data_lib.check_batch(eval_batch, strategy.batch_divisor, flag="--eval-batch")
+    distributed.check_batch(args.batch)
+    distributed.check_batch(eval_batch, flag="--eval-batch")
 
     # Start from the checkpoint, or from a fresh initialisation.
     if resume_from is None:
@@ -156,6 +173,11 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
         template = jax.eval_shape(
             lambda: init_state(jax.random.key(args.seed), cfg, policy, optimizer))
         host_state, step = ckpts.load(resume_from, template)
+    # Several processes must start from the same step: the same checkpoint, read by each.
+    lowest, highest = -distributed.agree_max(-step), distributed.agree_max(step)
+    if lowest != highest:
+        raise UsageError(f"the processes start from different steps ({lowest} to {highest}): "
+                         f"--ckpt-dir must be a directory every process sees")
     log(f"{strategy.name}: {strategy.describe()}")
     log(f"model {cfg.name}: {count_params(host_state['params']):,} params, policy {policy} "
         f"(matmul precision {policy.matmul_precision}), global batch {args.batch}, "
@@ -169,9 +191,10 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
     losses = LossWatch(strategy, policy.needs_loss_scaling)
     first_step = step
 
-    def stop_reason() -> str | None:
-        if stop.signum is not None:
-            return stop.name
+    def stop_reason() -> str | None:  # called at the same points by every process
+        signum = stop.agreed()
+        if signum is not None:
+            return signal.Signals(signum).name
         if args.stop_after is not None and step >= args.stop_after:
             return "--stop-after"
         return None
@@ -191,8 +214,9 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
         profiler.before_step(step + 1, state)
         key = strategy.put_replicated(step_key(args.seed, epoch, step))
         previous = metrics
-        state, metrics = strategy.train_step(
-            state, *strategy.put_batch(images, labels, example_ids), key)
+        # Every process built the same global batch; each feeds only its own rows.
+        local = distributed.local_rows(images, labels, example_ids)
+        state, metrics = strategy.train_step(state, *strategy.put_batch(*local), key)
         # At most two steps in flight: XLA:CPU's collectives can deadlock when many
         # multi-device programs are queued at once, and on accelerators one step of
         # look-ahead is all the overlap there is to gain.
@@ -298,6 +322,7 @@ RESUMABLE_ACROSS = frozenset({
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",
+    "coordinator", "num_processes", "process_id", "distributed",
     # Compared through what they determine (see `trajectory`):
     "epochs", "steps",                                 # -> total steps
     "dtype", "policy", "matmul_precision",             # -> dtype policy
@@ -517,6 +542,17 @@ class StopRequest:
                 if handler is not None:
                     signal.signal(s, handler)
 
+    def agreed(self) -> int | None:
+        """The signal to stop for, the same on every process (None: go on).
+
+        A SIGTERM may reach the processes of a job at different times, but they must all
+        stop after the same step (each step is a collective program all of them run), so
+        with several processes each process's signal number is all-gathered and the
+        largest wins. Every process calls this between the same steps; it costs one tiny
+        collective, which also waits for the step in flight (one step less of overlap).
+        """
+        return distributed.agree_max(self.signum or 0) or None
+
     def _handle(self, signum, frame):
         if self.signum is not None:
             raise KeyboardInterrupt  # the second signal: stop at once, save nothing
@@ -598,3 +634,41 @@ def _progress(total: int, desc: str, enabled: bool):
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def evaluate_checkpoint(args, make_strategy, log: Logger) -> dict:
+    """--eval-only: the newest intact checkpoint in --ckpt-dir, evaluated on the test split.
+
+    The model and dtype policy come from the checkpoint's own record of its flags, so
+    `--eval-only --ckpt-dir DIR` is all it needs; the strategy (script, devices, mesh) is
+    this run's, since checkpoints are stored unsharded.
+    """
+    from vit_pure.config import ViTConfig
+    from vit_pure.policy import Policy
+
+    if args.ckpt_dir is None:
+        raise UsageError("--eval-only needs --ckpt-dir")
+    path = checkpoint.latest(pathlib.Path(args.ckpt_dir), log=log)
+    if path is None:
+        raise UsageError(f"--eval-only: no intact checkpoint in {args.ckpt_dir}")
+    meta = checkpoint.read_meta(path)
+    saved = meta.get("config", {})
+    args.cfg = ViTConfig(**meta["model_config"]) if "model_config" in meta else args.cfg
+    args.model = args.cfg.name
+    args.policy_obj = Policy.parse(saved.get("policy") or saved.get("dtype", "fp32"),
+                                   saved.get("matmul_precision", "default"))
+    optimizer, _ = make_optimizer(args, 1)
+    # A full state for the strategy's placement; only the params are read back.
+    host_state = init_state(jax.random.key(0), args.cfg, args.policy_obj, optimizer)
+    host_state["params"] = checkpoint.restore(path, {"params": host_state["params"]})["params"]
+    args.accum_steps = 1
+    strategy = make_strategy(optimizer)
+    eval_batch = args.eval_batch or args.batch
+    data_lib.check_batch(eval_batch, strategy.batch_divisor, flag="--eval-batch")
+    splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)
+    step = int(checkpoint.restore(path, {"step": 0})["step"])
+    log(f"evaluating {path} ({args.cfg.name}, policy {args.policy_obj}) on the test split")
+    res = evaluate(strategy, strategy.put_state(host_state), splits["test"], eval_batch)
+    log(f"test: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} ({res['count']} images)",
+        split="test", step=step, checkpoint=str(path), **res)
+    return {"test": res}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from vit_pure import data as data_lib
+from vit_pure import randaugment as randaugment_lib
 from vit_pure.config import ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
@@ -60,21 +61,37 @@ def init_state(key, cfg: ViTConfig, policy: Policy, optimizer) -> dict:
 
 
 # --------------------------------------------------------------------------- step pieces
-def cross_entropy(logits, labels, num_classes: int, smoothing: float = 0.0):
-    """Per-example softmax cross-entropy in float32, with optional label smoothing."""
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes, dtype=F32), smoothing) \
-        if smoothing else jax.nn.one_hot(labels, num_classes, dtype=F32)
+def one_hot_targets(labels, num_classes: int, smoothing: float = 0.0):
+    """Float32 target distributions, with optional label smoothing."""
+    targets = jax.nn.one_hot(labels, num_classes, dtype=F32)
+    return optax.smooth_labels(targets, smoothing) if smoothing else targets
+
+
+def cross_entropy(logits, labels, num_classes: int, smoothing: float = 0.0, *, targets=None):
+    """Per-example softmax cross-entropy in float32 against `labels` (with optional label
+    smoothing) or against given soft `targets` (mixup / cutmix)."""
+    if targets is None:
+        targets = one_hot_targets(labels, num_classes, smoothing)
     return optax.softmax_cross_entropy(logits.astype(F32), targets)
 
 
-def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int):
+def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
+                   randaugment: tuple[int, int] = (0, 0)):
     """uint8 batch -> normalised float32, with the training augmentation (on device).
 
-    Models with another input size (the 224 px ImageNet presets) get the batch resized.
+    Training: random flip + resized crop (vit_pure.data), then, if `randaugment` =
+    (num_ops, magnitude) has num_ops > 0, RandAugment (vit_pure.randaugment), all on
+    [0, 1] pixels, each example's draws keyed by its global id; then the CIFAR-10
+    normalisation. Models with another input size (the 224 px presets) get the batch resized.
     """
-    x = data_lib.normalize(images_u8)
+    x = images_u8.astype(F32) * (1.0 / 255.0)
     if train:
         x = data_lib.augment(key, x, example_ids)
+        num_ops, magnitude = randaugment
+        if num_ops:
+            x = randaugment_lib.rand_augment(jax.random.fold_in(key, 1), x, example_ids,
+                                             num_ops=num_ops, magnitude=magnitude)
+    x = (x - jnp.asarray(data_lib.CIFAR10_MEAN, F32)) / jnp.asarray(data_lib.CIFAR10_STD, F32)
     if x.shape[1] != image_size:
         x = jax.image.resize(x, (x.shape[0], image_size, image_size, x.shape[3]), "bilinear")
     return x
@@ -90,6 +107,11 @@ class StepConfig:
     scan: bool = True
     remat: str = "none"
     augment: bool = True
+    # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
+    # alphas (0 = off). Mixing pairs examples within each device's slice of the batch.
+    randaugment: tuple[int, int] = (0, 0)
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
     # Gradient accumulation: each device's slice of the batch runs as this many
     # micro-batches, one after another, inside the compiled step (see `local_grads`).
     accum_steps: int = 1
@@ -100,7 +122,9 @@ class StepConfig:
         # strategy is built (it writes the choice back into args.accum_steps).
         accum = getattr(args, "accum_steps", 1)
         return cls(args.cfg, args.policy_obj, args.label_smoothing, args.grad_clip, args.scan,
-                   args.remat, accum_steps=1 if accum == "auto" else int(accum))
+                   args.remat, randaugment=tuple(getattr(args, "randaugment", (0, 0))),
+                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0),
+                   accum_steps=1 if accum == "auto" else int(accum))
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
@@ -130,14 +154,19 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     # The whole local slice is augmented at once, before it is cut into micro-batches,
     # so the images are exactly those a K = 1 step sees (uint8 -> f32 costs little memory).
     images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
-                            image_size=sc.cfg.image_size)
+                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
+    targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
+    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
+        images, targets = randaugment_lib.mix_batch(
+            jax.random.fold_in(aug_key, 2), images, targets,
+            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
 
-    def micro_grads(images, labels, example_ids):
+    def micro_grads(images, labels, targets, example_ids):
         def loss_fn(p):
             logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
                            example_ids=example_ids, scan=sc.scan, remat=sc.remat,
                            tp_axis=tp_axis, gather=gather)
-            loss = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
+            loss = cross_entropy(logits, labels, sc.cfg.num_classes, targets=targets).mean()
             return loss_scale.scale_loss(loss), (loss, logits)
 
         grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(params)
@@ -146,7 +175,7 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
 
     K = sc.accum_steps
     if K == 1:
-        return micro_grads(images, labels, example_ids)
+        return micro_grads(images, labels, targets, example_ids)
     if labels.shape[0] % K:
         raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does not "
                          f"divide into {K} micro-batches")
@@ -162,7 +191,7 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     # shard_map, e.g. "varying over 'data'", which scan needs the carry to keep.)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)
     total, metrics = jax.lax.scan(
-        accumulate, zeros, tuple(micro_batches(x) for x in (images, labels, example_ids)))
+        accumulate, zeros, tuple(micro_batches(x) for x in (images, labels, targets, example_ids)))
     # Equal-size micro-batches: the mean over the slice is the mean of the K means.
     grads = jax.tree.map(lambda t, p: (t / K).astype(p.dtype), total, params)
     return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)

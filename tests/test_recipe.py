@@ -1,0 +1,63 @@
+"""The recipe flags: --preset (explicit flags win), --randaugment / --mixup parsing, and
+--eval-only reproducing a run's final test metrics from its checkpoint."""
+import json
+
+import pytest
+
+import train_pmap
+import train_shardmap
+from vit_pure import cli
+
+SMALL = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "64",
+         "--synthetic-val", "32", "--synthetic-test", "48", "--batch", "16", "--no-progress",
+         "--accum-steps", "1"]
+
+
+def _parse(argv):
+    return cli.parse_args(train_shardmap.build_parser(), argv)
+
+
+def test_preset_sets_defaults_and_explicit_flags_win():
+    args = _parse(["--preset", "cpu-quick"])
+    for name, value in cli.RECIPES["cpu-quick"].items():
+        assert getattr(args, name) == value, name
+    args = _parse(["--preset", "cpu-quick", "--epochs", "3", "--model", "tiny"])
+    assert args.epochs == 3 and args.model == "tiny" and args.cfg.name == "tiny"
+    assert args.randaugment == cli.RECIPES["cpu-quick"]["randaugment"]
+
+
+@pytest.mark.parametrize("text, expected", [("2,9", (2, 9)), ("0", (0, 0)), ("1,0", (1, 0))])
+def test_randaugment_flag(text, expected):
+    assert _parse(["--randaugment", text]).randaugment == expected
+
+
+@pytest.mark.parametrize("text", ["2", "2,11", "a,b", "-1,5"])
+def test_bad_randaugment_flag_exits_2(text, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(["--randaugment", text])
+    assert e.value.code == 2 and "--randaugment" in capsys.readouterr().err
+
+
+def test_eval_only_reproduces_the_final_test_metrics(tmp_path):
+    log = tmp_path / "train.jsonl"
+    ckpt = tmp_path / "ckpt"
+    train_shardmap.main(SMALL + ["--steps", "2", "--mixup", "0.8", "--cutmix", "1.0",
+                                 "--ckpt-dir", str(ckpt), "--log-json", str(log)])
+    final = [json.loads(r) for r in log.read_text().splitlines() if '"split": "test"' in r][-1]
+    eval_log = tmp_path / "eval.jsonl"
+    # Another script, other flags for the model: the checkpoint says what it holds.
+    result = train_pmap.main(["--eval-only", "--ckpt-dir", str(ckpt), "--dataset", "synthetic",
+                              "--synthetic-train", "64", "--synthetic-val", "32",
+                              "--synthetic-test", "48", "--batch", "16",
+                              "--log-json", str(eval_log)])
+    record = json.loads(eval_log.read_text().splitlines()[-1])
+    assert record["split"] == "test" and record["count"] == 48
+    assert record["accuracy"] == final["accuracy"]
+    assert record["loss"] == pytest.approx(final["loss"], rel=1e-6)
+    assert result["test"]["count"] == 48
+
+
+def test_eval_only_without_checkpoints_is_one_clear_error(tmp_path, capsys):
+    code = cli.main_guard(lambda: train_pmap.main(
+        ["--eval-only", "--ckpt-dir", str(tmp_path / "none"), "--dataset", "synthetic"]))
+    assert code == 2 and "no intact checkpoint" in capsys.readouterr().err
