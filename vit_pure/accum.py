@@ -104,6 +104,18 @@ def device_budget(devices=None, safety: float = SAFETY, meminfo: str = "/proc/me
                   f"shared by {len(devices)} local devices")
 
 
+def resolve_budget(args, budget: Budget | None = None) -> Budget:
+    """`budget` if given, else `--memory-budget` (GiB for all local devices together, for a
+    shared machine), else the measured `device_budget()`."""
+    if budget is not None:
+        return budget
+    if getattr(args, "memory_budget", None):
+        n_local = len(jax.local_devices())
+        return Budget(args.memory_budget * GiB / n_local,
+                      f"--memory-budget {args.memory_budget:g} GiB over {n_local} local devices")
+    return device_budget()
+
+
 # --------------------------------------------------------------------------- measuring
 def candidates(per_device_batch: int) -> list[int]:
     """The possible K: the divisors of the per-device batch, smallest first."""
@@ -161,7 +173,8 @@ def build_strategy(args, make_strategy: Callable, optimizer, *, log: Callable = 
     `make_strategy(optimizer)` is the script's factory; it reads the step's settings from
     `args` (`StepConfig.from_args`), so for `--accum-steps auto` each candidate K is
     written into `args.accum_steps` before building, and the chosen K stays there.
-    `budget` overrides the measured device memory (tests pass a small one).
+    `budget` overrides the measured device memory (tests pass a small one), as does
+    `--memory-budget` (GiB for all local devices together: on a shared machine).
     """
     requested = args.accum_steps
     if requested != "auto":
@@ -172,7 +185,7 @@ def build_strategy(args, make_strategy: Callable, optimizer, *, log: Callable = 
     args.accum_steps = 1
     strategy = make_strategy(optimizer)
     per_device = check_accum_steps(1, args.batch, strategy.batch_divisor)
-    budget = budget or device_budget()
+    budget = resolve_budget(args, budget)
     inputs = train_step_inputs(strategy, args, optimizer)
     measured: list[StepMemory] = []
     ks = candidates(per_device)
