@@ -56,7 +56,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import cli, loop, step
+from vit_pure import cli, distributed, loop, step
 from vit_pure.model import init_params, param_axes
 
 DATA, MODEL = "data", "model"
@@ -378,21 +378,26 @@ class ShardMapStrategy:
         return NamedSharding(self.mesh, spec)
 
     def put_state(self, state):
+        # Each process places the blocks its own devices hold (every process has the
+        # whole host state; with several processes some devices belong to others).
         shardings = jax.tree.map(self._sharding, self.state_specs, is_leaf=_is_spec)
-        return jax.device_put(state, shardings)
+        return distributed.put_global(state, shardings)
 
     def put_batch(self, *arrays):
-        # The global batch, split over 'data' (and replicated over 'model').
-        return tuple(jax.device_put(a, self._sharding(P(DATA))) for a in arrays)
+        # This process's rows of the global batch (all of it with one process) -> the
+        # global batch, split over 'data' (and replicated over 'model').
+        return tuple(distributed.global_batch(a, self._sharding(P(DATA))) for a in arrays)
 
     def put_replicated(self, x):
-        return jax.device_put(x, self._sharding(P()))
+        return distributed.put_global(x, self._sharding(P()))
 
     def host_state(self, state) -> dict:
-        return jax.device_get(state)
+        # The whole state on every process: blocks on other processes are all-gathered.
+        return jax.tree.map(distributed.to_host, state)
 
     def metrics_to_host(self, metrics) -> dict:
-        return {k: float(v) for k, v in metrics.items()}
+        # The metrics are replicated (P()): every process reads its own copy.
+        return {k: float(distributed.to_host(v)) for k, v in metrics.items()}
 
 
 def build_parser():
