@@ -144,15 +144,22 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     There is deliberately no collective in here: the caller reduces the *summed*
     gradients over the data axis once per optimizer step, so K micro-batches cost one
     all-reduce, not K (reducing per micro-batch would move K times the bytes for the
-    same result, since the sum commutes with the all-reduce).
+    same result, since the sum commutes with the all-reduce). Under FSDP the sharded
+    weights are different: their all-gather and reduce-scatter sit inside each
+    micro-batch's forward and backward pass (the weights are gathered where they are
+    used), so K micro-batches cost K of those, as in any ZeRO-3 trainer.
 
-    (A pipeline, if one is added, nests inside this: each accumulation micro-batch
-    would itself be split into the pipeline's micro-batches, which fill the stages;
-    accumulation only repeats the whole pipelined forward/backward K times.)
+    A pipeline's micro-batches are another thing, and nest inside these: in
+    `pipeline.pipeline_grads` each accumulation micro-batch is itself split into the
+    pipeline's micro-batches, which fill the stages; accumulation repeats the whole
+    pipelined forward/backward K times. With FSDP (`gather`), the weights are gathered
+    inside the differentiated function, so every micro-batch gathers them again and
+    reduce-scatters its own gradient shards: K of each per step, the price of never
+    holding whole weights or gradients.
     """
     aug_key, drop_key = jax.random.split(key)
-    # The whole local slice is augmented at once, before it is cut into micro-batches,
-    # so the images are exactly those a K = 1 step sees (uint8 -> f32 costs little memory).
+    # The whole local slice is augmented (and mixed) at once, before it is cut into
+    # micro-batches, so the images and targets are exactly those a K = 1 step sees.
     images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
                             image_size=sc.cfg.image_size, randaugment=sc.randaugment)
     targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
