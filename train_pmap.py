@@ -28,15 +28,26 @@ class PmapStrategy:
     name = "pmap"
 
     def __init__(self, sc: step.StepConfig, optimizer, devices=None):
-        self.devices = jax.local_devices() if devices is None else list(devices)
+        if devices is None:
+            # Every device of every process, grouped by process: with several processes
+            # (vit_pure/distributed.py) process p feeds the devices at [p*L, (p+1)*L).
+            devices = [d for p in range(jax.process_count())
+                       for d in jax.local_devices(process_index=p)]
+        self.devices = list(devices)
         self.n_devices = self.batch_divisor = len(self.devices)
+        # The devices this process feeds: all of them, unless there are several processes.
+        self.local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
         self.sc = sc
-        # Arrays with a leading device axis: slice i lives on device i.
-        self._device_axis = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), PartitionSpec(AXIS))
+        # This process's arrays with a leading device axis: slice i lives on local device i.
+        # (Multi-process pmap takes and returns each process's *local* slices.)
+        self._device_axis = NamedSharding(Mesh(np.array(self.local_devices), (AXIS,)),
+                                          PartitionSpec(AXIS))
         self._build(optimizer)
 
     def describe(self) -> str:
-        return f"{self.n_devices} devices on axis '{AXIS}' ({self.devices[0].platform})"
+        procs = len({d.process_index for d in self.devices})
+        return (f"{self.n_devices} devices on axis '{AXIS}' ({self.devices[0].platform})"
+                + (f", {procs} processes" if procs > 1 else ""))
 
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):
@@ -70,16 +81,19 @@ class PmapStrategy:
 
     # -------------------------------------------------------------------- placement
     def put_state(self, state):
-        # Replicate: every array gets a leading device axis of size n, slice i on device i
-        # (a broadcast view on the host, copied once to each device).
+        # Replicate: every array gets a leading axis of size n (this process's devices),
+        # slice i on device i (a broadcast view on the host, copied once to each device).
+        n = len(self.local_devices)
+
         def replicate(x):
-            x = np.broadcast_to(np.asarray(x), (self.n_devices, *np.shape(x)))
+            x = np.broadcast_to(np.asarray(x), (n, *np.shape(x)))
             return jax.device_put(x, self._device_axis)
         return jax.tree.map(replicate, state)
 
     def put_batch(self, *arrays):
-        # Split the global batch into per-device slices: (B, ...) -> (n, B/n, ...).
-        n = self.n_devices
+        # This process's rows of the global batch (all of it with one process), split into
+        # per-device slices: (rows, ...) -> (n, rows/n, ...), n = this process's devices.
+        n = len(self.local_devices)
         return tuple(jax.device_put(a.reshape(n, a.shape[0] // n, *a.shape[1:]), self._device_axis)
                      for a in arrays)
 
@@ -87,10 +101,13 @@ class PmapStrategy:
         return x
 
     def host_state(self, state) -> dict:
-        return jax.device_get(jax.tree.map(lambda x: x[0], state))
+        # Every replica holds the whole state: read one of this process's, i.e. the
+        # block (1, ...) on one local device (no program runs, nothing crosses processes).
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], state)
 
     def metrics_to_host(self, metrics) -> dict:
-        return {k: float(np.asarray(v)[0]) for k, v in metrics.items()}
+        # The metrics were all-reduced, so every device (hence every process) has them.
+        return {k: float(np.asarray(v.addressable_data(0))[0]) for k, v in metrics.items()}
 
 
 def main(argv=None) -> dict:

@@ -4,7 +4,7 @@
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \
         --mesh data=2,model=4 --fsdp
 
-The mesh has two axes, `--mesh data=D,model=M` (D*M = the device count):
+The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device count):
 
 * 'data': the batch is split over it (data parallelism). With `--fsdp` the weight
   matrices and their optimizer state are split over it too (ZeRO-3 / fully sharded data
@@ -14,6 +14,15 @@ The mesh has two axes, `--mesh data=D,model=M` (D*M = the device count):
   split over it: q/k/v and fc1 are column-parallel, the attention output projection and
   fc2 row-parallel. The two operators that make this work are in vit_pure/model.py
   (`_copy_to_tp`, Megatron's "f", and `_reduce_from_tp`, its "g").
+* 'pipe': pipeline parallelism (GPipe), `--mesh ...,pipe=S --microbatches K`. The
+  encoder blocks' layer axis is split over it (P('pipe', ...) on 'layers'): each stage
+  holds depth/S contiguous blocks; the embedding runs on the first stage, the final
+  norm, head and loss on the last. Each device's batch slice runs as K micro-batches; the
+  schedule and its collectives (a `lax.ppermute` of activations per tick, psums over
+  'pipe') are in vit_pure/pipeline.py. The pipe-replicated embedding and head get their
+  gradient on one stage only; `pipeline.pipeline_grads` sums it over 'pipe' explicitly.
+  With `--fsdp` each stage gathers its own layers once per step, before the tick loop
+  (so `--remat block` does not gather them again in the backward pass).
 
 Which array is split over which axis comes from the parameters' logical axis names and the
 two small rule tables `TP_RULES` and `FSDP_RULES` below.
@@ -56,10 +65,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import cli, distributed, loop, step
+from vit_pure import cli, distributed, loop, pipeline, step
 from vit_pure.model import init_params, param_axes
 
-DATA, MODEL = "data", "model"
+DATA, MODEL, PIPE = "data", "model", "pipe"
 
 # ------------------------------------------------------------------------ sharding rules
 # Logical axis name -> mesh axis. Every axis not named here is replicated.
@@ -72,11 +81,15 @@ TP_RULES = {"heads": MODEL, "mlp": MODEL}
 # token) stay replicated: well under 1% of the bytes, and each would cost a collective.
 FSDP_RULES = {"embed": DATA}
 FSDP_MIN_RANK = 2  # a leaf counts as a matrix if it has >= 2 axes besides 'layers'
+# Pipeline parallelism (pipe=S > 1): the stacked blocks' layer axis is split over 'pipe',
+# so each stage holds depth/S contiguous layers. Everything else is replicated over 'pipe'.
+PIPE_RULES = {"layers": PIPE}
 
 
 def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
-    """`data=D[,model=M]` -> {'data': D, 'model': M}; D*M must equal the device count."""
-    sizes = {DATA: None, MODEL: 1}
+    """`data=D[,model=M][,pipe=S]` -> {'data': D, 'model': M, 'pipe': S}; D*M*S must
+    equal the device count (D defaults to what is left)."""
+    sizes = {DATA: None, MODEL: 1, PIPE: 1}
     seen = set()
     if text:
         for item in text.split(","):
@@ -85,18 +98,21 @@ def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
             if (not sep or name not in sizes or name in seen or not value.strip().isdigit()
                     or int(value) < 1):
                 raise cli.UsageError(
-                    f"--mesh {text!r}: expected data=D,model=M with positive integers")
+                    f"--mesh {text!r}: expected data=D,model=M,pipe=S with positive "
+                    f"integers")
             seen.add(name)
             sizes[name] = int(value)
     if sizes[DATA] is None:
-        if n_devices % sizes[MODEL]:
-            raise cli.UsageError(
-                f"--mesh: model={sizes[MODEL]} does not divide the {n_devices} devices")
-        sizes[DATA] = n_devices // sizes[MODEL]
-    if sizes[DATA] * sizes[MODEL] != n_devices:
+        rest = sizes[MODEL] * sizes[PIPE]
+        if n_devices % rest:
+            what = f"model={rest}" if sizes[PIPE] == 1 else f"model*pipe = {rest}"
+            raise cli.UsageError(f"--mesh: {what} does not divide the {n_devices} devices")
+        sizes[DATA] = n_devices // rest
+    total = sizes[DATA] * sizes[MODEL] * sizes[PIPE]
+    if total != n_devices:
+        what = "data*model" if sizes[PIPE] == 1 else "data*model*pipe"
         raise cli.UsageError(
-            f"--mesh {text}: data*model = {sizes[DATA] * sizes[MODEL]} but there are "
-            f"{n_devices} devices")
+            f"--mesh {text}: {what} = {total} but there are {n_devices} devices")
     return sizes
 
 
@@ -108,6 +124,10 @@ def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
             raise cli.UsageError(f"--mesh model={m}: {cfg.heads} heads do not divide by {m}")
         if cfg.mlp_dim % m:
             raise cli.UsageError(f"--mesh model={m}: MLP width {cfg.mlp_dim} does not divide by {m}")
+    pipe = mesh_sizes.get(PIPE, 1)
+    if pipe > 1 and cfg.depth % pipe:
+        raise cli.UsageError(f"--mesh pipe={pipe}: depth {cfg.depth} does not split into "
+                             f"{pipe} equal stages")
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
 
     def spec(names, shape):
@@ -115,6 +135,8 @@ def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
         axes = []
         for name, size in zip(names, shape.shape):
             axis = TP_RULES.get(name) if m > 1 else None
+            if axis is None and pipe > 1:
+                axis = PIPE_RULES.get(name)
             if axis is None and fsdp and d > 1 and is_matrix and size % d == 0:
                 axis = FSDP_RULES.get(name)
             axes.append(axis)
@@ -241,7 +263,7 @@ def format_layout(specs, params_shapes, opt_state_shapes, opt_specs, optimizer,
     opt_total = sum(opt_rows.values())
     rows.append(f"  total: params {total:,} B/device (data parallel {dp_params:,}: "
                 f"/{dp_params / total:.2f}); optimizer state {opt_total:,} B/device "
-                f"(data parallel {dp_opt:,}: /{dp_opt / opt_total:.2f})")
+                f"(data parallel {dp_opt:,}: /{dp_opt / max(opt_total, 1):.2f})")
     return "\n".join(rows)
 
 
@@ -250,11 +272,20 @@ class ShardMapStrategy:
     name = "shard_map"
 
     def __init__(self, sc: step.StepConfig, optimizer, mesh_text: str | None = None,
-                 devices=None, fsdp: bool = False):
+                 devices=None, fsdp: bool = False, microbatches: int | None = None):
         devices = jax.devices() if devices is None else devices
         sizes = parse_mesh(mesh_text, len(devices))
-        self.mesh = jax.make_mesh((sizes[DATA], sizes[MODEL]), (DATA, MODEL),
-                                  axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+        # 'model' innermost: neighbouring devices (the fastest links) carry tensor
+        # parallelism's all-reduces in every layer; 'pipe' moves one activation per tick.
+        self.mesh = jax.make_mesh((sizes[DATA], sizes[PIPE], sizes[MODEL]), (DATA, PIPE, MODEL),
+                                  axis_types=(AxisType.Auto,) * 3, devices=devices)
+        # Pipeline: S stages, K micro-batches per device slice (default K = S).
+        self.stages = sizes[PIPE]
+        if microbatches is not None and self.stages == 1:
+            raise cli.UsageError("--microbatches needs a pipeline: add pipe=S to --mesh")
+        self.microbatches = self.stages if microbatches is None else microbatches
+        if self.microbatches < 1:
+            raise cli.UsageError(f"--microbatches must be >= 1, got {self.microbatches}")
         self.batch_divisor = sizes[DATA]
         self.sc = sc
         self.fsdp = fsdp
@@ -278,10 +309,24 @@ class ShardMapStrategy:
     def describe(self) -> str:
         fsdp = "on" if any(DATA in mesh_axes(s) for s in
                            jax.tree.leaves(self.param_specs, is_leaf=_is_spec)) else "off"
+        plan = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches)
+                if self.stages > 1 else "")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
                 f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
-                f"  {self._measured()}")
+                f"  {self._measured()}{plan}")
+
+    def check_batch(self, global_batch: int) -> None:
+        """UsageError unless each device's slice of the batch splits into the pipeline's
+        micro-batches (and the accumulation steps, which nest outside them)."""
+        d = self.mesh.shape[DATA]
+        per = global_batch // d // self.sc.accum_steps
+        if self.stages > 1 and global_batch % d == 0 and per % self.microbatches:
+            raise cli.UsageError(
+                f"--batch {global_batch}: the per-device batch {per} (over data={d}"
+                + (f" and {self.sc.accum_steps} accumulation steps" if self.sc.accum_steps > 1
+                   else "")
+                + f") does not divide into --microbatches {self.microbatches}")
 
     def _measured(self) -> str:  # measured once per strategy: describe() may be called again
         if self._measured_line is None:
@@ -319,9 +364,14 @@ class ShardMapStrategy:
             params = jax.tree.map(
                 lambda x, s: x if over_data(s) else lax.pcast(x, DATA, to="varying"),
                 state["params"], specs)
-            grads, metrics = step.local_grads(
-                sc, params, state["loss_scale"], images, labels, example_ids, key,
-                tp_axis=tp, gather=gather)
+            if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline.py)
+                grads, metrics = pipeline.pipeline_grads(
+                    sc, params, state["loss_scale"], images, labels, example_ids, key,
+                    pipe_axis=PIPE, microbatches=self.microbatches, tp_axis=tp, gather=gather)
+            else:
+                grads, metrics = step.local_grads(
+                    sc, params, state["loss_scale"], images, labels, example_ids, key,
+                    tp_axis=tp, gather=gather)
             # All-reduce (mean) over 'data' of the gradients of the data-replicated params:
             # local -> global mean loss. FSDP shards skip this: their gradients were
             # reduce-scattered (mean) over 'data' in fsdp_gather's backward pass. (The
@@ -336,7 +386,8 @@ class ShardMapStrategy:
             # The global gradient norm (for clipping and the overflow check). Each device
             # holds blocks of the sharded gradients: sum the squares of each group of
             # leaves locally, then all-reduce (sum) that scalar over the mesh axes the
-            # group is split over ('model' for TP, 'data' for FSDP, or both).
+            # group is split over ('model' for TP, 'data' for FSDP, 'pipe' for the blocks
+            # of a pipeline, or several).
             groups = collections.defaultdict(list)
             for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=_is_spec)):
                 groups[tuple(sorted(mesh_axes(s)))].append(g)
@@ -353,8 +404,13 @@ class ShardMapStrategy:
             return state, metrics
 
         def eval_step(state, images, labels, mask):
-            sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp,
-                                   gather=gather)
+            if self.stages > 1:
+                sums = pipeline.pipeline_eval(sc, state["params"], images, labels, mask,
+                                              pipe_axis=PIPE, microbatches=self.microbatches,
+                                              tp_axis=tp, gather=gather)
+            else:
+                sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp,
+                                       gather=gather)
             # All-reduce (sum) of loss / correct / count over 'data' (padding is masked).
             return lax.psum(sums, DATA)
 
@@ -385,7 +441,7 @@ class ShardMapStrategy:
 
     def put_batch(self, *arrays):
         # This process's rows of the global batch (all of it with one process) -> the
-        # global batch, split over 'data' (and replicated over 'model').
+        # global batch, split over 'data' (and replicated over 'model' and 'pipe').
         return tuple(distributed.global_batch(a, self._sharding(P(DATA))) for a in arrays)
 
     def put_replicated(self, x):
@@ -403,8 +459,12 @@ class ShardMapStrategy:
 def build_parser():
     parser = cli.build_parser(__doc__.splitlines()[0])
     parser.add_argument("--mesh", default=None,
-                        help="mesh sizes, e.g. data=8 or data=2,model=4 (default: all "
-                             "devices on data); model splits heads and MLP width")
+                        help="mesh sizes, e.g. data=8 or data=2,model=4 or "
+                             "data=2,model=2,pipe=2 (default: all devices on data); model "
+                             "splits heads and MLP width, pipe the layers into stages")
+    parser.add_argument("--microbatches", type=int, default=None, metavar="K",
+                        help="pipeline (pipe=S > 1): each device's batch slice runs as K "
+                             "micro-batches; bubble fraction (S-1)/(K+S-1) (default: S)")
     parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                         help="shard weight matrices and their optimizer state over 'data' "
                              "(ZeRO-3); the gathered weights are kept for the backward "
@@ -414,8 +474,13 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
-    return loop.run(args, lambda optimizer: ShardMapStrategy(
-        step.StepConfig.from_args(args), optimizer, args.mesh, fsdp=args.fsdp))
+    def make_strategy(optimizer):
+        strategy = ShardMapStrategy(step.StepConfig.from_args(args), optimizer, args.mesh,
+                                    fsdp=args.fsdp, microbatches=args.microbatches)
+        strategy.check_batch(args.batch)
+        return strategy
+
+    return loop.run(args, make_strategy)
 
 
 if __name__ == "__main__":

@@ -101,19 +101,19 @@ def test_local_grads_rejects_k_not_dividing_the_batch():
 
 
 # ------------------------------------------------------------- the scripts' train steps
-def _strategy(kind, sc, optimizer, mesh=None):
+def _strategy(kind, sc, optimizer, mesh=None, fsdp=False):
     if kind == "pmap":
         return train_pmap.PmapStrategy(sc, optimizer)
-    return train_shardmap.ShardMapStrategy(sc, optimizer, mesh)
+    return train_shardmap.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
 
 
-def _three_steps(kind, mesh, accum_steps, remat):
+def _three_steps(kind, mesh, accum_steps, remat, fsdp=False):
     """Params and losses after 3 optimizer steps of a script's real train step."""
     # SGD with momentum rather than Adam: Adam divides by sqrt(v), which blows the
     # last-bit differences of near-zero gradients up to learning-rate size.
     optimizer = optax.sgd(0.1, momentum=0.9)
     sc = step.StepConfig(CFG, Policy(), remat=remat, accum_steps=accum_steps)
-    strategy = _strategy(kind, sc, optimizer, mesh)
+    strategy = _strategy(kind, sc, optimizer, mesh, fsdp)
     state = strategy.put_state(step.init_state(jax.random.key(0), CFG, sc.policy, optimizer))
     losses = []
     for i in range(3):
@@ -128,14 +128,17 @@ def reference_three_steps():
     return _three_steps("shard_map", "data=8", 1, "none")
 
 
-@pytest.mark.parametrize("kind,mesh,accum_steps,remat", [
-    ("pmap", None, 2, "none"),
-    ("shard_map", "data=8", 4, "block"),
-    ("shard_map", "data=4,model=2", 2, "block-save-dots"),
+@pytest.mark.parametrize("kind,mesh,accum_steps,remat,fsdp", [
+    ("pmap", None, 2, "none", False),
+    ("shard_map", "data=8", 4, "block", False),
+    ("shard_map", "data=4,model=2", 2, "block-save-dots", False),
+    # FSDP: each micro-batch gathers the weights and reduce-scatters its own gradients.
+    ("shard_map", "data=4,model=2", 4, "block", True),
 ])
-def test_three_steps_match_reference(reference_three_steps, kind, mesh, accum_steps, remat):
+def test_three_steps_match_reference(reference_three_steps, kind, mesh, accum_steps, remat,
+                                     fsdp):
     ref_params, ref_losses = reference_three_steps
-    params, losses = _three_steps(kind, mesh, accum_steps, remat)
+    params, losses = _three_steps(kind, mesh, accum_steps, remat, fsdp)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _max_rel_diff(params, ref_params) < 1e-5
     # The parameters moved: a step that did nothing would not match by accident.
@@ -230,33 +233,46 @@ def test_accum_steps_flag_default_is_auto():
 
 
 @functools.lru_cache(maxsize=None)
-def _auto(budget_bytes):
-    """build_strategy with --accum-steps auto and an injected budget; (K, its log record)."""
+def _auto(budget_gib):
+    """--accum-steps auto with an injected --memory-budget; (K, its log record)."""
     args = cli.parse_args(train_shardmap.build_parser(), [
-        "--model", "tiny", "--batch", "64", "--mesh", "data=8"])
+        "--model", "tiny", "--batch", "64", "--mesh", "data=8",
+        "--memory-budget", repr(budget_gib)])
     # No dropout here: it changes nothing about memory, and halves the compile time.
     args.cfg = CFG.replace(dropout=0.0, drop_path=0.0)
     records = []
     strategy = accum.build_strategy(
         args, lambda opt: train_shardmap.ShardMapStrategy(step.StepConfig.from_args(args), opt,
                                                           args.mesh),
-        optax.sgd(0.1, momentum=0.9), log=lambda text, **record: records.append(record),
-        budget=accum.Budget(budget_bytes, "test"))
+        optax.sgd(0.1, momentum=0.9), log=lambda text, **record: records.append(record))
     assert strategy.sc.accum_steps == args.accum_steps
-    return args.accum_steps, [r for r in records if r.get("event") == "accum_steps"][0]
+    record = [r for r in records if r.get("event") == "accum_steps"][0]
+    # The budget is the flag's, shared by the 8 devices.
+    assert record["budget_bytes_per_device"] == budget_gib * accum.GiB / 8
+    return args.accum_steps, record
 
 
 def test_auto_picks_one_micro_batch_when_memory_is_plentiful():
-    k, record = _auto(1e12)
+    k, record = _auto(1000.0)
     assert k == 1 and record["compiled"] == [1]
 
 
 def test_auto_picks_more_micro_batches_under_a_small_budget():
-    _, plenty = _auto(1e12)
+    _, plenty = _auto(1000.0)
     one_pass = plenty["estimate_bytes_per_device"]
-    k, record = _auto(one_pass - 1)  # K=1 is one byte too big
+    k, record = _auto((one_pass - 1) * 8 / accum.GiB)  # K=1 is one byte too big
     assert k > 1 and record["compiled"][0] == 1
     assert record["estimate_bytes_per_device"] <= one_pass - 1
+
+
+def test_auto_budget_can_be_injected():
+    budget = accum.Budget(1e12, "test")
+    args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny", "--batch", "64"])
+    assert accum.resolve_budget(args, budget) is budget
+    args = cli.parse_args(train_shardmap.build_parser(), ["--memory-budget", "2"])
+    assert accum.resolve_budget(args, None).bytes_per_device == 2 * accum.GiB / 8
+    with pytest.raises(SystemExit):
+        cli.parse_args(train_shardmap.build_parser(), ["--memory-budget", "0"])
 
 
 def test_budget_on_cpu_shares_host_ram_between_devices(tmp_path):

@@ -96,12 +96,16 @@ def test_gradients_equal_single_device_reference(kind, n, reference_grads):
     assert np.abs(grads["blocks"]["mlp"]["fc1"]["kernel"]).max() > 1e-4
 
 
-def test_pmap_and_shardmap_gradients_agree_bitwise():
-    # Same per-device programs, same all-reduce: XLA:CPU gives identical bits.
+def test_pmap_and_shardmap_gradients_agree_to_the_last_bits():
+    # Not bitwise: XLA fuses the two programs differently, so a few entries differ in the
+    # last bits; the check is at float32 rounding level, relative to the gradient norm.
     g_pmap = _grads_via_sgd("pmap", _sc(), 8)
     g_shard = _grads_via_sgd("shard_map", _sc(), 8)
-    for a, b in zip(jax.tree.leaves(g_pmap), jax.tree.leaves(g_shard)):
-        np.testing.assert_array_equal(a, b)
+    differing = sum(int(np.sum(a != b)) for a, b in zip(jax.tree.leaves(g_pmap), jax.tree.leaves(g_shard)))
+    total = sum(a.size for a in jax.tree.leaves(g_pmap))
+    print(f"pmap vs shard_map: {differing} of {total} gradient entries differ in any bit, "
+          f"max difference {_max_rel_diff(g_pmap, g_shard):.2e} of the gradient norm")
+    assert _max_rel_diff(g_pmap, g_shard) <= 1e-7
 
 
 def test_bf16_gradients_close_to_f32_reference(reference_grads):
@@ -155,14 +159,14 @@ def _lowered(kind, n=8):
 @pytest.mark.parametrize("kind", ["pmap", "shard_map"])
 def test_collective_inventory_is_what_the_code_writes(kind):
     """StableHLO (before XLA's combiner) has one all_reduce per reduced array: the
-    gradient pmean (one per param leaf), the metrics pmean (loss, accuracy), and for
-    shard_map the psum over 'model' of the sharded params' squared norm (a size-1 axis
-    here). Nothing else: no gather, no scatter, no permute. The compiled program may merge
+    gradient pmean (one per param leaf) and the metrics pmean (loss, accuracy). Nothing
+    else: no gather, no scatter, no permute. (With pure data parallelism no leaf is
+    sharded, so the gradient norm needs no collective.) The compiled program may merge
     all-reduces, but must not add any other kind of collective."""
     lowered = _lowered(kind)
     n_params = len(jax.tree.leaves(_state(_sc(), optax.sgd(1.0))["params"]))
     hlo = lowered.as_text()
-    expected = n_params + 2 + (1 if kind == "shard_map" else 0)
+    expected = n_params + 2
     assert hlo.count('"stablehlo.all_reduce"') == expected
     for other in ("all_gather", "reduce_scatter", "collective_permute", "all_to_all"):
         assert f"stablehlo.{other}" not in hlo

@@ -13,16 +13,20 @@ written by the script). This module decides K and builds the script's strategy w
   .memory_analysis()` gives, per device, the bytes of the step's arguments (state and
   batch), outputs and temporaries (activations, gradients, optimizer scratch). Candidate
   K are the divisors of the per-device batch, tried in increasing order; the first that
-  fits wins. Compiling is not free (seconds per candidate for vit-cifar on a CPU), so
-  once two candidates are measured the rest are predicted with bytes(K) = a + b / K (the
-  activations shrink with the micro-batch, the rest does not) and skipped while the
-  prediction is clearly over budget; the answer is always a compiled, measured K.
+  fits wins. Compiling is not free (tens of seconds per candidate for vit-cifar on a
+  2-core CPU), so once two candidates are measured the rest are predicted with
+  bytes(K) = a + b / K (the activations shrink with the micro-batch, the rest does not)
+  and skipped while the prediction is clearly over budget; the answer is always a
+  compiled, measured K, and that compilation is not wasted: jit caches it, and the
+  loop's first step reuses it.
 
 Device memory: `device.memory_stats()["bytes_limit"]` (GPU, TPU). The CPU backend reports
 none, so there the budget is the host's available RAM (/proc/meminfo MemAvailable),
 shared by all the local (fake) devices: each one's estimate is multiplied by their count.
 A safety margin (`SAFETY`) leaves room for what XLA's analysis does not see: the host's
 copy of the data, the runtime's own buffers, the next batch in flight, fragmentation.
+On a machine shared with other jobs, `--memory-budget GIB` sets the budget instead. With
+several processes each measures its own memory, and all take the largest K any chose.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import jax
 import numpy as np
 
 from vit_pure import data as data_lib
+from vit_pure import distributed
 from vit_pure.cli import UsageError
 from vit_pure.step import init_state
 
@@ -135,7 +140,8 @@ def train_step_inputs(strategy, args, optimizer) -> tuple:
     size = args.cfg.image_size
     batch = (np.zeros((args.batch, size, size, args.cfg.channels), np.uint8),
              np.zeros((args.batch,), np.int32), np.zeros((args.batch,), np.int32))
-    placed = (strategy.put_state(zeros), *strategy.put_batch(*batch),
+    # As in the loop: each process feeds its own rows of the global batch.
+    placed = (strategy.put_state(zeros), *strategy.put_batch(*distributed.local_rows(*batch)),
               strategy.put_replicated(jax.random.key(0)))
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -203,16 +209,25 @@ def build_strategy(args, make_strategy: Callable, optimizer, *, log: Callable = 
     else:
         log(f"--accum-steps auto: even K={per_device} (one example per micro-batch) needs "
             f"more than the budget; running with it anyway (try --remat block)")
+    # With several processes, each measured its own memory, but all must run the same
+    # program: they take the largest K any of them chose (an all-gather of one number).
+    agreed = distributed.agree_max(args.accum_steps)
+    if agreed != args.accum_steps:
+        log(f"--accum-steps auto: this process chose K={args.accum_steps}, another needs "
+            f"K={agreed}; using K={agreed}")
+        args.accum_steps = agreed
+        strategy = make_strategy(optimizer)
     n_local = len(jax.local_devices())
     log(f"--accum-steps auto: K={args.accum_steps} micro-batches of "
         f"{per_device // args.accum_steps} per device per step; XLA's estimate {measured[-1]}, "
         f"x {n_local} local devices = {_size(n_local * measured[-1].total)}; budget "
-        f"{_size(budget.bytes_per_device)} per device ({budget.source}); compiled "
-        f"K = {', '.join(str(m.accum_steps) for m in measured)}",
+        f"{_size(budget.bytes_per_device)} per device ({budget.source}); compiled: "
+        f"{', '.join(f'K={m.accum_steps} {_size(m.total)}' for m in measured)}",
         event="accum_steps", accum_steps=args.accum_steps,
         estimate_bytes_per_device=measured[-1].total,
         budget_bytes_per_device=budget.bytes_per_device,
-        compiled=[m.accum_steps for m in measured])
+        compiled=[m.accum_steps for m in measured],
+        compiled_bytes_per_device=[m.total for m in measured])
     return strategy
 
 

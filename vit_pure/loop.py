@@ -318,7 +318,8 @@ def _stopped(args, strategy, state, step, reason, ckpts, log, last) -> dict:
 # and the checkpoint / profiling plumbing. Every other flag fixes the trajectory and must
 # match; a flag added later is compared unless it is listed here.
 RESUMABLE_ACROSS = frozenset({
-    "cpu_devices", "mesh", "fsdp", "accum_steps", "scan", "remat",
+    "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
+    "eval_only",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",

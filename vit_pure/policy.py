@@ -122,9 +122,31 @@ def cast_floating(tree, dtype):
 
 
 # --------------------------------------------------------------------------------- matmul
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
     """``x @ w`` for x (..., K) and w (K, N), accumulating and returning float32.
+
+    Inside shard_map, an operand that is invariant over a mesh axis the other varies
+    over is first cast to varying, as jnp.matmul would do implicitly; doing it out here,
+    outside the custom VJP below, lets autodiff transpose that cast as usual.
+    """
+    vx, vw = _varying_axes(x), _varying_axes(w)
+    if vx - vw:
+        w = jax.lax.pcast(w, tuple(sorted(vx - vw)), to="varying")
+    if vw - vx:
+        x = jax.lax.pcast(x, tuple(sorted(vw - vx)), to="varying")
+    return _matmul(x, w, precision)
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over, inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; earlier: aval.vma
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
+    """``x @ w`` accumulating in float32 (see `matmul`).
 
     Inputs are expected in the compute dtype. Plain autodiff of a dot with
     ``preferred_element_type=float32`` would hand the backward pass a float32 cotangent and
@@ -136,7 +158,7 @@ def matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
 
 
 def _matmul_fwd(x, w, precision):
-    return matmul(x, w, precision), (x, w)
+    return _matmul(x, w, precision), (x, w)
 
 
 def _matmul_bwd(precision, residuals, g):
@@ -149,7 +171,7 @@ def _matmul_bwd(precision, residuals, g):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 # ----------------------------------------------------------------------------- loss scale
