@@ -378,7 +378,7 @@ def test_measured_bytes_per_device_drop_by_the_sharding_factor(vit_cifar_state, 
 @pytest.mark.parametrize("text, message", [
     ("data=2,model=2", "data*model = 4 but there are 8 devices"),
     ("model=3", "model=3 does not divide the 8 devices"),
-    ("pipe=2", "expected data=D,model=M"),
+    ("pipe=0", "expected data=D,model=M"),
     ("data=two", "expected data=D,model=M"),
     ("data=0,model=8", "expected data=D,model=M"),
     ("data=2,data=4", "expected data=D,model=M"),

@@ -30,6 +30,9 @@ import train_pmap
 import train_shardmap
 from vit_pure import checkpoint, cli, loop, step
 
+# Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "64",
         "--synthetic-val", "32", "--synthetic-test", "32", "--steps", "3", "--batch", "16",

@@ -115,6 +115,7 @@ def test_bf16_gradients_close_to_f32_reference(reference_grads):
     assert _max_rel_diff(grads, reference_grads) > 1e-7  # really computed in bf16
 
 
+@pytest.mark.slow  # compiles five strategies: ~2 minutes on 2 cores
 def test_params_after_5_adamw_steps_agree_everywhere():
     sc = step.StepConfig(CFG, Policy(), grad_clip=1.0)
     opt = optax.adamw(1e-3, weight_decay=0.05, mask=step.decay_mask)
