@@ -13,14 +13,16 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
               configuration: scan=0|1, remat=NAME, accum=K, precision=default|high|highest
 Give several with repeated --config flags or separated by ';' (or both).
 
-What is timed is what training runs. Each configuration builds the training script's own
-strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy) and drives its
-compiled `train_step` as vit_pure.loop.run does: host batches cut from a synthetic
-CIFAR-shaped uint8 split by data.train_batches, put on the devices every step, the
-state donated, on-device augmentation, dropout, the gradient all-reduce, clipping,
-AdamW and the metric reductions included, one step in flight while the next is
-dispatched. A step's time is the interval between the completions of two consecutive
-steps; the table shows the median over --steps timed steps after --warmup steps.
+What is timed is what training runs. Each configuration parses its settings with the
+training scripts' own parser (vit_pure.cli), so every default of the recipe is in
+(augmentation and RandAugment, label smoothing, clipping, AdamW and its schedule), builds
+the script's own strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy)
+and drives its compiled `train_step` as vit_pure.loop.run does: host batches cut from a
+synthetic CIFAR-shaped uint8 split by data.train_batches and put on the devices every
+step, the state donated, dropout, the gradient all-reduce and the metric reductions
+included, one step in flight while the next is dispatched. A step's time is the
+interval between the completions of two consecutive steps; the table shows the median
+over --steps timed steps after --warmup steps (and one untimed step at the end).
 
 Each configuration runs in a fresh Python process, given exactly as many fake CPU
 devices as its layout needs (XLA_FLAGS is set there before jax starts its backend), so
@@ -28,7 +30,12 @@ configurations do not share memory, caches or a process-wide peak RSS.
 
 Columns:
     img/s, step ms      median step, as above
-    compile s           lowering + XLA compilation of the train step
+    img/CPU-s           images per second of CPU time this process used (all threads),
+                        median step: on a shared machine, the figure other processes'
+                        load disturbs least (an idle host with C cores reaches at most
+                        C x this)
+    compile s (CPU s)   lowering + XLA compilation of the train step, wall-clock (and
+                        this process's CPU time, which other processes disturb less)
     GFLOP/img           model FLOPs per training image, counted from the config
                         (`train_flops_per_image`): matmuls only, training = 3 x forward
     XLA GFLOP/img       the compiled program's own count (`cost_analysis()['flops']`, per
@@ -45,6 +52,8 @@ Columns:
                         the host's cores, so this is the whole host's ceiling; on an
                         accelerator it is one device's, times the device count.
     MFU                 TFLOP/s / ceiling
+    MFU (CPU time)      the same ratio with both sides per CPU-second instead of per
+                        wall-second (CPU backend: robust to load from other processes)
     MFU (datasheet)     TFLOP/s / (published dense peak x devices) on known accelerators
     mem/dev             peak bytes per device: device.memory_stats() where the backend
                         has it (GPU, TPU), else the compiled step's memory_analysis():
@@ -208,21 +217,23 @@ def layout_devices(layout: str, default: int | None) -> int | None:
 
 
 # ------------------------------------------------------------------ measuring, in-process
-def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5) -> float:
-    """FLOP/s of one jitted size^3 matmul on the default device: compute-dtype inputs,
-    float32 accumulation, as the model's matmuls run. Median of `runs` after a warm-up."""
+def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5) -> tuple[float, float]:
+    """Throughput of one jitted size^3 matmul on the default device: compute-dtype inputs,
+    float32 accumulation, as the model's matmuls run. Returns (FLOP per second of wall
+    time, FLOP per second of this process's CPU time), medians of `runs` after a warm-up."""
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (size, size), jnp.float32).astype(compute_dtype)
     b = jax.random.normal(kb, (size, size), jnp.float32).astype(compute_dtype)
     f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision,
                                         preferred_element_type=jnp.float32))
     jax.block_until_ready(f(a, b))
-    times = []
+    wall, cpu = [], []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(f(a, b))
-        times.append(time.perf_counter() - t0)
-    return 2 * size ** 3 / statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return 2 * size ** 3 / statistics.median(wall), 2 * size ** 3 / statistics.median(cpu)
 
 
 def published_peak(device, policy: Policy) -> float | None:
@@ -237,20 +248,21 @@ def published_peak(device, policy: Policy) -> float | None:
     return None
 
 
-class _Args:
-    """The few fields step.make_optimizer reads (the scripts' defaults)."""
-    lr, weight_decay, warmup_steps = 1e-3, 0.05, None
-
-
-def make_step_config(cfg: ViTConfig, policy: Policy, *, scan=True, remat="none",
-                     accum=1) -> step.StepConfig:
-    fields = {f.name for f in dataclasses.fields(step.StepConfig)}
-    extra = {}
-    if accum != 1:
-        if "accum_steps" not in fields:
-            raise cli.UsageError("accum: this checkout's StepConfig has no accum_steps")
-        extra["accum_steps"] = accum
-    return step.StepConfig(cfg, policy, scan=scan, remat=remat, **extra)
+def training_setup(model: str, batch: int, policy: str, *, precision: str = "default",
+                   scan: bool = True, remat: str = "none", accum: int = 1,
+                   total_steps: int = 1000) -> tuple[step.StepConfig, object]:
+    """The step's settings and the optimizer exactly as the training scripts build them:
+    their own parser, so every default of the real recipe (augmentation, RandAugment,
+    label smoothing, clipping, AdamW and its schedule) is in, plus these flags."""
+    argv = ["--model", model, "--batch", str(batch), "--policy", policy,
+            "--matmul-precision", precision, "--scan" if scan else "--no-scan",
+            "--remat", remat, "--accum-steps", str(accum), "--dataset", "synthetic"]
+    try:
+        args = cli.parse_args(cli.build_parser("bench"), argv)
+    except SystemExit:  # argparse has printed why
+        raise cli.UsageError(f"the training scripts refuse {' '.join(argv)}") from None
+    optimizer, _ = step.make_optimizer(args, total_steps)
+    return step.StepConfig.from_args(args), optimizer
 
 
 def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices):
@@ -279,7 +291,8 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
                        steps: int, warmup: int, seed: int = 0) -> dict:
     """Compile the strategy's train_step and time it as loop.run drives it.
 
-    Returns compile_s, step_s (the timed steps' intervals), loss (after all
+    Returns compile_s, step_s (the timed steps' intervals), step_cpu_s (the CPU time
+    this process used in each of them, all threads), loss (after all
     warmup + steps + 1 steps), lowered, compiled, param_bytes, opt_state_bytes.
     """
     host_state = step.init_state(jax.random.key(seed), sc.cfg, sc.policy, optimizer)
@@ -295,27 +308,31 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
         return (*strategy.put_batch(images, labels, example_ids),
                 strategy.put_replicated(step.step_key(seed, 0, i)))
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = strategy.train_step.lower(state, *inputs(0))
     compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
     # One step more than timed: where dispatch turns out synchronous (the call returns
     # only when the step is done, as XLA:CPU may do), a step's completion is observed
     # one call late, and the extra step keeps the last timed interval honest.
-    finished, previous, metrics = [], None, None
-    start = time.perf_counter()
+    finished, cpu, previous, metrics = [], [], None, None
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i in range(warmup + steps + 1):
         # The state is donated: each call consumes the last state's buffers.
         state, metrics = compiled(state, *inputs(i))
         if previous is not None:  # one step in flight, as in loop.run
             jax.block_until_ready(previous)
             finished.append(time.perf_counter())
+            cpu.append(time.process_time())
         previous = metrics
     jax.block_until_ready(previous)
     finished.append(time.perf_counter())
+    cpu.append(time.process_time())
     intervals = np.diff([start] + finished)
-    return {"compile_s": compile_s, "step_s": intervals[warmup:warmup + steps].tolist(),
+    cpu_intervals = np.diff([cpu_start] + cpu)
+    return {"compile_s": compile_s, "compile_cpu_s": compile_cpu_s, "step_s": intervals[warmup:warmup + steps].tolist(),
+            "step_cpu_s": cpu_intervals[warmup:warmup + steps].tolist(),
             "loss": float(strategy.metrics_to_host(metrics)["loss"]), "compiled": compiled,
             "lowered": lowered,
             "param_bytes": param_bytes, "opt_state_bytes": opt_state_bytes}
@@ -352,8 +369,9 @@ def run_config(job: dict) -> dict:
     devices = jax.devices()[:n]
     platform_name = devices[0].platform
 
-    optimizer, _ = step.make_optimizer(_Args, 1000)
-    sc = make_step_config(cfg, policy, scan=scan, remat=opts["remat"], accum=accum)
+    sc, optimizer = training_setup(job["model"], job["batch"], job["policy"],
+                                   precision=opts["precision"], scan=scan,
+                                   remat=opts["remat"], accum=accum)
     strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices)
     data.check_batch(job["batch"], strategy.batch_divisor)
 
@@ -361,15 +379,17 @@ def run_config(job: dict) -> dict:
     # machine whose load drifts, this keeps the ceiling and the step under the same load.
     size = job["matmul_size"] or (2048 if platform_name == "cpu" else 8192)
     load_start = os.getloadavg()[0]
-    ceiling_before = matmul_ceiling(policy.compute_dtype, policy.precision, size)
+    before = matmul_ceiling(policy.compute_dtype, policy.precision, size)
     res = measure_train_step(strategy, sc, optimizer, job["batch"], steps=job["steps"],
                              warmup=job["warmup"])
-    ceiling_after = matmul_ceiling(policy.compute_dtype, policy.precision, size)
-    ceiling = (ceiling_before + ceiling_after) / 2
+    after = matmul_ceiling(policy.compute_dtype, policy.precision, size)
+    ceiling = (before[0] + after[0]) / 2
     ceiling_total = ceiling * (1 if platform_name == "cpu" else n)
+    ceiling_cpu = (before[1] + after[1]) / 2
     compiled = res.pop("compiled")
     step_s = statistics.median(res["step_s"])
     ips = job["batch"] / step_s
+    ips_cpu = job["batch"] / statistics.median(res["step_cpu_s"])
     flops = train_flops_per_image(cfg)
     achieved = flops * ips
 
@@ -377,7 +397,9 @@ def run_config(job: dict) -> dict:
     if job["xla_check"]:
         if scan or accum != 1:
             # XLA counts a while-loop body once: count an unrolled twin (compiled, not run).
-            twin_sc = make_step_config(cfg, policy, scan=False, remat=opts["remat"])
+            twin_sc, _ = training_setup(job["model"], job["batch"], job["policy"],
+                                        precision=opts["precision"], scan=False,
+                                        remat=opts["remat"])
             twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices)
             twin_state = step.init_state(jax.random.key(0), cfg, policy, optimizer)
             args = (twin.put_state(twin_state),
@@ -397,16 +419,21 @@ def run_config(job: dict) -> dict:
         "device_kind": devices[0].device_kind, "policy": str(policy),
         "images_per_s": ips, "step_ms": 1e3 * step_s,
         "step_ms_all": [1e3 * s for s in res["step_s"]], "compile_s": res["compile_s"],
+        "compile_cpu_s": res["compile_cpu_s"],
         "gflop_per_image": flops / 1e9,
         "xla_gflop_per_image": None if xla_flops is None else xla_flops / 1e9,
         "tflops": achieved / 1e12, "ceiling_tflops": ceiling_total / 1e12,
         "mfu": achieved / ceiling_total,
+        # The same ratio in CPU time (images and ceiling FLOPs per CPU-second of this
+        # process): insensitive to other processes taking the cores. CPU backend only.
+        "images_per_cpu_s": ips_cpu if platform_name == "cpu" else None,
+        "mfu_cpu_time": flops * ips_cpu / ceiling_cpu if platform_name == "cpu" else None,
         "mfu_datasheet": None if peak is None else achieved / (peak * n),
         "mem_per_device": dev_bytes if dev_bytes is not None else compiled_peak_bytes(compiled),
         "mem_source": "memory_stats" if dev_bytes is not None else "memory_analysis",
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "loss": res["loss"], "load_start": load_start, "load": os.getloadavg()[0],
-        "ceiling_before_after_tflops": [ceiling_before / 1e12, ceiling_after / 1e12],
+        "ceiling_before_after_tflops": [before[0] / 1e12, after[0] / 1e12],
     }
 
 
@@ -453,9 +480,9 @@ def _fmt(x, spec):
 
 
 def markdown_table(results: list[dict]) -> str:
-    head = ["config", "dev", "img/s", "step ms", "compile s", "GFLOP/img", "XLA GFLOP/img",
-            "TFLOP/s", "ceiling TFLOP/s", "MFU", "MFU (datasheet)", "mem/dev", "peak RSS",
-            "load"]
+    head = ["config", "dev", "img/s", "step ms", "img/CPU-s", "compile s (CPU s)", "GFLOP/img",
+            "XLA GFLOP/img", "TFLOP/s", "ceiling TFLOP/s", "MFU", "MFU (CPU time)",
+            "MFU (datasheet)", "mem/dev", "peak RSS", "load"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -463,9 +490,10 @@ def markdown_table(results: list[dict]) -> str:
             continue
         rows.append("| " + " | ".join([
             r["label"], str(r["devices"]), f"{r['images_per_s']:.1f}", f"{r['step_ms']:.0f}",
-            f"{r['compile_s']:.1f}", f"{r['gflop_per_image']:.4g}",
+            _fmt(r["images_per_cpu_s"], ".1f"), f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})", f"{r['gflop_per_image']:.4g}",
             _fmt(r["xla_gflop_per_image"], ".4g"), f"{r['tflops']:.3g}",
             f"{r['ceiling_tflops']:.3g}", f"{100 * r['mfu']:.0f}%",
+            "n/a" if r["mfu_cpu_time"] is None else f"{100 * r['mfu_cpu_time']:.0f}%",
             "n/a" if r["mfu_datasheet"] is None else f"{100 * r['mfu_datasheet']:.1f}%",
             _mib(r["mem_per_device"]), _mib(r["peak_rss"]),
             f"{r['load_start']:.1f}-{r['load']:.1f}"]) + " |")

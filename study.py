@@ -17,7 +17,10 @@ timing (bench.measure_train_step). The Markdown table (--out) has one row each:
     peak mem/dev       the compiled step's memory_analysis(), per device: arguments +
                        outputs - donated aliases + temporaries (comparable across the
                        configurations of one process, unlike a device's running peak)
-    step s, img/s      median over the timed steps
+    step s, img/s      median over the timed steps (wall clock)
+    img/CPU-s          images per second of this process's CPU time (all threads): on a
+                       shared machine, the speed figure other processes disturb least
+                       (CPU backend only)
     loss@N             the training loss of the N-th (last) step, N = warmup + steps + 1
                        (bench.measure_train_step runs one untimed step at the end);
                        "nan"/"inf" flags a configuration that diverged
@@ -39,15 +42,13 @@ import argparse
 import collections
 import dataclasses
 import itertools
-import math
 import os
 import re
 import sys
 
 import bench
-from vit_pure import cli, data, step
+from vit_pure import cli, data
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.policy import Policy
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
           "f16": "f16", "fp16": "f16", "float16": "f16"}
@@ -104,12 +105,18 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Inst]], str]:
     return comps, entry
 
 
+_FLOATS = {"f32", "bf16", "f16", "f64"}
+
+
 def batch_converts(hlo_text: str) -> list[str]:
     """The dtype conversions the input batch goes through before its first matmul.
 
     Follows the data flow of the step's uint8 image parameter through the optimized
     program (compiled.as_text()), into fusions and loop bodies, and lists every
-    `convert` on the way, stopping at matmuls (dot, convolution, custom calls).
+    `convert` on the way to a floating dtype from uint8 or another floating dtype,
+    stopping at matmuls (dot, convolution, custom calls). (Integer round trips inside
+    the augmentation, such as RandAugment's posterize, are arithmetic, not dtype
+    changes of the batch, and are left out.)
 
     What the count means. The batch crosses from host to device as uint8 (a quarter of
     float32's bytes), so one convert is unavoidable: normalisation's uint8 -> float32.
@@ -145,8 +152,9 @@ def batch_converts(hlo_text: str) -> list[str]:
             hit = [k for k, op in enumerate(inst.operands) if op in tainted]
             if not hit or inst.opcode in ("dot", "convolution", "custom-call"):
                 continue
-            if inst.opcode == "convert":
-                found.append(f"{dtypes.get(inst.operands[0], '?')}->{inst.dtype}")
+            if inst.opcode == "convert" and inst.dtype in _FLOATS \
+                    and dtypes.get(inst.operands[0]) in _FLOATS | {"u8"}:
+                found.append(f"{dtypes[inst.operands[0]]}->{inst.dtype}")
             if inst.opcode in ("fusion", "call") and inst.calls:
                 callee = inst.calls[0]
                 inner = {i.name for i in comps[callee]
@@ -193,9 +201,6 @@ def accumulation(batch: int, n_devices: int, micro_batch: int) -> int:
     if per_device % micro_batch:
         raise cli.UsageError(f"batch {batch} on {n_devices} devices ({per_device} each) does "
                              f"not divide into micro-batches of {micro_batch}")
-    if "accum_steps" not in {f.name for f in dataclasses.fields(step.StepConfig)}:
-        raise cli.UsageError(f"batch {batch} needs gradient accumulation, which this checkout's "
-                             f"StepConfig lacks; use --micro-batch 0 or a smaller batch")
     return per_device // micro_batch
 
 
@@ -204,10 +209,10 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
     import numpy as np
     from train_shardmap import ShardMapStrategy
 
-    policy = Policy.parse(f"p={param_dtype},c={compute_dtype},o=f32", precision)
+    policy = f"p={param_dtype},c={compute_dtype},o=f32"
     accum = accumulation(batch, len(devices), micro_batch)
-    optimizer, _ = step.make_optimizer(bench._Args, warmup + steps + 1)
-    sc = bench.make_step_config(cfg, policy, accum=accum)
+    sc, optimizer = bench.training_setup(cfg.name, batch, policy, precision=precision,
+                                         accum=accum, total_steps=warmup + steps + 1)
     strategy = ShardMapStrategy(sc, optimizer, None, devices=devices)
     data.check_batch(batch, strategy.batch_divisor)
     res = bench.measure_train_step(strategy, sc, optimizer, batch, steps=steps, warmup=warmup)
@@ -220,7 +225,10 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
         "accum": accum, "precision": precision, "param_bytes": res["param_bytes"],
         "opt_state_bytes": res["opt_state_bytes"],
         "peak_bytes": bench.compiled_peak_bytes(compiled),
-        "step_s": step_s, "images_per_s": batch / step_s, "loss": res["loss"],
+        "step_s": step_s, "images_per_s": batch / step_s,
+        "images_per_cpu_s": (batch / float(np.median(res["step_cpu_s"]))
+                             if devices[0].platform == "cpu" else None),
+        "loss": res["loss"],
         "loss_steps": warmup + steps + 1, "converts": batch_converts(compiled.as_text()),
         "dots_at_precision": precisions.get(precision.upper(), 0),
         "dots": sum(precisions.values()), "compile_s": res["compile_s"],
@@ -230,20 +238,22 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
 # ---------------------------------------------------------------------------- output
 def markdown(rows: list[dict]) -> str:
     head = ["params", "compute", "batch", "precision", "param bytes", "opt-state bytes",
-            "peak mem/dev", "step s", "img/s", "loss@N", "batch converts", "dots @precision"]
+            "peak mem/dev", "step s", "img/s", "img/CPU-s", "loss@N", "batch converts",
+            "dots @precision"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         batch = f"{r['batch']}" + (f" ({r['accum']}x{r['batch'] // r['accum']})"
                                    if r.get("accum", 1) > 1 else "")
         if "error" in r:
             lines.append(f"| {r['param_dtype']} | {r['compute_dtype']} | {batch} | "
-                         f"{r['precision']} | failed: {r['error']} |" + " |" * 7)
+                         f"{r['precision']} | failed: {r['error']} |" + " |" * 8)
             continue
         lines.append("| " + " | ".join([
             r["param_dtype"], r["compute_dtype"], batch, r["precision"],
             f"{r['param_bytes'] / 2**20:.1f} MiB", f"{r['opt_state_bytes'] / 2**20:.1f} MiB",
             f"{r['peak_bytes'] / 2**20:,.0f} MiB", f"{r['step_s']:.2f}",
-            f"{r['images_per_s']:.1f}", f"{r['loss']:.4f}",
+            f"{r['images_per_s']:.1f}", bench._fmt(r["images_per_cpu_s"], ".1f"),
+            f"{r['loss']:.4f}",
             f"{len(r['converts'])} ({', '.join(r['converts'])})",
             f"{r['dots_at_precision']}/{r['dots']}"]) + " |")
     return "\n".join(lines)

@@ -7,17 +7,18 @@ import pytest
 
 import bench
 import study
-from vit_pure import PRESETS, Policy, apply, init_params, step
+from vit_pure import PRESETS, apply, init_params, step
 from train_shardmap import ShardMapStrategy
 
 TINY = PRESETS["tiny"]
 
 
-def _lowered_train_step(policy: Policy, *, scan: bool, batch: int = 8, devices=2):
-    optimizer, _ = step.make_optimizer(bench._Args, 10)
-    sc = step.StepConfig(TINY, policy, scan=scan)
+def _lowered_train_step(policy: str, *, precision="default", scan: bool, batch: int = 8,
+                        devices=2):
+    """The training scripts' own step (their defaults, shard_map over `devices`), lowered."""
+    sc, optimizer = bench.training_setup("tiny", batch, policy, precision=precision, scan=scan)
     strategy = ShardMapStrategy(sc, optimizer, None, devices=jax.devices()[:devices])
-    state = strategy.put_state(step.init_state(jax.random.key(0), TINY, policy, optimizer))
+    state = strategy.put_state(step.init_state(jax.random.key(0), TINY, sc.policy, optimizer))
     inputs = strategy.put_batch(np.zeros((batch, 32, 32, 3), np.uint8),
                                 np.zeros(batch, np.int32), np.arange(batch, dtype=np.int32))
     return strategy.train_step.lower(state, *inputs,
@@ -36,7 +37,7 @@ def test_analytic_flops_by_hand_and_for_vit_cifar():
 def unrolled_step():
     """The lowered float32 training step of the tiny model, layers unrolled, batch 8 on
     2 devices (4 each)."""
-    return _lowered_train_step(Policy(), scan=False, batch=8, devices=2)
+    return _lowered_train_step("fp32", scan=False, batch=8, devices=2)
 
 
 def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
@@ -54,14 +55,19 @@ def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
         bench.train_flops_per_image(TINY) - patch_input_grad)
 
 
-def test_analytic_flops_match_xla_cost_analysis(unrolled_step):
-    """XLA's own count (cost_analysis) also includes elementwise work: LayerNorm, softmax,
-    GELU, augmentation, AdamW. For the 24-wide tiny model that is a third on top of the
-    matmuls, so the tolerance is [1.0, 1.5] x the analytic matmul count (for vit-cifar
-    bench.py measures 1.01-1.02 x). XLA's count is per device: x 2 devices / 8 images."""
-    ratio = (bench.xla_flops_per_image(unrolled_step.compile(), 2, 8)
-             / bench.train_flops_per_image(TINY))
-    assert 1.0 <= ratio <= 1.5, ratio
+def test_analytic_flops_match_xla_cost_analysis():
+    """XLA's own count (cost_analysis) of the model's forward + backward pass (scan off:
+    XLA counts a loop body once) also counts the elementwise work (LayerNorm, softmax,
+    GELU, bias adds), which for the 24-wide tiny model is 10-15% on top of the matmuls:
+    tolerance [1.0, 1.2] x the analytic count. (For vit-cifar it is 1.5%; the whole
+    training step adds augmentation and AdamW, and bench.py's "XLA GFLOP/img" column
+    reports that ratio for the real step.)"""
+    params = init_params(jax.random.key(0), TINY)
+    images = np.zeros((8, 32, 32, 3), np.float32)
+    grad = jax.jit(jax.grad(lambda p, x: apply(p, x, TINY).sum()))
+    flops = grad.lower(params, images).compile().cost_analysis()["flops"]
+    ratio = flops / 8 / bench.train_flops_per_image(TINY)
+    assert 1.0 <= ratio <= 1.2, ratio
 
 
 @pytest.mark.parametrize("precision, expected", [("highest", "HIGHEST"), ("default", "DEFAULT")])
@@ -69,7 +75,7 @@ def test_matmul_precision_reaches_every_dot(precision, expected):
     """--matmul-precision sets Policy.matmul_precision; every dot_general of the training
     step (forward, both backward matmuls of each layer, the attention einsums and their
     gradients) must carry it."""
-    lowered = _lowered_train_step(Policy.parse("bf16", precision), scan=True).as_text()
+    lowered = _lowered_train_step("bf16", precision=precision, scan=True).as_text()
     # With scan the layer is written once: 6 forward dots (qkv, scores, probs.v, out,
     # fc1, fc2) and 12 backward ones (2 per dot); outside it the patch embedding (forward
     # + weight gradient) and the head (forward + 2): 18 + 5.
