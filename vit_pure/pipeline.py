@@ -31,11 +31,12 @@ zeroed on every stage but the last. A masked value gets a zero cotangent, so the
 adds exactly nothing to any gradient.
 
 Randomness: dropout and stochastic depth draw from each example's global id and the
-*global* layer index (`layer_offset` = stage * L/S), so the pipelined step computes
-exactly the single-device reference's numbers (tests/test_pipeline.py checks it).
+*global* layer index (`layer_offset` = stage * L/S), so the pipelined step computes the
+single-device reference's numbers, up to float summation order (tests/test_pipeline.py).
 
 Collectives written here (and nowhere else in the pipeline):
-  * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1;
+  * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
+    tensor parallelism every 'model' rank holds and sends its own copy of them);
   * `lax.psum` over the pipe axis of the loss and metrics (they exist on the last stage
     only) and of the gradients of the pipe-replicated parameters (see `pipeline_grads`).
 Everything about the 'data' axis (and FSDP) stays in the script, as with `step.local_grads`.
@@ -48,9 +49,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from vit_pure import randaugment as randaugment_lib
 from vit_pure.config import ViTConfig
 from vit_pure.model import _example_keys, embed, encoder, head
-from vit_pure.step import F32, StepConfig, cross_entropy, prepare_images
+from vit_pure.step import F32, StepConfig, cross_entropy, one_hot_targets, prepare_images
 
 
 # ----------------------------------------------------------------------------- planning
@@ -157,11 +159,6 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, ex_keys, *, pipe_ax
         layers = [gather(jax.tree.map(lambda a, i=i: a[i], blocks)) for i in range(n)]
         blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     K = microbatches
-    # Every stage holds the same images (replicated over the pipe axis). Mark them varying
-    # over it, like the parameters they meet in the patch embedding's matmul: the custom
-    # VJP of policy.matmul needs both operands of the same type (no communication; the
-    # images get no gradient).
-    images = lax.pcast(images, pipe_axis, to="varying")
     # Every stage embeds (one matmul, cheap) but only stage 0's result is read.
     x = embed(top, images, cfg, policy, ex_keys)  # (b, T, E)
     y = pipelined_encoder(blocks, _micro(x, K), cfg, policy,
@@ -200,12 +197,20 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     """
     check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
+    # The batch preparation is step.local_grads' own, line for line (augmentation,
+    # RandAugment, label smoothing, mixup / cutmix over the whole local slice), so that
+    # every stage sees exactly the images and targets an unpipelined step sees.
     aug_key, drop_key = jax.random.split(key)
     images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
-                            image_size=sc.cfg.image_size)
+                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
+    targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
+    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
+        images, targets = randaugment_lib.mix_batch(
+            jax.random.fold_in(aug_key, 2), images, targets,
+            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
     use_keys = sc.cfg.dropout > 0 or sc.cfg.drop_path > 0
 
-    def micro_grads(params, images, labels, example_ids):
+    def micro_grads(params, images, labels, targets, example_ids):
         ex_keys = _example_keys(drop_key, example_ids) if use_keys else None
 
         def loss_fn(p):
@@ -213,7 +218,7 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
                                       pipe_axis=pipe_axis, microbatches=microbatches,
                                       scan=sc.scan, remat=sc.remat, tp_axis=tp_axis,
                                       gather=gather)
-            ce = cross_entropy(logits, labels, sc.cfg.num_classes, sc.label_smoothing).mean()
+            ce = cross_entropy(logits, labels, sc.cfg.num_classes, targets=targets).mean()
             acc = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
             # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
             # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
@@ -230,7 +235,7 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
               for k, v in params.items()}
     A = sc.accum_steps
     if A == 1:
-        grads, metrics = micro_grads(params, images, labels, example_ids)
+        grads, metrics = micro_grads(params, images, labels, targets, example_ids)
     else:
         if labels.shape[0] % A:
             raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does "
@@ -241,8 +246,9 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
             return jax.tree.map(lambda t, x: t + x.astype(F32), total, g), m
 
         zeros = jax.tree.map(lambda x: jnp.zeros_like(x, F32), params)
-        total, metrics = lax.scan(accumulate, zeros,
-                                  tuple(_micro(x, A) for x in (images, labels, example_ids)))
+        total, metrics = lax.scan(
+            accumulate, zeros,
+            tuple(_micro(x, A) for x in (images, labels, targets, example_ids)))
         grads = jax.tree.map(lambda t, x: (t / A).astype(x.dtype), total, params)
         metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
