@@ -49,10 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vit_pure import randaugment as randaugment_lib
 from vit_pure.config import ViTConfig
 from vit_pure.model import _example_keys, embed, encoder, head
-from vit_pure.step import F32, StepConfig, cross_entropy, one_hot_targets, prepare_images
+from vit_pure.step import F32, StepConfig, cross_entropy, prepare_batch, prepare_images
 
 
 # ----------------------------------------------------------------------------- planning
@@ -197,17 +196,10 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     """
     check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
-    # The batch preparation is step.local_grads' own, line for line (augmentation,
-    # RandAugment, label smoothing, mixup / cutmix over the whole local slice), so that
-    # every stage sees exactly the images and targets an unpipelined step sees.
-    aug_key, drop_key = jax.random.split(key)
-    images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
-                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
-    targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
-    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
-        images, targets = randaugment_lib.mix_batch(
-            jax.random.fold_in(aug_key, 2), images, targets,
-            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
+    # The batch preparation is step.local_grads' own (augmentation, RandAugment, label
+    # smoothing, mixup / cutmix over the whole local slice), so that every stage sees
+    # exactly the images and targets an unpipelined step sees.
+    images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
     use_keys = sc.cfg.dropout > 0 or sc.cfg.drop_path > 0
 
     def micro_grads(params, images, labels, targets, example_ids):

@@ -97,6 +97,23 @@ def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
     return x
 
 
+def prepare_batch(sc: "StepConfig", images_u8, labels, example_ids, key):
+    """A training batch as the model sees it: (images, soft targets, dropout key).
+
+    Augmentation (flip + crop, RandAugment), label smoothing and mixup / cutmix, all
+    keyed by the step's `key` and the examples' global ids.
+    """
+    aug_key, drop_key = jax.random.split(key)
+    images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
+                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
+    targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
+    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
+        images, targets = randaugment_lib.mix_batch(
+            jax.random.fold_in(aug_key, 2), images, targets,
+            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
+    return images, targets, drop_key
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The static settings of a training step (hashable: safe to close over in jit)."""
@@ -157,16 +174,9 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     reduce-scatters its own gradient shards: K of each per step, the price of never
     holding whole weights or gradients.
     """
-    aug_key, drop_key = jax.random.split(key)
     # The whole local slice is augmented (and mixed) at once, before it is cut into
     # micro-batches, so the images and targets are exactly those a K = 1 step sees.
-    images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
-                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
-    targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
-    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
-        images, targets = randaugment_lib.mix_batch(
-            jax.random.fold_in(aug_key, 2), images, targets,
-            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
+    images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
 
     def micro_grads(images, labels, targets, example_ids):
         def loss_fn(p):
