@@ -126,11 +126,13 @@ def batch_converts(hlo_text: str) -> list[str]:
     separately (Policy.cast_to_compute), so no matmul ever sees mixed operand dtypes and
     nothing promotes the batch again, whatever the parameter dtype: the kit's own code
     accounts for 1 (c=f32) or 2 (c=bf16/f16) converts. XLA fuses them with the
-    normalisation and the augmentation into one loop, so each is no extra pass over
-    memory. Anything beyond that is the compiler's doing: on XLA:CPU a bf16 matmul
-    with a transposed operand (here the patch embedding's weight gradient,
-    patches^T @ grad) is not supported by its bf16 kernels, so XLA converts both
-    operands back to float32 first: a third convert, bf16 -> f32.
+    normalisation and the augmentation into loops, so they are no extra passes over
+    memory; it may repeat the uint8 -> f32 one in two fusions (recomputing is cheaper
+    than storing), which shows as two u8->f32. Anything else is the compiler's doing:
+    XLA:CPU's fast matmul kernels (YNNPACK) take bf16 but not a transposed left operand,
+    and no f16 at all, so it converts the operands of such matmuls to float32 first;
+    the patch embedding's weight gradient (patches^T @ grad) is one, hence a last
+    bf16 -> f32 (or f16 -> f32) on the batch's path.
     """
     comps, entry = parse_hlo(hlo_text)
     params = [i for i in comps[entry] if i.opcode == "parameter" and i.dtype == "u8"]

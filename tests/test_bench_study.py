@@ -119,8 +119,10 @@ def test_study_runs_a_2x2_corner(tmp_path):
     assert by["f16", "f32"]["opt_state_bytes"] == 2 * 2 * n_params + 8
     for key in [("f32", "f32"), ("f32", "bf16")]:  # f32 master weights train
         assert np.isfinite(by[key]["loss"])
-    # The input batch: uint8 -> f32 (normalisation) always; f32 -> bf16 once more, in
-    # model.embed, when computing in bf16 (see study.batch_converts).
-    assert by["f32", "f32"]["converts"] == ["u8->f32"]
-    assert by["f32", "bf16"]["converts"][:2] == ["u8->f32", "f32->bf16"]
+    # The input batch: uint8 -> f32 (normalisation; XLA may repeat it in more than one
+    # fusion) always; f32 -> bf16 exactly once more, in model.embed, when computing in
+    # bf16 (see study.batch_converts).
+    assert set(by["f32", "f32"]["converts"]) == {"u8->f32"}
+    assert by["f32", "bf16"]["converts"][0] == "u8->f32"
+    assert by["f32", "bf16"]["converts"].count("f32->bf16") == 1
     assert all(r["dots_at_precision"] == r["dots"] > 0 for r in rows)
