@@ -83,7 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import cli, data, step
+from vit_pure import cli, data, hostmem, step
 from vit_pure.config import PRESETS, ViTConfig, get_preset
 from vit_pure.policy import Policy, tree_bytes
 
@@ -583,4 +583,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
     sys.exit(cli.main_guard(main))

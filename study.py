@@ -47,7 +47,7 @@ import re
 import sys
 
 import bench
-from vit_pure import cli, data
+from vit_pure import cli, data, hostmem
 from vit_pure.config import PRESETS, get_preset
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
@@ -371,4 +371,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
     sys.exit(cli.main_guard(main))

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vit_pure import cli, loop, step
+from vit_pure import cli, hostmem, loop, step
 
 AXIS = "data"
 
@@ -117,4 +117,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
     sys.exit(cli.main_guard(main))

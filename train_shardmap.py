@@ -65,7 +65,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import cli, distributed, loop, pipeline, step
+from vit_pure import cli, distributed, hostmem, loop, pipeline, step
 from vit_pure.model import init_params, param_axes
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
@@ -484,4 +484,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
     sys.exit(cli.main_guard(main))
