@@ -10,7 +10,8 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
               empty means every device (with --cpu-devices N: N)
     POLICY    fp32 | bf16 | fp16 | p=DTYPE,c=DTYPE,o=DTYPE (as --policy in the scripts)
     OPTIONS   key=value pairs, comma-separated, overriding the global flags for this
-              configuration: scan=0|1, remat=NAME, accum=K, precision=default|high|highest
+              configuration: scan=0|1, remat=NAME, accum=K, precision=default|high|highest,
+              fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
 Give several with repeated --config flags or separated by ';' (or both).
 
 What is timed is what training runs. Each configuration parses its settings with the
@@ -156,9 +157,9 @@ def stablehlo_dot_flops(text: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     strategy: str                  # "pmap" | "shard_map"
-    layout: str                    # "" | "N" | "data=D[,model=M]"
+    layout: str                    # "" | "N" | "data=D[,model=M][,pipe=S]"
     policy: str                    # as --policy
-    options: dict                  # scan, remat, accum, precision (after defaults)
+    options: dict                  # scan, remat, accum, precision, fsdp, mb (after defaults)
 
     @property
     def label(self) -> str:
@@ -166,7 +167,7 @@ class BenchConfig:
         return f"{self.strategy}:{self.layout}:{self.policy}" + (f":{opts}" if opts else "")
 
 
-_OPTION_KEYS = ("scan", "remat", "accum", "precision")
+_OPTION_KEYS = ("scan", "remat", "accum", "precision", "fsdp", "mb")
 
 
 def parse_configs(texts: list[str]) -> list[BenchConfig]:
@@ -188,8 +189,9 @@ def parse_configs(texts: list[str]) -> list[BenchConfig]:
                 raise cli.UsageError(f"--config {item!r}: {e}") from None
             if strategy == "pmap" and layout and not layout.isdigit():
                 raise cli.UsageError(f"--config {item!r}: pmap's layout is a device count")
-            if not re.fullmatch(r"\d*|data=\d+(,model=\d+)?|model=\d+", layout):
-                raise cli.UsageError(f"--config {item!r}: layout is N or data=D,model=M")
+            if not (re.fullmatch(r"\d*", layout) or re.fullmatch(
+                    r"(data|model|pipe)=\d+(,(data|model|pipe)=\d+)*", layout)):
+                raise cli.UsageError(f"--config {item!r}: layout is N or data=D,model=M,pipe=S")
             options = {}
             for pair in (fields[3].split(",") if len(fields) == 4 and fields[3] else []):
                 key, sep, value = pair.partition("=")
@@ -265,8 +267,10 @@ def training_setup(model: str, batch: int, policy: str, *, precision: str = "def
     return step.StepConfig.from_args(args), optimizer
 
 
-def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices):
-    """The training script's own strategy over `devices`."""
+def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices, *,
+                  fsdp: bool = False, microbatches: int | None = None):
+    """The training script's own strategy over `devices` (fsdp / microbatches: as the
+    script's --fsdp / --microbatches; shard_map only)."""
     if name == "pmap":
         from train_pmap import PmapStrategy
         if len(devices) == len(jax.local_devices()):
@@ -274,7 +278,8 @@ def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, device
         return PmapStrategy(sc, optimizer, devices=devices)
     from train_shardmap import ShardMapStrategy
     mesh = f"data={layout}" if layout.isdigit() else (layout or None)
-    return ShardMapStrategy(sc, optimizer, mesh, devices=devices)
+    return ShardMapStrategy(sc, optimizer, mesh, devices=devices, fsdp=fsdp,
+                            microbatches=microbatches)
 
 
 def _host_batches(batch: int, seed: int):
@@ -372,7 +377,12 @@ def run_config(job: dict) -> dict:
     sc, optimizer = training_setup(job["model"], job["batch"], job["policy"],
                                    precision=opts["precision"], scan=scan,
                                    remat=opts["remat"], accum=accum)
-    strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices)
+    fsdp = opts.get("fsdp", "0") in ("1", "true")
+    microbatches = int(opts["mb"]) if opts.get("mb") else None
+    if job["strategy"] == "pmap" and (fsdp or microbatches):
+        raise cli.UsageError(f"{job['label']}: fsdp and mb are shard_map options")
+    strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices,
+                             fsdp=fsdp, microbatches=microbatches)
     data.check_batch(job["batch"], strategy.batch_divisor)
 
     # The ceiling just before and just after the timed steps (their mean): on a shared
@@ -400,7 +410,8 @@ def run_config(job: dict) -> dict:
             twin_sc, _ = training_setup(job["model"], job["batch"], job["policy"],
                                         precision=opts["precision"], scan=False,
                                         remat=opts["remat"])
-            twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices)
+            twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices,
+                                 fsdp=fsdp, microbatches=microbatches)
             twin_state = step.init_state(jax.random.key(0), cfg, policy, optimizer)
             args = (twin.put_state(twin_state),
                     *twin.put_batch(np.zeros((job["batch"], 32, 32, 3), np.uint8),
