@@ -199,6 +199,8 @@ def parse_configs(texts: list[str]) -> list[BenchConfig]:
                     raise cli.UsageError(f"--config {item!r}: options are key=value with key "
                                          f"in {', '.join(_OPTION_KEYS)}")
                 options[key.strip()] = value.strip()
+            if strategy == "pmap" and ({"fsdp", "mb"} & options.keys()):
+                raise cli.UsageError(f"--config {item!r}: fsdp and mb are shard_map options")
             out.append(BenchConfig(strategy, layout, policy, options))
     if not out:
         raise cli.UsageError("no --config given")
@@ -336,7 +338,8 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
     cpu.append(time.process_time())
     intervals = np.diff([start] + finished)
     cpu_intervals = np.diff([cpu_start] + cpu)
-    return {"compile_s": compile_s, "compile_cpu_s": compile_cpu_s, "step_s": intervals[warmup:warmup + steps].tolist(),
+    return {"compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
+            "step_s": intervals[warmup:warmup + steps].tolist(),
             "step_cpu_s": cpu_intervals[warmup:warmup + steps].tolist(),
             "loss": float(strategy.metrics_to_host(metrics)["loss"]), "compiled": compiled,
             "lowered": lowered,
@@ -379,8 +382,6 @@ def run_config(job: dict) -> dict:
                                    remat=opts["remat"], accum=accum)
     fsdp = opts.get("fsdp", "0") in ("1", "true")
     microbatches = int(opts["mb"]) if opts.get("mb") else None
-    if job["strategy"] == "pmap" and (fsdp or microbatches):
-        raise cli.UsageError(f"{job['label']}: fsdp and mb are shard_map options")
     strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices,
                              fsdp=fsdp, microbatches=microbatches)
     data.check_batch(job["batch"], strategy.batch_divisor)
@@ -501,7 +502,8 @@ def markdown_table(results: list[dict]) -> str:
             continue
         rows.append("| " + " | ".join([
             r["label"], str(r["devices"]), f"{r['images_per_s']:.1f}", f"{r['step_ms']:.0f}",
-            _fmt(r["images_per_cpu_s"], ".1f"), f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})", f"{r['gflop_per_image']:.4g}",
+            _fmt(r["images_per_cpu_s"], ".1f"),
+            f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})", f"{r['gflop_per_image']:.4g}",
             _fmt(r["xla_gflop_per_image"], ".4g"), f"{r['tflops']:.3g}",
             f"{r['ceiling_tflops']:.3g}", f"{100 * r['mfu']:.0f}%",
             "n/a" if r["mfu_cpu_time"] is None else f"{100 * r['mfu_cpu_time']:.0f}%",

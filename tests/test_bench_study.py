@@ -95,7 +95,8 @@ def test_parse_configs_and_bad_input():
     assert fsdp.options == {"fsdp": "1"}
     assert bench.layout_devices("data=2,model=2,pipe=2", None) == 8
     for bad in ["pmap:fp32", "jit:1:fp32", "pmap:1:fp64", "pmap:data=2:fp32", "shard_map:x:fp32",
-                "pmap:1:fp32:speed=fast", "shard_map:data=2,stage=2:fp32"]:
+                "pmap:1:fp32:speed=fast", "shard_map:data=2,stage=2:fp32", "pmap:8:fp32:fsdp=1",
+                "pmap:2:fp32:mb=2"]:
         with pytest.raises(bench.cli.UsageError):
             bench.parse_configs([bad])
 
