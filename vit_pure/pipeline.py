@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from vit_pure.config import ViTConfig
-from vit_pure.model import _example_keys, embed, encoder, head
+from vit_pure.model import _example_keys, compute_params, embed, encoder, head
 from vit_pure.step import F32, StepConfig, cross_entropy, prepare_batch, prepare_images
 
 
@@ -149,13 +149,12 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, ex_keys, *, pipe_ax
     stage's layers, *before* the tick loop: inside it, every layer would all-gather its
     weights K + S - 1 times (and reduce-scatter as often in the backward pass).
     """
-    params = policy.cast_to_compute(params)  # the one place params change dtype
-    top = {k: v for k, v in params.items() if k != "blocks"}
-    blocks = params["blocks"]
+    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
+    blocks = params["blocks"]  # cast to the compute dtype layer by layer, in the encoder
     if gather is not None:
-        top = gather(top)
         n = jax.tree.leaves(blocks)[0].shape[0]
-        layers = [gather(jax.tree.map(lambda a, i=i: a[i], blocks)) for i in range(n)]
+        layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy, gather,
+                                 "blocks") for i in range(n)]
         blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     K = microbatches
     # Every stage embeds (one matmul, cheap) but only stage 0's result is read.
