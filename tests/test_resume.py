@@ -289,6 +289,26 @@ def test_fp16_goes_on_past_nan_and_a_crash_while_saving_keeps_the_last_checkpoin
     assert all(np.isfinite(v).all() for k, v in saved.items() if k.startswith("params/"))
 
 
+class _HostMetrics:
+    """A strategy stand-in for LossWatch: the metrics are host floats already."""
+    def metrics_to_host(self, metrics):
+        return {k: float(v) for k, v in metrics.items()}
+
+
+def test_fp16_nan_loss_with_finite_gradients_stops_the_run():
+    """With a dynamic loss scale a non-finite *gradient* is a skipped step and counted;
+    a non-finite *loss* whose gradients were finite was applied, so it must stop the run."""
+    watch = loop.LossWatch(_HostMetrics(), loss_scaled=True)
+    watch.add(1, {"loss": 2.3, "grad_norm": 1.0})
+    watch.add(2, {"loss": float("nan"), "grad_norm": float("inf")})  # skipped by the scale
+    watch.check("ckpt/step_00000001")
+    assert watch.skipped == 1
+    watch.add(3, {"loss": float("nan"), "grad_norm": 0.5})
+    with pytest.raises(FloatingPointError, match=r"^non-finite loss \(nan\) at step 3 "
+                       r"with a finite gradient norm \(0.5\)"):
+        watch.check("ckpt/step_00000001")
+
+
 # --------------------------------------------------------------------------- profiling
 def test_profile_trace_and_memory_figures(straight):
     records = [json.loads(line)

@@ -225,3 +225,18 @@ def test_bad_input_is_one_clear_line(argv, message, capsys, monkeypatch):
         ["--model", "tiny", "--steps", "1", "--dataset", "synthetic", "--no-progress"] + argv))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_empty_validation_split_is_skipped_and_said(tmp_path, capsys):
+    """--synthetic-val 0: the periodic and the final validation pass are skipped with one
+    log line each (no crash), the test split is evaluated as usual."""
+    log = tmp_path / "log.jsonl"
+    result = train_shardmap.main([
+        "--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "32",
+        "--synthetic-val", "0", "--synthetic-test", "24", "--batch", "16", "--steps", "4",
+        "--eval-every", "1", "--accum-steps", "1", "--no-progress", "--log-json", str(log)])
+    out = capsys.readouterr().out
+    assert out.count("val: skipped, the split is empty") == 2, out  # epoch 1, and final
+    assert "val" not in result and result["test"]["count"] == 24
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["split"] for r in records if "split" in r} == {"test"}

@@ -98,6 +98,19 @@ def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> di
             "count": int(totals["count"])}
 
 
+def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: int,
+                   log: "Logger", prefix: str, **record) -> dict | None:
+    """Evaluate one split and log it; an empty split is skipped with one log line (None)."""
+    if len(splits[name]) == 0:
+        log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
+            **record)
+        return None
+    res = evaluate(strategy, state, splits[name], batch)
+    log(f"{prefix}{name}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
+        f"({res['count']} images)", split=name, **record, **res)
+    return res
+
+
 def run(args, make_strategy: Callable[[optax.GradientTransformation], Strategy], *,
         is_main: bool | None = None) -> dict:
     """Train, evaluating on validation each `--eval-every` epochs and on test at the end.
@@ -266,9 +279,8 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
                 ckpts.save(strategy, state, step, why, last)
         if (end_of_epoch and args.eval_every and (epoch + 1) % args.eval_every == 0
                 and step < total_steps and stop_reason() is None):
-            res = evaluate(strategy, state, splits["val"], eval_batch)
-            log(f"epoch {epoch + 1}: val loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f}",
-                split="val", step=step, epoch=epoch, **res)
+            evaluate_split(strategy, state, splits, "val", eval_batch, log,
+                           f"epoch {epoch + 1}: ", step=step, epoch=epoch)
     if bar is not None:
         bar.close()
     losses.check(ckpts.last)
@@ -282,10 +294,10 @@ def _run(args, make_strategy, log: Logger, is_main: bool, stop: "StopRequest",
     final = {"train": last}
     # --no-final-eval skips the val / test passes (runs that only measure the steps).
     for split in () if getattr(args, "no_final_eval", False) else ("val", "test"):
-        res = evaluate(strategy, state, splits[split], eval_batch)
-        log(f"final {split}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-            f"({res['count']} images)", split=split, step=step, **res)
-        final[split] = res
+        res = evaluate_split(strategy, state, splits, split, eval_batch, log, "final ",
+                             step=step)
+        if res is not None:
+            final[split] = res
     final["state"] = strategy.host_state(state)
     return final
 
@@ -482,8 +494,12 @@ class LossWatch:
     The loop fetches metrics only every --log-every steps, so each step's two scalars stay
     on the device until the next log point or checkpoint and are checked then: the error
     names the first bad step exactly, and no per-step host sync is added.
-    fp32 / bf16: FloatingPointError. fp16 (dynamic loss scale): a step whose gradients
-    were not finite was skipped by `step.apply_gradients` and the scale shrank; counted.
+    fp32 / bf16: any non-finite loss or gradient norm is a FloatingPointError.
+    fp16 (dynamic loss scale): a step whose gradients were not finite was skipped by
+    `step.apply_gradients` and the scale shrank; it is counted (`skipped`), whatever its
+    loss. A non-finite *loss* with finite gradients is a FloatingPointError here too:
+    that update was applied (the scale skips only non-finite gradients), so it is never
+    passed over silently.
     """
 
     def __init__(self, strategy: Strategy, loss_scaled: bool):
@@ -502,13 +518,16 @@ class LossWatch:
             loss, norm = m["loss"], m.get("grad_norm", 0.0)
             if np.isfinite(loss) and np.isfinite(norm):
                 continue
-            if self.loss_scaled:
-                self.skipped += not np.isfinite(norm)
+            if self.loss_scaled and not np.isfinite(norm):
+                self.skipped += 1  # the loss scale skipped this step
                 continue
-            what = (f"non-finite loss ({loss})" if not np.isfinite(loss) else
-                    f"non-finite gradient norm ({norm}, loss {loss:.4f})")
+            what = (f"non-finite loss ({loss}) at step {step}" if not np.isfinite(loss) else
+                    f"non-finite gradient norm ({norm}, loss {loss:.4f}) at step {step}")
+            if self.loss_scaled:  # only a non-finite loss gets here
+                what += (f" with a finite gradient norm ({norm:g}), so the loss scale did not "
+                         "skip its update")
             raise FloatingPointError(
-                f"{what} at step {step}; stopped without saving it. Last good checkpoint: "
+                f"{what}; stopped without saving it. Last good checkpoint: "
                 f"{last_checkpoint or 'none'}")
 
 
@@ -669,7 +688,6 @@ def evaluate_checkpoint(args, make_strategy, log: Logger) -> dict:
     splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)
     step = int(checkpoint.restore(path, {"step": 0})["step"])
     log(f"evaluating {path} ({args.cfg.name}, policy {args.policy_obj}) on the test split")
-    res = evaluate(strategy, strategy.put_state(host_state), splits["test"], eval_batch)
-    log(f"test: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} ({res['count']} images)",
-        split="test", step=step, checkpoint=str(path), **res)
-    return {"test": res}
+    res = evaluate_split(strategy, strategy.put_state(host_state), splits, "test", eval_batch,
+                         log, "", step=step, checkpoint=str(path))
+    return {} if res is None else {"test": res}
