@@ -1,4 +1,6 @@
 """The pure-pytree ViT: parameter count, shapes, dtypes, randomness, scan, gradients."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,13 +64,29 @@ def test_output_shape_and_dtype_under_each_policy(tiny_params, policy, out_dtype
     np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.05)
 
 
-def test_compute_dtype_reaches_the_matmuls(tiny_params):
-    hlo = jax.jit(lambda p, x: apply(p, x, TINY, Policy.parse("bf16"))).lower(
-        tiny_params, _images(2)).as_text()
-    dots = [line for line in hlo.splitlines() if "dot_general" in line]
-    # Every matmul takes bf16 operands and accumulates into float32.
-    assert dots and all("xbf16>" in line.split("->")[0] for line in dots)
-    assert all(line.rstrip().endswith("xf32>") for line in dots)
+@pytest.mark.parametrize("policy, result", [("bf16", "f32"), ("p=f32,c=bf16,o=f32,m=bf16", "bf16"),
+                                            ("fp32", "f32")])
+def test_policy_decides_every_dot_of_the_training_step(tiny_params, policy, result):
+    """Every dot of a training step (forward, both backward matmuls, attention einsums)
+    takes compute-dtype operands and returns the policy's matmul dtype: f32 under
+    m=f32 (the backward pass through the custom VJP), bf16 under m=bf16."""
+    pol = Policy.parse(policy)
+    operand = "bf16" if pol.compute_dtype == jnp.bfloat16 else "f32"
+
+    def loss(p, x):
+        return jnp.mean(apply(p, x, TINY, pol, train=True, rng=jax.random.key(0)) ** 2)
+
+    # The lowered program: what the step asks XLA for. (XLA:CPU then rewrites bf16 dots
+    # it has no kernel for; on a GPU the compiled dots keep these types.)
+    text = jax.jit(jax.grad(loss)).lower(tiny_params, _images(2)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general .*?: \((.*?)\) -> tensor<(.*?)>", text)
+    # 6 per layer, x3 with the backward pass; the head 3, the patch embedding 2 (no
+    # gradient w.r.t. the images).
+    assert len(dots) == 3 * 6 * TINY.depth + 3 + 2
+    for operands, out in dots:
+        assert out.endswith("x" + result), (operands, out)
+        assert [t.rsplit("x", 1)[1] for t in re.findall(r"tensor<(.*?)>", operands)] == \
+            [operand, operand], (operands, out)
 
 
 def test_dropout_and_drop_path_off_at_eval_on_in_training(tiny_params):

@@ -4,25 +4,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_pure.policy import LossScale, Policy, all_finite, cast_floating, matmul, select_tree
+from vit_pure.policy import LossScale, Policy, cast_floating, matmul, select_tree
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("fp32", ("float32", "float32", "float32")),
-    ("bf16", ("float32", "bfloat16", "float32")),
-    ("fp16", ("float32", "float16", "float32")),
-    ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
-    ("p=bf16,c=bf16,o=bf16", ("bfloat16", "bfloat16", "bfloat16")),
-    ("c=f16", ("float32", "float16", "float32")),
-    (" P=BF16, C=F32 ", ("bfloat16", "float32", "float32")),
+    ("fp32", ("float32", "float32", "float32", "float32")),
+    ("bf16", ("float32", "bfloat16", "float32", "float32")),
+    ("fp16", ("float32", "float16", "float32", "float32")),
+    ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32", "float32")),
+    ("p=f32,c=bf16,o=f32,m=bf16", ("float32", "bfloat16", "float32", "bfloat16")),
+    ("c=bf16,m=c", ("float32", "bfloat16", "float32", "bfloat16")),
+    ("p=bf16,c=bf16,o=bf16", ("bfloat16", "bfloat16", "bfloat16", "float32")),
+    ("c=f16", ("float32", "float16", "float32", "float32")),
+    (" P=BF16, C=F32 ", ("bfloat16", "float32", "float32", "float32")),
 ])
 def test_parse(text, expected):
     pol = Policy.parse(text)
-    assert (pol.param_dtype.name, pol.compute_dtype.name, pol.output_dtype.name) == expected
+    assert (pol.param_dtype.name, pol.compute_dtype.name, pol.output_dtype.name,
+            pol.matmul_dtype.name) == expected
     assert Policy.parse(str(pol)) == pol  # the string form round-trips
+    assert Policy.gives_matmul_dtype(text) == ("m=" in text)
 
 
-@pytest.mark.parametrize("bad", ["fp64x", "p=f32,q=bf16", "p=int8", "c"])
+@pytest.mark.parametrize("bad", ["fp64x", "p=f32,q=bf16", "p=int8", "c", "c=bf16,m=f16",
+                                 "c=f32,m=bf16"])
 def test_parse_rejects_garbage(bad):
     with pytest.raises(ValueError):
         Policy.parse(bad)
@@ -45,12 +50,18 @@ def test_casting_touches_only_floating_leaves():
     assert cast_floating(tree, jnp.float16)["w"].dtype == jnp.float16
 
 
-def test_matmul_backward_runs_in_compute_dtype_and_matches_f32():
+@pytest.mark.parametrize("policy", ["bf16", "c=bf16,m=bf16"])
+def test_matmul_backward_runs_in_compute_dtype_and_matches_f32(policy):
+    """Either matmul output dtype: forward and both backward matmuls take bf16 operands
+    (the m=f32 policy through the custom VJP, m=bf16 through plain autodiff)."""
+    pol = Policy.parse(policy)
     x = jax.random.normal(jax.random.key(0), (4, 5, 16))
     w = jax.random.normal(jax.random.key(1), (16, 8))
 
     def f(x, w):
-        return jnp.sum(jnp.sin(matmul(x, w)))
+        out = matmul(x, w, pol if x.dtype == jnp.bfloat16 else Policy())
+        assert out.dtype == (pol.matmul_dtype if x.dtype == jnp.bfloat16 else jnp.float32)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
     gx32, gw32 = jax.grad(f, (0, 1))(x, w)
     ref = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), (0, 1))(x, w)
@@ -74,7 +85,7 @@ def test_loss_scale_overflow_and_growth():
     np.testing.assert_array_equal(ls.unscale(grads)["a"], [1.0, 2.0])
     # Overflow: halve the scale, reset the counter.
     bad = {"a": jnp.array([jnp.inf, 1.0])}
-    finite = all_finite(bad)
+    finite = jnp.all(jnp.isfinite(bad["a"]))
     assert not bool(finite)
     ls2 = ls.adjust(finite)
     assert float(ls2.scale) == 4.0 and int(ls2.good_steps) == 0

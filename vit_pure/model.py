@@ -56,7 +56,7 @@ from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
 from vit_pure.config import ViTConfig
-from vit_pure.policy import Policy, matmul
+from vit_pure.policy import Policy, einsum, matmul
 
 F32 = jnp.float32
 _INIT_STD = 0.02
@@ -177,8 +177,9 @@ def _drop_path(x, rate, ex_keys, layer, site):
 
 def _dot_out(y):
     """Tag a matmul or attention-einsum output so that remat="block-save-dots" keeps it
-    (an identity otherwise). policy.matmul is a custom VJP, which hides its dot from
-    `jax.checkpoint_policies.dots_saveable`; hence names, not that policy."""
+    (an identity otherwise). Under an ``m=f32`` policy policy.matmul is a custom VJP, which
+    hides its dot from `jax.checkpoint_policies.dots_saveable`; hence names, not that
+    policy."""
     return checkpoint_name(y, _DOT)
 
 
@@ -198,13 +199,28 @@ def _reduce_from_tp(y, tp_axis):
 
 
 # --------------------------------------------------------------------------- the network
+def compute_params(tree, policy: Policy, gather: Callable | None = None, path: str = ""):
+    """Parameters as a layer uses them: gathered by the FSDP hook (if any), then cast to
+    the compute dtype; the one place params change dtype.
+
+    `path` is where `tree` sits in the params ("" for the top level, "blocks" for one
+    layer's params, its layer axis sliced off): the hook looks each leaf up by its full
+    path, e.g. "blocks/mlp/fc1/kernel". The hook receives the master (float32) shards and
+    casts before it gathers, so the weights travel in the compute dtype while their
+    gradients come back, reduce-scattered, in float32 (train_shardmap.fsdp_gather).
+    """
+    if gather is not None:
+        tree = gather(tree, path)
+    return policy.cast_to_compute(tree)
+
+
 def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
     """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
     cd = policy.compute_dtype
     p = cfg.patch_size
     patches = rearrange(images, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
-    x = matmul(patches.astype(cd), params["patch_embed"]["kernel"], policy.precision)
-    x = x + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
+    x = matmul(patches.astype(cd), params["patch_embed"]["kernel"], policy)
+    x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
     cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"].astype(F32)  # (B, T, E)
     return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED)
@@ -212,7 +228,9 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
 
 def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
-    cd, prec = policy.compute_dtype, policy.precision
+    # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
+    # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
+    cd, md = policy.compute_dtype, policy.matmul_dtype
     E = x.shape[-1]
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
@@ -221,28 +239,26 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
     h = _copy_to_tp(_layer_norm(x, p["ln1"], cfg.ln_eps), tp_axis)
-    qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), prec))  # (B, T, 3*Hl*D) f32
-    qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(F32)
+    qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
+    qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
     q, k, v = rearrange(qkv.astype(cd), "b t (three h d) -> three b h t d",
                         three=3, d=cfg.head_dim)
-    scores = _dot_out(jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=prec,
-                                 preferred_element_type=F32)) / math.sqrt(cfg.head_dim)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cd)  # softmax in f32
-    ctx = _dot_out(jnp.einsum("bhqk,bhkd->bhqd", probs, v, precision=prec,
-                              preferred_element_type=F32))
+    scores = _dot_out(einsum("bhqd,bhkd->bhqk", q, k, policy))
+    probs = jax.nn.softmax(scores.astype(F32) / math.sqrt(cfg.head_dim), axis=-1)  # f32
+    ctx = _dot_out(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
     ctx = rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
-    y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), prec)  # partial sum over heads
-    y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(F32)
+    y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
+    y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
     h = _copy_to_tp(_layer_norm(x, p["ln2"], cfg.ln_eps), tp_axis)
-    h = _dot_out(matmul(h, m["fc1"]["kernel"], prec)) + m["fc1"]["bias"].astype(F32)  # (B, T, Ml)
+    h = _dot_out(matmul(h, m["fc1"]["kernel"], policy)) + m["fc1"]["bias"].astype(md)  # (B, T, Ml)
     h = jax.nn.gelu(h).astype(cd)
-    y = matmul(h, m["fc2"]["kernel"], prec)  # partial sum over hidden units
-    y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(F32)
+    y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
+    y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
@@ -252,8 +268,9 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
     """Run the stacked blocks (leading axis = layers) over x (B, T, E).
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
-    layers; the index seeds dropout). `gather(layer_params)`, if given, is applied to each
-    layer's params just before use (FSDP gathers sharded weights there).
+    layers; the index seeds dropout). Each layer's params are made ready just before use
+    (`compute_params`: the FSDP `gather(layer_params, "blocks")` hook if given, then the
+    cast to the compute dtype).
 
     `remat` trades compute for memory in the backward pass (same results either way):
       "none"             keep every activation the backward pass needs (fastest);
@@ -272,8 +289,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
-        if gather is not None:
-            p = gather(p)
+        p = compute_params(p, policy, gather, "blocks")
         return _block(p, x, layer, cfg, policy, ex_keys, tp_axis)
 
     if remat == "block":
@@ -292,8 +308,8 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 def head(params, x, cfg: ViTConfig, policy: Policy):
     """tokens (B, T, E) -> logits (B, K) in the output dtype (class token only)."""
     cls = _layer_norm(x[:, 0], params["final_ln"], cfg.ln_eps)  # (B, E)
-    logits = matmul(cls, params["head"]["kernel"], policy.precision)
-    logits = logits + params["head"]["bias"].astype(F32)
+    logits = matmul(cls, params["head"]["kernel"], policy)
+    logits = logits.astype(F32) + params["head"]["bias"].astype(F32)
     return logits.astype(policy.output_dtype)
 
 
@@ -314,10 +330,7 @@ def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: b
         if example_ids is None:
             example_ids = jnp.arange(images.shape[0])
         ex_keys = _example_keys(rng, example_ids)
-    params = policy.cast_to_compute(params)  # the one place params change dtype
-    top = {k: v for k, v in params.items() if k != "blocks"}
-    if gather is not None:
-        top = gather(top)
+    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
     x = embed(top, images, cfg, policy, ex_keys)
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
                 tp_axis=tp_axis, gather=gather)

@@ -3,20 +3,37 @@
 One frozen dataclass decides every cast in the kit:
 
     param_dtype    what the optimizer updates and checkpoints hold ("master" weights)
-    compute_dtype  what the model's matmuls and activations run in
+    compute_dtype  what the model's matmul inputs and activations are
     output_dtype   what `apply` returns (the logits)
+    matmul_dtype   what every matmul *returns* (its inputs are compute_dtype; the product
+                   is always accumulated in float32 inside the matmul, whatever this says)
 
-String form (the command line's `--policy`): ``p=f32,c=bf16,o=f32``. The short forms
+String form (the command line's `--policy`): ``p=f32,c=bf16,o=f32,m=bf16``. The short forms
 ``fp32`` / ``bf16`` / ``fp16`` mean float32 master params computing in that dtype with
 float32 outputs (the usual mixed-precision recipe). Parameters themselves may also be
 stored in low precision (``p=bf16,c=bf16``); that runs, but see README for why it trains
 worse.
 
+The matmul output dtype is a speed choice with two right answers, one per backend
+(measured, README "Performance"):
+
+  * ``m=`` the compute dtype (bf16 out): the GEMM accumulates in float32 internally and
+    rounds once on the way out; the bias add then runs in bf16. On a GPU this is ~1.5x
+    faster than f32 outputs (half the bytes of every activation, no converts), and plain
+    autodiff already runs the backward matmuls in bf16. What MaxText, Flax (``dtype=``),
+    jmp and PyTorch autocast do.
+  * ``m=f32``: the product comes back in float32 (``preferred_element_type``) and the
+    bias add runs in float32. On XLA:CPU a bf16-output dot is upcast to float32 entirely,
+    so this is the faster one there; its backward pass needs the custom VJP in `matmul`.
+
+When the policy string leaves ``m`` out, the training scripts pick it per backend
+(vit_pure/hardware.py) and say so at startup; `Policy.parse` alone gives ``m=f32``.
+
 Fixed rules, whatever the policy says:
   * only floating leaves are cast (integer step counters, RNG keys are left alone);
-  * LayerNorm statistics, the softmax and the loss are computed in float32;
-  * matmuls take compute-dtype inputs and accumulate in float32
-    (``preferred_element_type``); see `matmul` for the backward pass.
+  * LayerNorm statistics, the softmax and the loss are computed in float32, and so is the
+    optimizer (on the float32 master params);
+  * matmuls take compute-dtype inputs and accumulate in float32.
 
 Float16 has a narrow exponent range, so small gradients underflow to zero; the usual cure
 is a *dynamic loss scale* (`LossScale`): multiply the loss by S before differentiating,
@@ -30,7 +47,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _DTYPE_NAMES = {
     "f32": jnp.float32, "fp32": jnp.float32, "float32": jnp.float32,
@@ -57,17 +73,22 @@ class Policy:
     param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
     compute_dtype: jnp.dtype = jnp.dtype(jnp.float32)
     output_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    matmul_dtype: jnp.dtype = jnp.dtype(jnp.float32)
     # Matmul precision for every matmul of the model: "default", "high" or "highest".
     # On CPU float32 matmuls are exact whatever this says; on NVIDIA GPUs "default" lets
     # float32 matmuls use TF32 tensor cores and "highest" forbids it.
     matmul_precision: str = "default"
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        for field in ("param_dtype", "compute_dtype", "output_dtype", "matmul_dtype"):
             dtype = jnp.dtype(getattr(self, field))
             if not jnp.issubdtype(dtype, jnp.floating):
                 raise ValueError(f"policy {field} must be a floating dtype, got {dtype}")
             object.__setattr__(self, field, dtype)
+        if self.matmul_dtype not in (jnp.dtype(jnp.float32), self.compute_dtype):
+            raise ValueError(f"policy matmul dtype must be f32 or the compute dtype "
+                             f"({_SHORT_NAMES[self.compute_dtype]}), got "
+                             f"{_SHORT_NAMES.get(self.matmul_dtype, self.matmul_dtype)}")
         if self.matmul_precision not in _PRECISIONS:
             raise ValueError(f"matmul precision must be one of {', '.join(_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
@@ -75,23 +96,31 @@ class Policy:
     # ----------------------------------------------------------------- parsing / printing
     @classmethod
     def parse(cls, text: str, matmul_precision: str = "default") -> "Policy":
-        """`fp32` | `bf16` | `fp16` | `p=..,c=..,o=..` (missing parts default to f32)."""
+        """`fp32` | `bf16` | `fp16` | `p=..,c=..,o=..[,m=..]` (missing parts default to f32;
+        `m=c` means "the compute dtype")."""
         text = text.strip().lower()
         if "=" not in text:
-            return cls(jnp.float32, parse_dtype(text), jnp.float32, matmul_precision)
-        parts = {"p": "f32", "c": "f32", "o": "f32"}
+            return cls(jnp.float32, parse_dtype(text), jnp.float32, jnp.float32, matmul_precision)
+        parts = {"p": "f32", "c": "f32", "o": "f32", "m": "f32"}
         for item in text.split(","):
             key, sep, value = item.partition("=")
             key = key.strip()
             if not sep or key not in parts:
-                raise ValueError(f"bad policy {text!r}: expected p=DTYPE,c=DTYPE,o=DTYPE")
+                raise ValueError(f"bad policy {text!r}: expected p=DTYPE,c=DTYPE,o=DTYPE[,m=DTYPE]")
             parts[key] = value
-        return cls(parse_dtype(parts["p"]), parse_dtype(parts["c"]), parse_dtype(parts["o"]),
+        compute = parse_dtype(parts["c"])
+        matmul = compute if parts["m"].strip() == "c" else parse_dtype(parts["m"])
+        return cls(parse_dtype(parts["p"]), compute, parse_dtype(parts["o"]), matmul,
                    matmul_precision)
+
+    @staticmethod
+    def gives_matmul_dtype(text: str) -> bool:
+        """Does the policy string fix the matmul output dtype (an `m=` part)?"""
+        return any(item.partition("=")[0].strip() == "m" for item in text.lower().split(","))
 
     def __str__(self) -> str:
         return (f"p={_SHORT_NAMES[self.param_dtype]},c={_SHORT_NAMES[self.compute_dtype]},"
-                f"o={_SHORT_NAMES[self.output_dtype]}")
+                f"o={_SHORT_NAMES[self.output_dtype]},m={_SHORT_NAMES[self.matmul_dtype]}")
 
     @property
     def precision(self) -> jax.lax.Precision:
@@ -108,9 +137,6 @@ class Policy:
     def cast_to_compute(self, tree):
         return cast_floating(tree, self.compute_dtype)
 
-    def cast_to_output(self, tree):
-        return cast_floating(tree, self.output_dtype)
-
 
 def cast_floating(tree, dtype):
     """Cast the floating-point leaves of `tree` to `dtype`; leave all other leaves alone."""
@@ -122,56 +148,59 @@ def cast_floating(tree, dtype):
 
 
 # --------------------------------------------------------------------------------- matmul
-def matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
-    """``x @ w`` for x (..., K) and w (K, N), accumulating and returning float32.
+def matmul(x: jax.Array, w: jax.Array, policy: "Policy") -> jax.Array:
+    """``x @ w`` for x (..., K) and w (K, N): see `einsum`."""
+    return einsum("...k,kn->...n", x, w, policy)
 
-    Inside shard_map, an operand that is invariant over a mesh axis the other varies
-    over is first cast to varying, as jnp.matmul would do implicitly; doing it out here,
-    outside the custom VJP below, lets autodiff transpose that cast as usual.
+
+def einsum(spec: str, a: jax.Array, b: jax.Array, policy: "Policy") -> jax.Array:
+    """A two-operand einsum, both operands in the compute dtype, accumulating in float32
+    and returning ``policy.matmul_dtype``. Every matmul and attention einsum of the
+    model goes through here.
+
+    Operands must agree on the mesh axes they vary over (inside shard_map): this function
+    inserts no cast between them, so no collective can hide in here; the training scripts
+    and the model's tensor-parallel operators make every operand explicit.
     """
-    vx, vw = _varying_axes(x), _varying_axes(w)
-    if vx - vw:
-        w = jax.lax.pcast(w, tuple(sorted(vx - vw)), to="varying")
-    if vw - vx:
-        x = jax.lax.pcast(x, tuple(sorted(vw - vx)), to="varying")
-    return _matmul(x, w, precision)
+    if policy.matmul_dtype == a.dtype:
+        # The output dtype is the input dtype: plain autodiff already runs both backward
+        # products with compute-dtype inputs (and float32 accumulation inside the GEMM).
+        return jnp.einsum(spec, a, b, precision=policy.precision,
+                          preferred_element_type=policy.matmul_dtype)
+    return _einsum_f32_out(spec, a, b, policy.precision)
 
 
-def _varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over, inside shard_map (empty elsewhere)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; earlier: aval.vma
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _einsum_f32_out(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
+    """The einsum returning float32 for low-precision a, b (the ``m=f32`` policy).
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
-    """``x @ w`` accumulating in float32 (see `matmul`).
-
-    Inputs are expected in the compute dtype. Plain autodiff of a dot with
-    ``preferred_element_type=float32`` would hand the backward pass a float32 cotangent and
-    so run both backward matmuls (two thirds of training FLOPs) in float32; this custom VJP
-    casts the cotangent back to the input dtype first, so they too take compute-dtype inputs
-    and accumulate in float32. For float32 inputs it is exactly plain autodiff.
+    Plain autodiff of a product with ``preferred_element_type=float32`` would hand the
+    backward pass a float32 cotangent and so run both backward products (two thirds of
+    training FLOPs) with float32 operands; this custom VJP casts the cotangent back to
+    the input dtype first, so they too take compute-dtype inputs and accumulate in
+    float32. For float32 inputs it is exactly plain autodiff.
     """
-    return jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _matmul_fwd(x, w, precision):
-    return _matmul(x, w, precision), (x, w)
+def _einsum_fwd(spec, a, b, precision):
+    return _einsum_f32_out(spec, a, b, precision), (a, b)
 
 
-def _matmul_bwd(precision, residuals, g):
-    x, w = residuals
-    g = g.astype(x.dtype)
-    dx = jnp.matmul(g, w.T, precision=precision, preferred_element_type=jnp.float32)
-    x2 = x.reshape(-1, x.shape[-1])
-    g2 = g.reshape(-1, g.shape[-1])
-    dw = jnp.matmul(x2.T, g2, precision=precision, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+def _einsum_bwd(spec, precision, residuals, g):
+    # For "A,B->C" (every index of A in B or C, and of B in A or C, as in all the model's
+    # products): dA = einsum("C,B->A", g, b), dB = einsum("A,C->B", a, g).
+    a, b = residuals
+    (sa, sb), sc = spec.split("->")[0].split(","), spec.split("->")[1]
+    g = g.astype(a.dtype)
+    da = jnp.einsum(f"{sc},{sb}->{sa}", g, b, precision=precision,
+                    preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{sa},{sc}->{sb}", a, g, precision=precision,
+                    preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_einsum_f32_out.defvjp(_einsum_fwd, _einsum_bwd)
 
 
 # ----------------------------------------------------------------------------- loss scale
@@ -219,16 +248,8 @@ class LossScale:
         return dataclasses.replace(self, scale=scale, good_steps=good.astype(jnp.int32))
 
 
-def all_finite(tree) -> jax.Array:
-    """True iff every element of every leaf is finite (a scalar bool array)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
-
-
 def select_tree(pred: jax.Array, on_true, on_false):
     """Per-leaf ``where(pred, a, b)``: used to skip a step whose gradients overflowed."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def tree_bytes(tree) -> int:
-    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
