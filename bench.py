@@ -86,7 +86,7 @@ import numpy as np
 
 from vit_pure import cli, data, hostmem, step
 from vit_pure.config import PRESETS, ViTConfig, get_preset
-from vit_pure.policy import Policy, tree_bytes
+from vit_pure.policy import Policy
 
 RESULT_TAG = "BENCH_RESULT "
 
@@ -266,7 +266,7 @@ def training_setup(model: str, batch: int, policy: str, *, precision: str = "def
     except SystemExit:  # argparse has printed why
         raise cli.UsageError(f"the training scripts refuse {' '.join(argv)}") from None
     optimizer, _ = step.make_optimizer(args, total_steps)
-    return step.StepConfig.from_args(args), optimizer
+    return dataclasses.replace(step.StepConfig.from_args(args), accum_steps=accum), optimizer
 
 
 def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices, *,
@@ -346,6 +346,12 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
             "param_bytes": param_bytes, "opt_state_bytes": opt_state_bytes}
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of every array leaf of `tree`."""
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
 def compiled_peak_bytes(compiled) -> int:
     """Per-device bytes the compiled program needs: args + outputs - aliases + temps."""
     m = compiled.memory_analysis()
@@ -384,7 +390,7 @@ def run_config(job: dict) -> dict:
     microbatches = int(opts["mb"]) if opts.get("mb") else None
     strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices,
                              fsdp=fsdp, microbatches=microbatches)
-    data.check_batch(job["batch"], strategy.batch_divisor)
+    strategy.check_batch(job["batch"], accum_steps=sc.accum_steps)
 
     # The ceiling just before and just after the timed steps (their mean): on a shared
     # machine whose load drifts, this keeps the ceiling and the step under the same load.
@@ -450,17 +456,10 @@ def run_config(job: dict) -> dict:
 
 
 # -------------------------------------------------------------------------- the driver
-def use_cpu_devices(n: int) -> None:
-    """Ask XLA for n fake CPU devices. Must run before jax's first device query."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-
-
 def _child(job_json: str) -> int:
     job = json.loads(job_json)
     if job["devices"]:
-        use_cpu_devices(job["devices"])  # only the CPU backend reads this
+        cli.use_cpu_devices(job["devices"])  # only the CPU backend reads this
     if job["cpu"]:
         os.environ["JAX_PLATFORMS"] = "cpu"
     try:

@@ -65,7 +65,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import cli, distributed, hostmem, loop, pipeline, step
+from vit_pure import accum, cli, distributed, hostmem, loop, pipeline, step
 from vit_pure.model import init_params, param_axes
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
@@ -160,61 +160,67 @@ def _is_spec(x):
 
 
 # ---------------------------------------------------------------------------------- FSDP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def fsdp_gather(shard: jax.Array, axis: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def fsdp_gather(shard: jax.Array, axis: int, dtype) -> jax.Array:
     """FSDP's collective pair for one weight: this device's shard -> the whole weight.
 
-    Forward: all-gather over 'data' along `axis`. Backward (`_fsdp_gather_bwd`): the
-    matching reduce-scatter of the whole weight's gradient, so each device receives the
-    gradient of its own shard, already averaged over 'data'.
+    Forward: cast the (float32 master) shard to the compute `dtype`, then all-gather over
+    'data' along `axis`: the weight travels in the compute dtype. Backward
+    (`_fsdp_gather_bwd`): the matching reduce-scatter of the whole weight's gradient, in
+    float32, so each device receives the gradient of its own shard averaged over 'data'
+    in the shard's own dtype: float32 master weights get a float32 mean, exactly as the
+    data-parallel `pmean` gives the replicated ones (never a bf16-rounded mean).
 
     Autodiff would derive the same reduce-scatter by itself (under check_vma the transpose
     of a varying all_gather is psum_scatter, a *sum*); the custom VJP writes it here so
     that the backward collective, its float32 accumulation and the division that makes it
     the mean over 'data' are all in the code, not implied. tests/test_model_parallel.py
-    checks the result against single-device gradients.
+    checks the result against data-parallel and single-device gradients.
     """
     # All-gather over 'data': the D shards of this weight, concatenated along `axis`.
-    return lax.all_gather(shard, DATA, axis=axis, tiled=True)
+    return lax.all_gather(shard.astype(dtype), DATA, axis=axis, tiled=True)
 
 
-def _fsdp_gather_fwd(shard, axis):
-    return fsdp_gather(shard, axis), None
+def _fsdp_gather_fwd(shard, axis, dtype):
+    # Residual: a zero-size array carrying the shard's dtype (the gradient's dtype).
+    return fsdp_gather(shard, axis, dtype), jnp.zeros((0,), shard.dtype)
 
 
-def _fsdp_gather_bwd(axis, _, grad_whole):
+def _fsdp_gather_bwd(axis, dtype, like, grad_whole):
     # Reduce-scatter over 'data': sum the D devices' gradients of the whole weight (in
     # float32) and give each device the slice for its shard; / D makes it the mean.
     grad_shard = lax.psum_scatter(grad_whole.astype(jnp.float32), DATA,
                                   scatter_dimension=axis, tiled=True)
-    return ((grad_shard / lax.axis_size(DATA)).astype(grad_whole.dtype),)
+    return ((grad_shard / lax.axis_size(DATA)).astype(like.dtype),)
 
 
 fsdp_gather.defvjp(_fsdp_gather_fwd, _fsdp_gather_bwd)
 
 
-def fsdp_gather_axes(specs) -> dict:
-    """For the model's `gather` hook: per parameter, the axis to all-gather over 'data'
-    *as the model sees it at the gather*, or None if the parameter is not split over
-    'data'. The blocks are gathered one layer at a time inside the layer loop, after the
-    leading layer axis is sliced off, so their axes shift down by one. The top-level
-    params (patch_embed, ..., head) and one layer's params (ln1, attn, ln2, mlp) have
-    disjoint keys, so one table serves both calls of the hook."""
-    def axis_of(spec, shift):
+def fsdp_gather_axes(specs) -> dict[str, int]:
+    """For the model's `gather` hook: the FSDP-sharded parameters by full path
+    ("patch_embed/kernel", "blocks/mlp/fc1/kernel", ...) -> the axis to all-gather over
+    'data' *as the model sees the leaf at the gather*. Parameters not split over 'data'
+    are absent. The blocks are gathered one layer at a time, after the leading layer
+    axis is sliced off (model.compute_params), so their axis is the spec's minus one."""
+    table = {}
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
+        name = "/".join(str(k.key) for k in path)
         where = [i for i, entry in enumerate(spec) if DATA in _entry_axes(entry)]
-        return where[0] - shift if where else None
-
-    top = {k: jax.tree.map(lambda s: axis_of(s, 0), v, is_leaf=_is_spec)
-           for k, v in specs.items() if k != "blocks"}
-    layer = jax.tree.map(lambda s: axis_of(s, 1), specs["blocks"], is_leaf=_is_spec)
-    return {**top, **layer}
+        if where:
+            table[name] = where[0] - (1 if name.startswith("blocks/") else 0)
+    return table
 
 
-def make_gather(axes_table: dict):
-    """The model's `gather` hook: all-gather every FSDP-sharded leaf of a params subtree."""
-    def gather(tree):
-        return {k: jax.tree.map(lambda x, a: x if a is None else fsdp_gather(x, a),
-                                v, axes_table[k]) for k, v in tree.items()}
+def make_gather(axes_table: dict[str, int], dtype):
+    """The model's `gather(tree, path)` hook: all-gather, in the compute `dtype`, every
+    FSDP-sharded leaf of the params subtree at `path` ("" or "blocks"); leave the rest."""
+    def gather(tree, path):
+        def one(key_path, x):
+            name = "/".join([path] * bool(path) + [str(k.key) for k in key_path])
+            axis = axes_table.get(name)
+            return x if axis is None else fsdp_gather(x, axis, dtype)
+        return jax.tree_util.tree_map_with_path(one, tree)
     return gather
 
 
@@ -316,16 +322,17 @@ class ShardMapStrategy:
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
                 f"  {self._measured()}{plan}")
 
-    def check_batch(self, global_batch: int) -> None:
-        """UsageError unless each device's slice of the batch splits into the pipeline's
-        micro-batches (and the accumulation steps, which nest outside them)."""
-        d = self.mesh.shape[DATA]
-        per = global_batch // d // self.sc.accum_steps
-        if self.stages > 1 and global_batch % d == 0 and per % self.microbatches:
+    def check_batch(self, global_batch: int, flag: str = "--batch", accum_steps: int = 1) -> None:
+        """UsageError unless the global batch splits over the processes and the 'data'
+        axis, each device's slice into `accum_steps` micro-batches, and each of those
+        into the pipeline's micro-batches (accumulation nests outside the pipeline)."""
+        per = accum.check_accum_steps(accum_steps, global_batch, self.batch_divisor, flag)
+        per //= accum_steps
+        if self.stages > 1 and per % self.microbatches:
             raise cli.UsageError(
-                f"--batch {global_batch}: the per-device batch {per} (over data={d}"
-                + (f" and {self.sc.accum_steps} accumulation steps" if self.sc.accum_steps > 1
-                   else "")
+                f"{flag} {global_batch}: the per-device batch {per} (over data="
+                f"{self.batch_divisor}"
+                + (f" and {accum_steps} accumulation steps" if accum_steps > 1 else "")
                 + f") does not divide into --microbatches {self.microbatches}")
 
     def _measured(self) -> str:  # measured once per strategy: describe() may be called again
@@ -352,7 +359,8 @@ class ShardMapStrategy:
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):
         sc, tp, specs = self.sc, self.tp_axis, self.param_specs
-        gather = make_gather(fsdp_gather_axes(specs)) if self.fsdp else None
+        gather = (make_gather(fsdp_gather_axes(specs), sc.policy.compute_dtype) if self.fsdp
+                  else None)
 
         def over_data(spec):  # is this leaf split over 'data' (FSDP)?
             return DATA in mesh_axes(spec)
@@ -474,13 +482,14 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
-    def make_strategy(optimizer):
-        strategy = ShardMapStrategy(step.StepConfig.from_args(args), optimizer, args.mesh,
-                                    fsdp=args.fsdp, microbatches=args.microbatches)
-        strategy.check_batch(args.batch)
-        return strategy
+    cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
+    sc = step.StepConfig.from_args(args)
 
-    return loop.run(args, make_strategy)
+    def make_strategy(sc, optimizer):
+        return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,
+                                microbatches=args.microbatches)
+
+    return loop.run(args, sc, make_strategy)
 
 
 if __name__ == "__main__":
