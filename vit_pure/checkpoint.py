@@ -3,7 +3,7 @@
 The state is a dict of named pytrees, for example::
 
     {"params": params, "opt_state": opt_state, "loss_scale": ls, "step": 1200,
-     "rng": jax.random.key_data(key), "data_pos": 38400}
+     "rng": jax.random.key_data(key)}
 
 ``save`` writes it, ``latest`` finds the newest checkpoint that is intact, ``restore`` rebuilds
 the pytrees from a template of the same structure (the caller places them on devices). Nothing
@@ -11,7 +11,8 @@ is pickled, so loading a checkpoint never runs code from the file.
 
 Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
 ``jax.Array`` in full, and the training loop (vit_pure/loop.py) saves
-``strategy.host_state(state)`` and lays a restored state out with ``strategy.put_state``.
+``strategy.host_state(state)`` (vit_pure/resume.py) and lays a restored state out with
+``strategy.put_state``.
 That keeps the file independent of the layout that wrote it: a checkpoint of
 ``train_pmap.py`` resumes in ``train_shardmap.py`` and back, on another device count, mesh
 shape (data / tensor parallel) or FSDP setting. The price is that one host holds the
@@ -19,7 +20,8 @@ whole state while saving (about 1 GB for vit-b16 with AdamW in float32: fine for
 per-shard formats avoid it but tie restoring to the layout).
 In the training loop's checkpoints the state holds ``params``, ``opt_state``,
 ``loss_scale``, ``step`` and ``rng`` (the key data of ``jax.random.key(seed)``), and meta
-holds the data position, the total step count and every flag (see ``loop.Checkpoints``).
+holds the data position, the total step count, the model config, the dtype policy and
+every flag (see ``resume.Checkpoints``).
 
 On-disk format, version 1
 -------------------------
@@ -42,9 +44,10 @@ and ``latest`` check that with the checksums.
 key is the state name followed by the leaf's pytree path, joined with ``/``: dict keys as
 they are, list/tuple positions as numbers, NamedTuple fields by name. For example::
 
-    params/blocks/0/attn/qkv/kernel
+    params/blocks/attn/qkv/kernel     the layers are stacked: (depth, width, 3, heads, head dim)
+    params/patch_embed/kernel
     opt_state/0/count                 optax.adamw: (ScaleByAdamState, EmptyState, ...)
-    opt_state/0/mu/blocks/0/attn/qkv/kernel
+    opt_state/0/mu/blocks/attn/qkv/kernel
     step                              a state entry that is a single leaf
 
 ``manifest.json`` (UTF-8 JSON as Python's ``json`` writes it, so a NaN in meta is ``NaN``;
@@ -113,6 +116,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from vit_pure.data import _one_line  # one copy: an exception's message as one line
 
 FORMAT = "vit_pure.checkpoint"
 VERSION = 1
@@ -558,7 +563,3 @@ def _key(name: str, path: tuple[Any, ...]) -> str:
             )
         parts.append(part)
     return "/".join(parts)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
