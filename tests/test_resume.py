@@ -4,6 +4,7 @@ Every run here is the tiny model on 80 synthetic training images with a global b
 5 steps per epoch, 6 steps in all, so a resume from step 1..3 crosses an epoch boundary.
 Two straight runs (one per script, a checkpoint after every step) are the references.
 """
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -18,7 +19,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import checkpoint, cli, loop
+from vit_pure import checkpoint, cli, loop, monitor
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
 
@@ -298,7 +299,7 @@ class _HostMetrics:
 def test_fp16_nan_loss_with_finite_gradients_stops_the_run():
     """With a dynamic loss scale a non-finite *gradient* is a skipped step and counted;
     a non-finite *loss* whose gradients were finite was applied, so it must stop the run."""
-    watch = loop.LossWatch(_HostMetrics(), loss_scaled=True)
+    watch = monitor.LossWatch(_HostMetrics(), loss_scaled=True)
     watch.add(1, {"loss": 2.3, "grad_norm": 1.0})
     watch.add(2, {"loss": float("nan"), "grad_norm": float("inf")})  # skipped by the scale
     watch.check("ckpt/step_00000001")
@@ -307,6 +308,23 @@ def test_fp16_nan_loss_with_finite_gradients_stops_the_run():
     with pytest.raises(FloatingPointError, match=r"^non-finite loss \(nan\) at step 3 "
                        r"with a finite gradient norm \(0.5\)"):
         watch.check("ckpt/step_00000001")
+
+
+def test_eval_only_takes_model_and_policy_from_the_checkpoint_as_values():
+    """--eval-only builds its StepConfig from the checkpoint's meta (dataclasses.replace),
+    the policy as the run resolved it (m= included), without accumulation."""
+    from vit_pure import step
+    from vit_pure.policy import Policy
+    sc = step.StepConfig(get_preset("vit-cifar"), Policy.parse("fp32"), accum_steps=4)
+    tiny = get_preset("tiny")
+    meta = {"model_config": dataclasses.asdict(tiny), "policy": "p=f32,c=bf16,o=f32,m=bf16",
+            "matmul_precision": "high", "config": {"dtype": "fp16"}}
+    got = loop.saved_step_config(meta, sc)
+    assert got.cfg == tiny and got.accum_steps == 1 and got.label_smoothing == sc.label_smoothing
+    assert got.policy == Policy.parse("p=f32,c=bf16,o=f32,m=bf16", "high")
+    # Older checkpoints: no "policy" in meta, the flags say it.
+    older = loop.saved_step_config({"config": {"dtype": "bf16"}}, sc)
+    assert older.cfg == sc.cfg and older.policy == Policy.parse("bf16")
 
 
 # --------------------------------------------------------------------------- profiling

@@ -1,0 +1,199 @@
+"""What a training run reports while it runs: the log, the loss check, profiles, memory.
+
+* `Logger`: human lines on stdout (through tqdm when a progress bar is open), and the
+  same events as JSON lines in `--log-json`.
+* `LossWatch`: every step's loss and gradient norm, checked for NaN / inf at the loop's
+  host syncs, without adding one.
+* `Profiler`: a `jax.profiler` trace of the steps `--profile-steps` names.
+* `log_memory`: device memory (where the backend reports it) and the host's peak RSS.
+* `Throughput` and `progress_bar`: images per second between log points, and the bar.
+
+Nothing here decides what the run does, except that `LossWatch` stops it on a bad loss.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class Logger:
+    """Human lines on stdout (through tqdm when a bar is open), JSON lines to a file."""
+
+    def __init__(self, path: str | None, enabled: bool = True):
+        self.enabled = enabled
+        self.file = open(path, "a", buffering=1) if (path and enabled) else None
+
+    def __call__(self, text: str = "", **record):
+        if not self.enabled:
+            return
+        if text:
+            try:
+                from tqdm import tqdm
+                tqdm.write(text)
+            except ImportError:  # pragma: no cover
+                print(text, flush=True)
+        if record and self.file:
+            self.file.write(json.dumps(record) + "\n")
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+# --------------------------------------------------------------------------- non-finite loss
+class LossWatch:
+    """Every step's loss and gradient norm, checked for NaN / inf at the loop's host syncs.
+
+    The loop fetches metrics only every --log-every steps, so each step's two scalars stay
+    on the device until the next log point or checkpoint and are checked then: the error
+    names the first bad step exactly, and no per-step host sync is added.
+
+    fp32 / bf16: any non-finite loss or gradient norm is a FloatingPointError.
+    fp16 (dynamic loss scale): a step whose gradients were not finite was skipped by
+    `step.apply_gradients` and the scale shrank; it is counted (`skipped`), whatever its
+    loss. A non-finite *loss* with finite gradients is a FloatingPointError here too:
+    that update was applied (the scale skips only non-finite gradients), so it is never
+    passed over silently.
+    """
+
+    def __init__(self, strategy, loss_scaled: bool):
+        self.strategy, self.loss_scaled = strategy, loss_scaled  # strategy: metrics_to_host
+        self.pending: list[tuple[int, dict]] = []
+        self.skipped = 0  # fp16: steps the loss scale skipped so far in this process
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.pending.append((step, {k: metrics[k] for k in ("loss", "grad_norm") if k in metrics}))
+
+    def check(self, last_checkpoint) -> None:
+        """Fetch and check the pending steps: raise, or count the skipped ones (fp16)."""
+        pending, self.pending = self.pending, []
+        for step, scalars in pending:
+            m = self.strategy.metrics_to_host(scalars)
+            loss, norm = m["loss"], m.get("grad_norm", 0.0)
+            if np.isfinite(loss) and np.isfinite(norm):
+                continue
+            if self.loss_scaled and not np.isfinite(norm):
+                self.skipped += 1  # the loss scale skipped this step
+                continue
+            what = (f"non-finite loss ({loss}) at step {step}" if not np.isfinite(loss) else
+                    f"non-finite gradient norm ({norm}, loss {loss:.4f}) at step {step}")
+            if self.loss_scaled:  # only a non-finite loss gets here
+                what += (f" with a finite gradient norm ({norm:g}), so the loss scale did not "
+                         "skip its update")
+            raise FloatingPointError(
+                f"{what}; stopped without saving it. Last good checkpoint: "
+                f"{last_checkpoint or 'none'}")
+
+
+# --------------------------------------------------------------------------- profiling
+class Profiler:
+    """A jax.profiler trace of steps first..last (as numbered in the log), if asked for."""
+
+    def __init__(self, directory: str | None, step_range: tuple[int, int] | None, log: Logger):
+        self.directory, self.log = directory, log
+        self.first, self.last = step_range or (0, -1)
+        self.started_at: int | None = None
+        self.done = directory is None
+
+    def before_step(self, step: int, state) -> None:
+        if not self.done and self.started_at is None and self.first <= step <= self.last:
+            jax.block_until_ready(state)  # keep the earlier steps out of the trace
+            jax.profiler.start_trace(self.directory)
+            self.started_at = step
+
+    def after_step(self, step: int, state) -> None:
+        if self.started_at is not None and step >= self.last:
+            self.finish(step, state)
+
+    def finish(self, step: int, state) -> None:
+        """Stop the trace after `step` (the loop's end); say where it is."""
+        if self.done:
+            return
+        self.done = True
+        if self.started_at is None:
+            self.log(f"--profile-steps {self.first}:{self.last}: no such step ran; no trace "
+                     "written")
+            return
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        self.log(f"profile of steps {self.started_at}-{step} in {self.directory} (TensorBoard's "
+                 "profile plugin, or the trace.json.gz in ui.perfetto.dev)",
+                 event="profile", first=self.started_at, last=step, dir=str(self.directory))
+        log_memory(self.log, step)
+
+    def close(self) -> None:
+        """After an error: stop a trace still running."""
+        if not self.done and self.started_at is not None:
+            self.done = True
+            jax.profiler.stop_trace()
+
+
+# --------------------------------------------------------------------------- memory
+def memory_figures() -> dict:
+    """Device memory (where the backend reports it) and this process's peak host RSS."""
+    figures: dict[str, Any] = {}
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if all(stats):
+        for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+            values = [s[key] for s in stats if key in s]
+            if values:
+                figures[f"device_{key}_max"] = max(values)  # the fullest device
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    figures["host_peak_rss_bytes"] = rss if sys.platform == "darwin" else rss * 1024  # KiB
+    return figures
+
+
+def log_memory(log: Logger, step: int) -> None:
+    f = memory_figures()
+    mib = lambda key: f"{f[key] / 2**20:,.1f} MiB"  # noqa: E731
+    if "device_peak_bytes_in_use_max" in f:
+        device = (f"device peak {mib('device_peak_bytes_in_use_max')} (fullest device"
+                  + (f", limit {mib('device_bytes_limit_max')}"
+                     if "device_bytes_limit_max" in f else "") + ")")
+    else:
+        device = f"device figures not reported by {jax.default_backend()}"
+    log(f"memory after step {step}: {device}; host peak RSS {mib('host_peak_rss_bytes')}",
+        event="memory", step=step, **f)
+
+
+# --------------------------------------------------------------------------- progress
+class Throughput:
+    """Images per second between two log points."""
+
+    def __init__(self):
+        self.since, self.images = time.perf_counter(), 0
+
+    def add(self, images: int) -> None:
+        self.images += images
+
+    def rate(self) -> float:
+        """Images per second since the last call (or the start), and start counting anew."""
+        now = time.perf_counter()
+        rate = self.images / (now - self.since)
+        self.since, self.images = now, 0
+        return rate
+
+
+class NoBar:
+    """The progress bar when there is none (--no-progress, or not the main process)."""
+    shown = False
+
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **values) -> None: ...
+    def close(self) -> None: ...
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr, or a `NoBar` when disabled."""
+    if not enabled:
+        return NoBar()
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+    bar.shown = True
+    return bar
