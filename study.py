@@ -47,7 +47,7 @@ import re
 import sys
 
 import bench
-from vit_pure import cli, data, hostmem
+from vit_pure import cli, hostmem
 from vit_pure.config import PRESETS, get_preset
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
@@ -216,7 +216,7 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
     sc, optimizer = bench.training_setup(cfg.name, batch, policy, precision=precision,
                                          accum=accum, total_steps=warmup + steps + 1)
     strategy = ShardMapStrategy(sc, optimizer, None, devices=devices)
-    data.check_batch(batch, strategy.batch_divisor)
+    strategy.check_batch(batch, accum_steps=sc.accum_steps)
     res = bench.measure_train_step(strategy, sc, optimizer, batch, steps=steps, warmup=warmup)
     compiled = res["compiled"]
     # The lowered (pre-optimisation) program for the precision check: each dot as written.
@@ -318,7 +318,7 @@ def main(argv=None) -> list[dict]:
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
             raise cli.UsageError("--cpu-devices must be >= 1")
-        bench.use_cpu_devices(args.cpu_devices)  # before jax's first device query
+        cli.use_cpu_devices(args.cpu_devices)  # before jax's first device query
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.steps <= 0 or args.warmup < 0 or args.micro_batch < 0:
         raise cli.UsageError("--steps must be positive, --warmup and --micro-batch >= 0")

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vit_pure import cli, hostmem, loop, step
+from vit_pure import accum, cli, hostmem, loop, step
 
 AXIS = "data"
 
@@ -48,6 +48,11 @@ class PmapStrategy:
         procs = len({d.process_index for d in self.devices})
         return (f"{self.n_devices} devices on axis '{AXIS}' ({self.devices[0].platform})"
                 + (f", {procs} processes" if procs > 1 else ""))
+
+    def check_batch(self, global_batch: int, flag: str = "--batch", accum_steps: int = 1) -> None:
+        """UsageError unless the global batch splits over the processes and devices, and
+        each device's slice into `accum_steps` micro-batches."""
+        accum.check_accum_steps(accum_steps, global_batch, self.batch_divisor, flag)
 
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):
@@ -112,8 +117,9 @@ class PmapStrategy:
 
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
-    return loop.run(args, lambda optimizer: PmapStrategy(
-        step.StepConfig.from_args(args), optimizer))
+    cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
+    sc = step.StepConfig.from_args(args)
+    return loop.run(args, sc, PmapStrategy)
 
 
 if __name__ == "__main__":

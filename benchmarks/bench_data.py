@@ -1,10 +1,10 @@
-"""Throughput of the data path: device-side normalize + augment, host-side batching.
+"""Throughput of the data path: device-side normalisation + augmentation, host-side batching.
 
     python benchmarks/bench_data.py --batch 4096
     python benchmarks/bench_data.py --batch 4096 --data-dir ../shared/data/cifar10-subset
 
 Prints one table row (images/s, median of --runs timed runs after a warm-up):
-  normalize+augment  jax.jit(lambda x: augment(key, normalize(x), ids)) on uint8 NHWC
+  normalize+augment  jax.jit(step.prepare_images) on uint8 NHWC, as the training step runs it
   augment            jax.jit(augment) alone on float32 NHWC
   train batches      train_batches(): shuffled gather of global batches on the host
   eval batches       eval_batches(): in-order slices, last one padded
@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from vit_pure import data as D  # noqa: E402
+from vit_pure import step as S  # noqa: E402
 
 
 def median_seconds(fn, runs: int) -> float:
@@ -50,9 +51,10 @@ def main(argv=None):
     ids = jnp.arange(b, dtype=jnp.int32)
     key = D.augment_key(0, 0, 0)
 
-    norm_aug = jax.jit(lambda k, x, i: D.augment(k, D.normalize(x), i))
+    norm_aug = jax.jit(lambda k, x, i: S.prepare_images(x, k, i, train=True, image_size=32))
     aug = jax.jit(D.augment)
-    x_f32 = jax.block_until_ready(jax.jit(D.normalize)(x_u8))
+    x_f32 = jax.block_until_ready(jax.jit(
+        lambda x: S.prepare_images(x, key, ids, train=False, image_size=32))(x_u8))
     t_norm_aug = median_seconds(lambda: norm_aug(key, x_u8, ids), args.runs)
     t_aug = median_seconds(lambda: aug(key, x_f32, ids), args.runs)
 

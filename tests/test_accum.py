@@ -13,6 +13,7 @@ results.
 * Bad K is a one-line UsageError; `--accum-steps auto` picks K=1 with plenty of memory
   and a larger K under a small (injected) budget; remat really saves memory.
 """
+import dataclasses
 import functools
 
 import jax
@@ -167,13 +168,15 @@ def _reductions(jaxpr, in_loop=False):
 
 
 def _train_step_program(kind, mesh, accum_steps):
-    args = cli.parse_args(train_shardmap.build_parser(), [
-        "--model", "tiny", "--batch", str(BATCH), "--accum-steps", str(accum_steps)])
+    args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny"])
+    sc = dataclasses.replace(step.StepConfig.from_args(args), accum_steps=accum_steps)
     optimizer = optax.sgd(0.1, momentum=0.9)
-    strategy = _strategy(kind, step.StepConfig.from_args(args), optimizer, mesh)
-    inputs = accum.train_step_inputs(strategy, args, optimizer)
+    strategy = _strategy(kind, sc, optimizer, mesh)
+    inputs = accum.train_step_inputs(strategy, sc, optimizer, BATCH)
     jaxpr = jax.make_jaxpr(strategy.train_step)(*inputs).jaxpr
-    return _reductions(jaxpr), strategy.train_step.lower(*inputs).as_text()
+    lowered = strategy.train_step.lower(*inputs).as_text()
+    accum.free(inputs)
+    return _reductions(jaxpr), lowered
 
 
 @pytest.mark.parametrize("kind,mesh", [
@@ -204,7 +207,27 @@ def test_one_gradient_all_reduce_per_step(kind, mesh):
     assert programs[4][1].count("stablehlo.while") > programs[1][1].count("stablehlo.while")
 
 
-# ------------------------------------------------------------------------ bad K, auto K
+# ---------------------------------------------------------------- batch rules, bad K, auto K
+def _no_log(*_, **__):
+    pass
+
+
+def test_batch_must_split_over_processes_and_devices(monkeypatch):
+    assert accum.per_device_batch(4096, 8) == 512
+    assert accum.per_device_batch(24, 3) == 8
+    for batch, n, flag, needles in [
+            (100, 8, "--batch", ["--batch 100 is not divisible by the 8 data-parallel devices",
+                                 "96 or 104"]),
+            (0, 8, "--eval-batch", ["--eval-batch must be positive"]),
+            (-8, 8, "--batch", ["--batch must be positive"])]:
+        with pytest.raises(cli.UsageError) as e:
+            accum.per_device_batch(batch, n, flag)
+        assert "\n" not in str(e.value) and all(x in str(e.value) for x in needles), e.value
+    monkeypatch.setattr(accum.jax, "process_count", lambda: 3)
+    with pytest.raises(cli.UsageError, match="--batch 32 is not divisible by the 3 processes"):
+        accum.per_device_batch(32, 8)
+
+
 def test_bad_accum_steps_is_a_usage_error():
     with pytest.raises(cli.UsageError, match=r"--accum-steps 3 does not divide the per-device "
                        r"batch 4 .* use one of 1, 2, 4"):
@@ -212,8 +235,21 @@ def test_bad_accum_steps_is_a_usage_error():
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--accum-steps", "8"])
     with pytest.raises(cli.UsageError, match="per-device batch 4"):
-        accum.build_strategy(args, lambda opt: train_pmap.PmapStrategy(
-            step.StepConfig.from_args(args), opt), optax.sgd(0.1, momentum=0.9), log=lambda *a, **k: None)
+        accum.build_strategy(args, step.StepConfig.from_args(args), train_pmap.PmapStrategy,
+                             optax.sgd(0.1, momentum=0.9), log=_no_log)
+    args = cli.parse_args(train_shardmap.build_parser(), [
+        "--model", "tiny", "--batch", str(BATCH), "--eval-batch", "12"])
+    with pytest.raises(cli.UsageError, match="--eval-batch 12 is not divisible by the 8"):
+        accum.build_strategy(args, step.StepConfig.from_args(args), train_pmap.PmapStrategy,
+                             optax.sgd(0.1, momentum=0.9), log=_no_log)
+
+
+def test_auto_candidates_respect_the_pipeline_micro_batches():
+    sc = step.StepConfig(CFG, Policy())
+    strategy = train_shardmap.ShardMapStrategy(sc, optax.sgd(0.1), "data=4,pipe=2",
+                                               microbatches=4)
+    # 64 over data=4: 16 per device; each accumulation step must still hold 4 micro-batches.
+    assert [k for k in accum.candidates(16) if accum._allows(strategy, 64, k)] == [1, 2, 4]
 
 
 @pytest.mark.parametrize("flag", ["0", "-2", "two"])
@@ -227,9 +263,21 @@ def test_accum_steps_flag_rejects_garbage(flag, capsys):
 def test_accum_steps_flag_default_is_auto():
     args = cli.parse_args(train_shardmap.build_parser(), [])
     assert args.accum_steps == "auto"
-    assert step.StepConfig.from_args(args).accum_steps == 1  # until auto has chosen
-    args = cli.parse_args(train_shardmap.build_parser(), ["--accum-steps", "4"])
-    assert step.StepConfig.from_args(args).accum_steps == 4
+    assert step.StepConfig.from_args(args).accum_steps == 1  # until build_strategy chooses
+
+
+def test_explicit_accum_steps_reach_the_factory_as_a_value():
+    args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny", "--accum-steps", "4"])
+    sc = step.StepConfig.from_args(args)
+    seen = []
+
+    def make_strategy(sc, optimizer):
+        seen.append(sc)
+        return train_pmap.PmapStrategy(sc, optimizer)
+    strategy, got = accum.build_strategy(args, sc, make_strategy, optax.sgd(0.1), log=_no_log)
+    assert [s.accum_steps for s in seen] == [4] and got is strategy.sc is seen[0]
+    assert got == dataclasses.replace(sc, accum_steps=4)
+    assert args.accum_steps == 4 and sc.accum_steps == 1  # neither args nor sc is written
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,17 +287,18 @@ def _auto(budget_gib):
         "--model", "tiny", "--batch", "64", "--mesh", "data=8",
         "--memory-budget", repr(budget_gib)])
     # No dropout here: it changes nothing about memory, and halves the compile time.
-    args.cfg = CFG.replace(dropout=0.0, drop_path=0.0)
+    sc = dataclasses.replace(step.StepConfig.from_args(args),
+                             cfg=CFG.replace(dropout=0.0, drop_path=0.0))
     records = []
-    strategy = accum.build_strategy(
-        args, lambda opt: train_shardmap.ShardMapStrategy(step.StepConfig.from_args(args), opt,
-                                                          args.mesh),
+    strategy, sc = accum.build_strategy(
+        args, sc, lambda sc, opt: train_shardmap.ShardMapStrategy(sc, opt, args.mesh),
         optax.sgd(0.1, momentum=0.9), log=lambda text, **record: records.append(record))
-    assert strategy.sc.accum_steps == args.accum_steps
+    assert strategy.sc is sc and args.accum_steps == "auto"
     record = [r for r in records if r.get("event") == "accum_steps"][0]
+    assert record["accum_steps"] == sc.accum_steps
     # The budget is the flag's, shared by the 8 devices.
     assert record["budget_bytes_per_device"] == budget_gib * accum.GiB / 8
-    return args.accum_steps, record
+    return sc.accum_steps, record
 
 
 def test_auto_picks_one_micro_batch_when_memory_is_plentiful():

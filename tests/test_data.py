@@ -164,15 +164,22 @@ def test_split_indices_ratio_and_seed():
 
 
 def test_normalization_statistics(subset):
+    """The step's own normalisation (step.prepare_images, no augmentation)."""
+    from vit_pure.step import prepare_images
+
+    def normalize(x):
+        ids = jnp.arange(x.shape[0], dtype=jnp.int32)
+        return prepare_images(x, jax.random.key(0), ids, train=False, image_size=x.shape[1])
+
     splits, _ = subset
-    z = np.asarray(jax.jit(D.normalize)(splits["train"].images))
+    z = np.asarray(jax.jit(normalize)(splits["train"].images))
     assert z.dtype == np.float32
     mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
     assert np.all(np.abs(mean) < 0.1), mean
     # The conventional CIFAR-10 stds are mean per-image stds, smaller than the pixel std,
     # so normalised pixels have std ~1.2-1.3 on real data.
     assert np.all((std > 0.9) & (std < 1.4)), std
-    white = np.asarray(D.normalize(jnp.full((1, 1, 1, 3), 255, jnp.uint8)))[0, 0, 0]
+    white = np.asarray(normalize(jnp.full((1, 1, 1, 3), 255, jnp.uint8)))[0, 0, 0]
     expected = (1.0 - np.array(D.CIFAR10_MEAN)) / np.array(D.CIFAR10_STD)
     np.testing.assert_allclose(white, expected, rtol=1e-6)
 
@@ -229,19 +236,6 @@ def test_process_slice():
         D.process_slice(x, 0, 5)
     with pytest.raises(D.DataError):
         D.process_slice(x, 3, 3)
-
-
-def test_check_batch():
-    D.check_batch(4096, 8)
-    D.check_batch(24, 3)
-    with pytest.raises(D.DataError) as e:
-        D.check_batch(100, 8)
-    assert_one_line_error(e, "--batch 100", "8", "96 or 104")
-    with pytest.raises(D.DataError) as e:
-        D.check_batch(0, 8, flag="--eval-batch")
-    assert_one_line_error(e, "--eval-batch")
-    with pytest.raises(D.DataError):
-        D.check_batch(-8, 8)
 
 
 def test_synthetic_and_load_dataset():

@@ -1,13 +1,24 @@
-"""How many micro-batches per optimizer step: `--accum-steps K|auto`.
+"""How the global batch is cut, and how many micro-batches per optimizer step
+(`--accum-steps K|auto`).
 
 Gradient accumulation itself is a dozen lines in `step.local_grads` (a `lax.scan` over K
 micro-batches of each device's slice, the gradients summed, one all-reduce per step
 written by the script). This module decides K and builds the script's strategy with it:
 
-    strategy = build_strategy(args, make_strategy, optimizer, log=log)
+    strategy, sc = build_strategy(args, sc, make_strategy, optimizer, log=log)
+
+`sc` is a frozen `step.StepConfig`; K reaches the factory as `dataclasses.replace(sc,
+accum_steps=K)` and the returned `sc` carries the chosen K (nothing is written into args).
+
+The batch rules, one function each, all raising a one-line `cli.UsageError`:
+`per_device_batch` (the global batch splits over the processes, each loading an equal
+share, and over the data-parallel devices) and `check_accum_steps` (each device's slice
+splits into K micro-batches). A strategy's `check_batch` applies them, plus its own
+(the pipeline's micro-batches in train_shardmap.py); `build_strategy` calls it for
+`--batch` and `--eval-batch`, before anything compiles: the one place they are checked.
 
 * `--accum-steps K`: K must divide the per-device batch (global batch / data-parallel
-  degree); anything else is a one-line UsageError before anything compiles.
+  degree).
 * `--accum-steps auto` (the default): the smallest K whose compiled training step fits in
   device memory. The estimate is XLA's own: `train_step.lower(...).compile()
   .memory_analysis()` gives, per device, the bytes of the step's arguments (state and
@@ -36,7 +47,6 @@ from typing import Callable
 import jax
 import numpy as np
 
-from vit_pure import data as data_lib
 from vit_pure import distributed
 from vit_pure.cli import UsageError
 from vit_pure.step import init_state
@@ -127,25 +137,30 @@ def candidates(per_device_batch: int) -> list[int]:
     return [k for k in range(1, per_device_batch + 1) if per_device_batch % k == 0]
 
 
-def train_step_inputs(strategy, args, optimizer) -> tuple:
-    """Stand-ins for the train step's inputs, laid out as `strategy` lays out the real ones.
+def train_step_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
+    """Zeros in place of the train step's inputs, placed exactly as `strategy` places the
+    real ones (state, this process's rows of a global batch, the step key).
 
-    Only shapes, dtypes and shardings matter to the compiler, so the strategy places
-    zeros (the same bytes the real state will take, freed again on return) and this
-    returns their `ShapeDtypeStruct`s.
+    Real placed arrays, not `ShapeDtypeStruct`s: with several processes a pmap'd step,
+    even to be lowered, turns each process's local per-device arrays into global ones,
+    which needs arrays (a stand-in without data fails inside jax). They take the bytes
+    the real state will take; `free` them once the compiles are done.
     """
-    shapes = jax.eval_shape(
-        lambda: init_state(jax.random.key(0), args.cfg, args.policy_obj, optimizer))
+    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-    size = args.cfg.image_size
-    batch = (np.zeros((args.batch, size, size, args.cfg.channels), np.uint8),
-             np.zeros((args.batch,), np.int32), np.zeros((args.batch,), np.int32))
+    size = sc.cfg.image_size
+    batch = (np.zeros((global_batch, size, size, sc.cfg.channels), np.uint8),
+             np.zeros((global_batch,), np.int32), np.zeros((global_batch,), np.int32))
     # As in the loop: each process feeds its own rows of the global batch.
-    placed = (strategy.put_state(zeros), *strategy.put_batch(*distributed.local_rows(*batch)),
-              strategy.put_replicated(jax.random.key(0)))
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        placed)
+    return (strategy.put_state(zeros), *strategy.put_batch(*distributed.local_rows(*batch)),
+            strategy.put_replicated(jax.random.key(0)))
+
+
+def free(inputs) -> None:
+    """Release the device buffers of `train_step_inputs`."""
+    for x in jax.tree.leaves(inputs):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
 
 
 def step_memory(strategy, inputs, accum_steps: int) -> StepMemory:
@@ -155,80 +170,116 @@ def step_memory(strategy, inputs, accum_steps: int) -> StepMemory:
                       m.alias_size_in_bytes, m.temp_size_in_bytes)
 
 
-# ----------------------------------------------------------------------------- choosing
-def check_accum_steps(accum_steps: int, global_batch: int, data_parallel: int) -> int:
-    """The per-device batch; UsageError unless it divides into `accum_steps` micro-batches."""
-    data_lib.check_batch(global_batch, data_parallel)
-    per_device = global_batch // data_parallel
+# ------------------------------------------------------------------------- batch rules
+def per_device_batch(global_batch: int, data_parallel: int, flag: str = "--batch") -> int:
+    """Each data-parallel device's share of the global batch.
+
+    UsageError unless the batch is positive and splits evenly over the processes (each
+    loads an equal share of every batch) and over the `data_parallel` devices.
+    """
+    if global_batch <= 0:
+        raise UsageError(f"{flag} must be positive, got {global_batch}")
+    for n, what in ((jax.process_count(), "processes"), (data_parallel, "data-parallel devices")):
+        if global_batch % n:
+            lo = global_batch // n * n
+            hint = f"{lo} or {lo + n}" if lo else f"{n}"
+            raise UsageError(f"{flag} {global_batch} is not divisible by the {n} {what}; "
+                             f"use a multiple of {n} (e.g. {hint})")
+    return global_batch // data_parallel
+
+
+def check_accum_steps(accum_steps: int, global_batch: int, data_parallel: int,
+                      flag: str = "--batch") -> int:
+    """The per-device batch (`per_device_batch`); UsageError unless it also divides into
+    `accum_steps` micro-batches."""
+    per_device = per_device_batch(global_batch, data_parallel, flag)
     if per_device % accum_steps:
         raise UsageError(
             f"--accum-steps {accum_steps} does not divide the per-device batch {per_device} "
-            f"(--batch {global_batch} over {data_parallel} data-parallel devices); use one of "
+            f"({flag} {global_batch} over {data_parallel} data-parallel devices); use one of "
             f"{', '.join(map(str, candidates(per_device)))}")
     return per_device
+
+
+def _allows(strategy, global_batch: int, accum_steps: int) -> bool:
+    """Whether `strategy` can run the global batch as `accum_steps` micro-batches."""
+    try:
+        strategy.check_batch(global_batch, accum_steps=accum_steps)
+    except UsageError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- choosing
 
 
 def _print(text: str, **_record):
     print(text, flush=True)
 
 
-def build_strategy(args, make_strategy: Callable, optimizer, *, log: Callable = _print,
+def build_strategy(args, sc, make_strategy: Callable, optimizer, *, log: Callable = _print,
                    budget: Budget | None = None):
-    """The script's strategy, built with `args.accum_steps` micro-batches per step.
+    """(strategy, sc): the script's strategy, built with K micro-batches per step, and the
+    StepConfig it was built with (`sc.accum_steps` = K).
 
-    `make_strategy(optimizer)` is the script's factory; it reads the step's settings from
-    `args` (`StepConfig.from_args`), so for `--accum-steps auto` each candidate K is
-    written into `args.accum_steps` before building, and the chosen K stays there.
-    `budget` overrides the measured device memory (tests pass a small one), as does
-    `--memory-budget` (GiB for all local devices together: on a shared machine).
+    `make_strategy(sc, optimizer)` is the script's factory; K reaches it as
+    `dataclasses.replace(sc, accum_steps=K)`: `--accum-steps K` as given, `auto` each
+    candidate K in turn until one fits. The batch rules (`--batch` with K, `--eval-batch`
+    without accumulation) are checked here, before anything compiles. `budget` overrides
+    the measured device memory (tests pass a small one), as does `--memory-budget` (GiB
+    for all local devices together: on a shared machine).
     """
     requested = args.accum_steps
+    k = 1 if requested == "auto" else requested
+    strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
+    strategy.check_batch(args.batch, accum_steps=k)
+    strategy.check_batch(args.eval_batch or args.batch, "--eval-batch")
     if requested != "auto":
-        strategy = make_strategy(optimizer)
-        check_accum_steps(requested, args.batch, strategy.batch_divisor)
-        return strategy
+        return strategy, strategy.sc
 
-    args.accum_steps = 1
-    strategy = make_strategy(optimizer)
-    per_device = check_accum_steps(1, args.batch, strategy.batch_divisor)
+    per_device = args.batch // strategy.batch_divisor
     budget = resolve_budget(args, budget)
-    inputs = train_step_inputs(strategy, args, optimizer)
+    inputs = train_step_inputs(strategy, strategy.sc, optimizer, args.batch)
     measured: list[StepMemory] = []
-    ks = candidates(per_device)
+    ks = [k for k in candidates(per_device) if _allows(strategy, args.batch, k)]
     for k in ks:
         if k > 1:
             if (k != ks[-1] and len(measured) >= 2
                     and _predict(measured, k) > SKIP_IF_PREDICTED_OVER * budget.bytes_per_device):
                 continue  # clearly too big: not worth a compile
-            args.accum_steps = k
-            strategy = make_strategy(optimizer)
+            strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
         mem = step_memory(strategy, inputs, k)
         measured.append(mem)
         if mem.total <= budget.bytes_per_device:
             break
     else:
-        log(f"--accum-steps auto: even K={per_device} (one example per micro-batch) needs "
-            f"more than the budget; running with it anyway (try --remat block)")
+        log(f"--accum-steps auto: even K={ks[-1]} (the most micro-batches the batch allows) "
+            f"needs more than the budget; running with it anyway (try --remat block)")
+    free(inputs)
     # With several processes, each measured its own memory, but all must run the same
     # program: they take the largest K any of them chose (an all-gather of one number).
-    agreed = distributed.agree_max(args.accum_steps)
-    if agreed != args.accum_steps:
-        log(f"--accum-steps auto: this process chose K={args.accum_steps}, another needs "
-            f"K={agreed}; using K={agreed}")
-        args.accum_steps = agreed
-        strategy = make_strategy(optimizer)
+    agreed = distributed.agree_max(k)
+    if agreed != k:
+        log(f"--accum-steps auto: this process chose K={k}, another needs K={agreed}; "
+            f"using K={agreed}")
+        k = agreed
+        strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
+    _log_choice(log, k, per_device, measured, budget)
+    return strategy, strategy.sc
+
+
+def _log_choice(log: Callable, k: int, per_device: int, measured: list[StepMemory],
+                budget: Budget) -> None:
     n_local = len(jax.local_devices())
-    log(f"--accum-steps auto: K={args.accum_steps} micro-batches of "
-        f"{per_device // args.accum_steps} per device per step; XLA's estimate {measured[-1]}, "
-        f"x {n_local} local devices = {_size(n_local * measured[-1].total)}; budget "
-        f"{_size(budget.bytes_per_device)} per device ({budget.source}); compiled: "
+    log(f"--accum-steps auto: K={k} micro-batches of {per_device // k} per device per step; "
+        f"XLA's estimate {measured[-1]}, x {n_local} local devices = "
+        f"{_size(n_local * measured[-1].total)}; budget {_size(budget.bytes_per_device)} per "
+        f"device ({budget.source}); compiled: "
         f"{', '.join(f'K={m.accum_steps} {_size(m.total)}' for m in measured)}",
-        event="accum_steps", accum_steps=args.accum_steps,
-        estimate_bytes_per_device=measured[-1].total,
+        event="accum_steps", accum_steps=k, estimate_bytes_per_device=measured[-1].total,
         budget_bytes_per_device=budget.bytes_per_device,
         compiled=[m.accum_steps for m in measured],
         compiled_bytes_per_device=[m.total for m in measured])
-    return strategy
 
 
 def _predict(measured: list[StepMemory], k: int) -> float:

@@ -134,15 +134,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     if preset is not None:  # the preset's values become defaults: explicit flags win
         parser.set_defaults(**RECIPES[preset])
     args = parser.parse_args(argv)
-    if args.cpu_devices is not None:
-        if args.cpu_devices < 1:
-            parser.error("--cpu-devices must be >= 1")
-        # XLA reads this when the backend starts, i.e. at the first device query.
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(
-            flags + [f"--xla_force_host_platform_device_count={args.cpu_devices}"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        parser.error("--cpu-devices must be >= 1")
     for name in ("batch", "epochs", "log_every"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -158,8 +151,32 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     except ValueError as e:
         parser.error(f"--policy: {e}")
     args.cfg = get_preset(args.model)
-    _start_distributed(parser, args)
+    _check_process_flags(parser, args)
     return args
+
+
+def start_runtime(args: argparse.Namespace) -> None:
+    """The flags' side effects on the JAX runtime, in the order they must happen, before
+    anything touches a device (the scripts' main() calls this right after parse_args):
+    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed).
+    """
+    if args.cpu_devices is not None:
+        use_cpu_devices(args.cpu_devices)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.distributed or args.coordinator is not None:  # (parse_args checked the trio)
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX's cluster detection found nothing to fill in
+            raise UsageError(f"--distributed: {e} (give --coordinator, --num-processes and "
+                             f"--process-id outside SLURM / Open MPI / Cloud TPU)") from None
+
+
+def use_cpu_devices(n: int) -> None:
+    """Ask XLA for n fake CPU devices (only the CPU backend reads it). XLA reads XLA_FLAGS
+    when the backend starts, i.e. at jax's first device query: call this before it."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
 def _randaugment(text: str) -> tuple[int, int]:
@@ -227,9 +244,9 @@ def _check_synthetic_flags(parser, args) -> None:
     args.synthetic_sizes = sizes
 
 
-def _start_distributed(parser, args) -> None:
-    """Join a multi-process job if asked: after XLA_FLAGS is set (--cpu-devices), before
-    anything touches a device."""
+def _check_process_flags(parser, args) -> None:
+    """--coordinator / --num-processes / --process-id: all three or none (unless
+    --distributed lets JAX detect them); `start_runtime` joins the job."""
     given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
              "--process-id": args.process_id}
     if not args.distributed and all(v is None for v in given.values()):
@@ -246,11 +263,6 @@ def _start_distributed(parser, args) -> None:
     if (args.process_id is not None and args.num_processes is not None
             and not 0 <= args.process_id < args.num_processes):
         parser.error(f"--process-id must be in 0..{args.num_processes - 1}")
-    try:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as e:  # JAX's cluster detection found nothing to fill in
-        parser.error(f"--distributed: {e} (give --coordinator, --num-processes and "
-                     f"--process-id outside SLURM / Open MPI / Cloud TPU)")
 
 
 class UsageError(ValueError):

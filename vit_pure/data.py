@@ -10,22 +10,27 @@ Two halves, kept apart on purpose:
   atomically. Pickles are read with a restricted unpickler, so a crafted file
   cannot run code.
 * Device side (pure ``jnp``, usable inside jit / shard_map / pmap):
-  ``normalize`` (uint8 -> float32 with the CIFAR-10 channel statistics) and
   ``augment`` (random horizontal flip + random resized crop, bilinear), whose
   per-example randomness comes from ``fold_in(key, example_id)`` with the
   example's *global* position in the global batch, so a batch gives the same
-  augmented images however it is split across devices or processes.
+  augmented images however it is split across devices or processes. The
+  training step (``step.prepare_images``) scales the uint8 pixels to [0, 1],
+  augments, and normalises with ``CIFAR10_MEAN`` / ``CIFAR10_STD``.
 
 Shapes: images are NHWC, N examples of H=W=32 pixels and C=3 channels.
 
-Usage (one training step on one host)::
+Usage (one host; vit_pure/loop.py is the full loop)::
 
-    splits = load_dataset("cifar10", "data/")           # {'train','val','test'}
-    check_batch(4096, jax.device_count())
-    for step, (x, y) in enumerate(train_batches(splits["train"], 4096, seed=0, epoch=e)):
-        key = augment_key(0, e, step)
-        ids = jnp.arange(4096, dtype=jnp.int32)          # global positions
-        x = augment(key, normalize(x), ids)              # inside the jitted step
+    splits = load_dataset("cifar10", "data/")            # {'train','val','test'}
+    ids = np.arange(4096, dtype=np.int32)                 # global positions in the batch
+    step = 0
+    for epoch in range(epochs):
+        for x, y in train_batches(splits["train"], 4096, seed=0, epoch=epoch):
+            key = augment_key(0, epoch, step)             # what step.step_key returns
+            # On the device, step.prepare_batch scales x to [0, 1], runs augment() with
+            # (a key split from) `key` and `ids`, then normalises with CIFAR10_MEAN / STD.
+            state, metrics = strategy.train_step(state, *strategy.put_batch(x, y, ids), key)
+            step += 1
 """
 from __future__ import annotations
 
@@ -445,19 +450,6 @@ def load_dataset(name: str, data_dir, *, log: Callable[[str], None] = print,
 # Batching (host, numpy)
 # --------------------------------------------------------------------------
 
-def check_batch(global_batch: int, n_devices: int, flag: str = "--batch") -> None:
-    """DataError unless global_batch is positive and divisible by n_devices."""
-    if n_devices <= 0:
-        raise DataError(f"device count must be positive, got {n_devices}")
-    if global_batch <= 0:
-        raise DataError(f"{flag} must be positive, got {global_batch}")
-    if global_batch % n_devices:
-        lo = global_batch // n_devices * n_devices
-        hint = f"{lo} or {lo + n_devices}" if lo else f"{n_devices}"
-        raise DataError(f"{flag} {global_batch} is not divisible by the {n_devices} devices; "
-                        f"use a multiple of {n_devices} (e.g. {hint})")
-
-
 def steps_per_epoch(n_examples: int, global_batch: int) -> int:
     """Full training batches per epoch (the last partial batch is dropped)."""
     if global_batch <= 0:
@@ -536,16 +528,8 @@ def process_slice(x: np.ndarray, process_index: int, process_count: int) -> np.n
 
 
 # --------------------------------------------------------------------------
-# Device side: normalisation and augmentation (pure jnp)
+# Device side: augmentation (pure jnp)
 # --------------------------------------------------------------------------
-
-def normalize(images_u8: jax.Array) -> jax.Array:
-    """uint8 NHWC -> float32 NHWC, (x/255 - mean) / std per channel."""
-    x = images_u8.astype(jnp.float32) * (1.0 / 255.0)
-    mean = jnp.asarray(CIFAR10_MEAN, jnp.float32)
-    std = jnp.asarray(CIFAR10_STD, jnp.float32)
-    return (x - mean) / std
-
 
 # Random resized crop ranges (fractions of the image area; width/height ratio).
 CROP_SCALE = (0.9, 1.0)

@@ -6,11 +6,13 @@ where it is in the job:
     host 0:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
     host 1:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1
 
-`initialize` connects them (process 0 runs the coordinator at that address). After it,
-`jax.devices()` lists the devices of *all* processes and `jax.local_devices()` this
-process's own; a jitted program over a mesh of all devices runs on every process at once,
-each process driving its own devices, and the collectives written in the scripts cross
-hosts (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the step.
+`initialize` connects them (process 0 runs the coordinator at that address; the
+scripts' main() calls it through `cli.start_runtime`, right after parsing the flags).
+After it, `jax.devices()` lists the devices of *all* processes and `jax.local_devices()`
+this process's own; a jitted program over a mesh of all devices runs on every process at
+once, each process driving its own devices, and the collectives written in the scripts
+cross hosts (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the
+step.
 
 What does change is the host side, all of it here or in vit_pure/loop.py:
 
@@ -53,15 +55,6 @@ def local_rows(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """This process's rows of each global-batch array (all of them with one process)."""
     return tuple(data_lib.process_slice(a, jax.process_index(), jax.process_count())
                  for a in arrays)
-
-
-def check_batch(global_batch: int, flag: str = "--batch") -> None:
-    """DataError unless the global batch splits evenly over the processes."""
-    n = jax.process_count()
-    if global_batch % n:
-        raise data_lib.DataError(
-            f"{flag} {global_batch} does not split over the {n} processes: each process "
-            f"loads an equal share; use a multiple of {n}")
 
 
 @functools.lru_cache(maxsize=64)

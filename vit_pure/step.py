@@ -135,13 +135,11 @@ class StepConfig:
 
     @classmethod
     def from_args(cls, args) -> "StepConfig":
-        # `--accum-steps auto` is resolved to a number by vit_pure.accum before any
-        # strategy is built (it writes the choice back into args.accum_steps).
-        accum = getattr(args, "accum_steps", 1)
+        # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
+        # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
         return cls(args.cfg, args.policy_obj, args.label_smoothing, args.grad_clip, args.scan,
                    args.remat, randaugment=tuple(getattr(args, "randaugment", (0, 0))),
-                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0),
-                   accum_steps=1 if accum == "auto" else int(accum))
+                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0))
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
