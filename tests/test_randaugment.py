@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from vit_pure import PRESETS, LossScale, Policy, cli, step
 from vit_pure import randaugment as ra
 
 H, W = 9, 11
@@ -414,6 +416,7 @@ def test_rand_augment_applies_num_ops_in_sequence_at_the_given_magnitude():
 MIX_IMAGES = np.stack([random_image(seed) for seed in range(6)])
 CLASSES = np.array([3, 0, 7, 1, 9, 4])
 MIX_LABELS = np.eye(10, dtype=np.float32)[CLASSES]
+PAIRS = np.array([1, 0, 3, 2, 5, 4])  # each row's partner: global examples 2k <-> 2k+1
 mixup = jax.jit(ra.mixup, static_argnames="alpha")
 cutmix = jax.jit(ra.cutmix, static_argnames="alpha")
 mix_batch = jax.jit(ra.mix_batch, static_argnames=("mixup_alpha", "cutmix_alpha", "switch_prob"))
@@ -424,7 +427,7 @@ def own_weight(labels):
     return np.asarray(labels)[np.arange(len(CLASSES)), CLASSES]
 
 
-def test_mixup_is_a_convex_combination_with_the_mirrored_partner():
+def test_mixup_is_a_convex_combination_with_the_neighbouring_partner():
     lams = []
     for seed in range(8):
         images, labels = mixup(jax.random.key(seed), MIX_IMAGES, MIX_LABELS, alpha=1.0)
@@ -432,10 +435,10 @@ def test_mixup_is_a_convex_combination_with_the_mirrored_partner():
         lam = own_weight(labels)
         np.testing.assert_allclose(lam, lam[0], atol=1e-6)  # one lambda per batch
         assert 0.0 <= lam[0] <= 1.0
-        np.testing.assert_allclose(labels, lam[0] * MIX_LABELS + (1 - lam[0]) * MIX_LABELS[::-1],
-                                   atol=1e-6)
-        np.testing.assert_allclose(images, lam[0] * MIX_IMAGES + (1 - lam[0]) * MIX_IMAGES[::-1],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            labels, lam[0] * MIX_LABELS + (1 - lam[0]) * MIX_LABELS[PAIRS], atol=1e-6)
+        np.testing.assert_allclose(
+            images, lam[0] * MIX_IMAGES + (1 - lam[0]) * MIX_IMAGES[PAIRS], atol=1e-6)
         lams.append(lam[0])
     assert np.std(lams) > 0.05  # lambda is drawn from the key
 
@@ -444,7 +447,7 @@ def box_mask(images):
     """Pixels taken from the partner; asserts each pixel is exactly own or partner's."""
     images = np.asarray(images)
     own = np.all(images == MIX_IMAGES, axis=-1)
-    partner = np.all(images == MIX_IMAGES[::-1], axis=-1)
+    partner = np.all(images == MIX_IMAGES[PAIRS], axis=-1)
     assert np.all(own | partner)
     return partner
 
@@ -479,6 +482,13 @@ def test_cutmix_box_is_sized_from_lambda_and_clipped():
         assert full.any() and not full.all()
 
 
+def test_partners_are_neighbours_and_an_odd_batch_is_refused():
+    np.testing.assert_array_equal(np.asarray(ra.partners(jnp.arange(6))), PAIRS)
+    for fn in (mixup, cutmix):
+        with pytest.raises(ValueError, match="per-device batch 5 must be even"):
+            fn(jax.random.key(0), MIX_IMAGES[:5], MIX_LABELS[:5], alpha=1.0)
+
+
 @pytest.mark.parametrize("fn", [ra.mixup, ra.cutmix], ids=op_id)
 def test_alpha_zero_is_identity(fn):
     images, labels = fn(jax.random.key(0), MIX_IMAGES, MIX_LABELS, alpha=0.0)
@@ -493,10 +503,10 @@ def test_mix_batch_chooses_between_mixup_and_cutmix():
                                    mixup_alpha=1.0, cutmix_alpha=1.0)
         np.testing.assert_allclose(np.sum(labels, axis=1), 1.0, atol=1e-6)
         images = np.asarray(images)
-        is_cut = np.all((images == MIX_IMAGES) | (images == MIX_IMAGES[::-1]))
+        is_cut = np.all((images == MIX_IMAGES) | (images == MIX_IMAGES[PAIRS]))
         if not is_cut:
             lam = own_weight(labels)[0]
-            np.testing.assert_allclose(images, lam * MIX_IMAGES + (1 - lam) * MIX_IMAGES[::-1],
+            np.testing.assert_allclose(images, lam * MIX_IMAGES + (1 - lam) * MIX_IMAGES[PAIRS],
                                        atol=1e-6)
         kinds.add(is_cut)
     assert kinds == {True, False}
@@ -510,3 +520,63 @@ def test_mix_batch_chooses_between_mixup_and_cutmix():
     images, labels = ra.mix_batch(key, MIX_IMAGES, MIX_LABELS, mixup_alpha=0.0, cutmix_alpha=0.0)
     np.testing.assert_array_equal(np.asarray(images), MIX_IMAGES)
     np.testing.assert_array_equal(np.asarray(labels), MIX_LABELS)
+
+
+# ----------------------------------------------------- mixing under data parallelism
+# One training step with mixup / CutMix on, as train_shardmap runs it over 'data' (params
+# marked varying, the local gradient, one explicit pmean), on 1, 2 and 8 fake devices.
+MIX_CFG = PRESETS["tiny"].replace(name="mix-test", depth=2, dropout=0.0, drop_path=0.0)
+MIX_BATCH = 16
+
+
+def mix_test_batch():
+    """(uint8 images, labels, global example ids, step key) of the test step."""
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 256, (MIX_BATCH, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, 10, (MIX_BATCH,), dtype=np.int32),
+            np.arange(MIX_BATCH, dtype=np.int32), step.step_key(0, 0, 0))
+
+
+def data_parallel_grads(sc, params, devices: int):
+    """(grads, loss) of one step on a 'data' mesh of `devices` devices, on the host."""
+    images, labels, ids, key = mix_test_batch()
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+    def per_device(p, images, labels, ids, key):
+        p = lax.pcast(p, "data", to="varying")  # the gradient pitfall: see DESIGN.md
+        grads, metrics = step.local_grads(sc, p, LossScale.create(dynamic=False), images,
+                                          labels, ids, key)
+        return lax.pmean((grads, metrics["loss"]), "data")
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh,
+                              in_specs=(P(), P("data"), P("data"), P("data"), P()),
+                              out_specs=P()))
+    return jax.device_get(f(params, images, labels, ids, key))
+
+
+@pytest.mark.parametrize("alphas", [{"mixup_alpha": 0.8}, {"cutmix_alpha": 1.0}],
+                         ids=["mixup", "cutmix"])
+def test_mixing_gives_the_same_step_on_1_2_and_8_devices(alphas):
+    sc = step.StepConfig(MIX_CFG, Policy(), **alphas)
+    params = step.init_params(jax.random.key(0), MIX_CFG)
+    (ref_grads, ref_loss), *others = [data_parallel_grads(sc, params, d) for d in (1, 2, 8)]
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads))
+    for grads, loss in others:
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale)
+    # ... and this step did mix: most targets are two classes (lambda or box not 0 / 1).
+    images, labels, ids, key = mix_test_batch()
+    targets = np.asarray(step.prepare_batch(sc, images, labels, ids, key)[1])
+    assert np.sum(targets.max(axis=1) < 0.99) >= MIX_BATCH // 2
+
+
+def test_mixing_refuses_an_odd_per_device_batch():
+    """Pairs are (2k, 2k+1): a device holding 3 examples could not pair its last one."""
+    sc = step.StepConfig(MIX_CFG, Policy(), mixup_alpha=0.8)
+    images = np.zeros((3, 32, 32, 3), np.uint8)
+    labels, ids = np.zeros(3, np.int32), np.arange(3, dtype=np.int32)
+    with pytest.raises(cli.UsageError, match="per-device batch 3 .* even"):
+        jax.eval_shape(lambda p: step.local_grads(
+            sc, p, LossScale.create(dynamic=False), images, labels, ids, step.step_key(0, 0, 0)),
+            step.init_params(jax.random.key(0), MIX_CFG))

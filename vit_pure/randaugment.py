@@ -48,12 +48,13 @@ Batched functions
 the global batch. Any split of the batch across devices (or into chunks) therefore gives the
 same images, as long as each piece passes its own examples' global ids.
 
-``mixup`` / ``cutmix`` / ``mix_batch`` mix whole batches: one lambda per call, drawn from the
-key, and each example's partner is the example at the mirrored position of the batch it is
-given (``images[::-1]``). Under data parallelism (pmap / shard_map) each device mixes within
-its local slice only; pass the same key on every device, so that all devices draw the same
-lambda and the run is reproducible. Called under plain jit on a globally sharded batch, the
-partner is the mirror in the global batch instead (and XLA moves data to get it).
+``mixup`` / ``cutmix`` / ``mix_batch`` mix *pairs*: the example at global batch position g
+is mixed with the one at g XOR 1 (positions 2k and 2k+1 are partners), with one lambda (and,
+for CutMix, one box) per call, drawn from the key. Under data parallelism each device holds a
+contiguous slice of the global batch, starting at a multiple of its (even) length, so both
+partners sit on the same device for any number of devices and no data moves: 1, 2 or 8
+devices mix the same pairs with the same lambda (pass the same key on every device), and
+the step is the same. A slice of odd length cannot be split into pairs: `mix_batch` refuses it.
 
 Sources
 -------
@@ -360,12 +361,26 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
 # --------------------------------------------------------------------------- mixup, CutMix
 
 
+def partners(x):
+    """Each example's mixing partner: rows (0, 1, 2, 3, ...) -> (1, 0, 3, 2, ...).
+
+    Row i holds global example g = start + i; with `start` even (true of every device's
+    slice, see the module docstring) row i ^ 1 holds example g ^ 1. ValueError (one line)
+    for an odd number of rows, which cannot be paired.
+    """
+    n = x.shape[0]
+    if n % 2:
+        raise ValueError(f"mixup / CutMix pair examples 2k and 2k+1 on one device: "
+                         f"the per-device batch {n} must be even")
+    return x.reshape(n // 2, 2, *x.shape[1:])[:, ::-1].reshape(x.shape)
+
+
 def mixup_with_lambda(images, labels, lam):
-    """x = lam * x + (1 - lam) * x[::-1], and the same for the labels."""
+    """x = lam * x + (1 - lam) * partners(x), and the same for the labels."""
     lam_x = jnp.asarray(lam, images.dtype)
     lam_y = jnp.asarray(lam, labels.dtype)
-    return (lam_x * images + (1.0 - lam_x) * images[::-1],
-            lam_y * labels + (1.0 - lam_y) * labels[::-1])
+    return (lam_x * images + (1.0 - lam_x) * partners(images),
+            lam_y * labels + (1.0 - lam_y) * partners(labels))
 
 
 def cutmix_box(key, height, width, lam):
@@ -385,25 +400,25 @@ def cutmix_box(key, height, width, lam):
 
 
 def cutmix_with_lambda(key, images, labels, lam):
-    """Paste the box for `lam` (position from `key`) from images[::-1] into every image;
+    """Paste the box for `lam` (position from `key`) from each image's partner into it;
     mix the labels by the box's actual (clipped) area: lam' = 1 - area / (H * W)."""
     _, height, width, _ = images.shape
     row0, row1, col0, col1 = cutmix_box(key, height, width, lam)
     rows = jnp.arange(height)[:, None]
     cols = jnp.arange(width)[None, :]
     in_box = (rows >= row0) & (rows < row1) & (cols >= col0) & (cols < col1)  # (H, W)
-    mixed = jnp.where(in_box[None, :, :, None], images[::-1], images)
+    mixed = jnp.where(in_box[None, :, :, None], partners(images), images)
     lam_area = 1.0 - ((row1 - row0) * (col1 - col0)) / (height * width)
     lam_y = lam_area.astype(labels.dtype)
-    return mixed, lam_y * labels + (1.0 - lam_y) * labels[::-1]
+    return mixed, lam_y * labels + (1.0 - lam_y) * partners(labels)
 
 
 def mixup(key, images, labels_onehot, *, alpha):
     """mixup (Zhang et al. 2017) with one lam ~ Beta(alpha, alpha) for the batch.
 
-    Each example's partner is images[::-1] of the batch given: the local slice under pmap /
-    shard_map, so pass the same key on every device. `alpha` is a Python float; alpha <= 0
-    returns the inputs unchanged. Returns (images, labels).
+    Examples 2k and 2k+1 are partners (`partners`); pass the same key on every device.
+    `alpha` is a Python float; alpha <= 0 returns the inputs unchanged. Returns (images,
+    labels).
     """
     if alpha <= 0:
         return images, labels_onehot
@@ -413,7 +428,7 @@ def mixup(key, images, labels_onehot, *, alpha):
 
 def cutmix(key, images, labels_onehot, *, alpha):
     """CutMix (Yun et al. 2019): lam ~ Beta(alpha, alpha) sets one box for the batch, filled
-    from images[::-1]; labels are mixed by the box's actual area after clipping.
+    from each image's partner; labels are mixed by the box's actual area after clipping.
 
     Same batch-level caveats as `mixup`. alpha <= 0 returns the inputs unchanged.
     Returns (images, labels).
@@ -431,6 +446,16 @@ def mix_batch(key, images, labels_onehot, *, mixup_alpha, cutmix_alpha, switch_p
     With both alphas > 0, CutMix is chosen with probability `switch_prob` (one draw per batch,
     then lam ~ Beta of the chosen alpha); with one > 0, that one (same as calling `mixup` or
     `cutmix` with this key); with both 0, the inputs unchanged. Returns (images, labels).
+
+    Pairing, and why it does not depend on the device count: `images` is one device's
+    slice of the global batch (or the whole batch on one device), rows start .. start+n-1
+    with `start` a multiple of n. The partner of global example g is g XOR 1, which for
+    even n is always in the same slice, at row i XOR 1 (`partners`): no device needs
+    another device's pixels, so no collective. The random draws (mixup or CutMix, lambda,
+    the box) come from `key` alone, once per call: give every device the step's key and
+    every device draws the same. So 1, 2 or 8 devices compute the same mixed batch, and
+    the same step. An odd n (an odd per-device batch) is refused with a ValueError; the
+    training step reports it as a usage error.
     """
     if mixup_alpha > 0 and cutmix_alpha > 0:
         key_choice, key_lam, key_box = jax.random.split(key, 3)
@@ -456,4 +481,5 @@ __all__ = [
     "color", "contrast", "brightness", "sharpness", "shear_x", "shear_y", "translate_x",
     "translate_y", "rand_augment",
     "mixup", "cutmix", "mix_batch", "mixup_with_lambda", "cutmix_with_lambda", "cutmix_box",
+    "partners",
 ]

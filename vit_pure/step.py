@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import optax
 
 from vit_pure import data as data_lib
+from vit_pure import hardware
 from vit_pure import randaugment as randaugment_lib
+from vit_pure.cli import UsageError
 from vit_pure.config import ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
@@ -108,9 +110,12 @@ def prepare_batch(sc: "StepConfig", images_u8, labels, example_ids, key):
                             image_size=sc.cfg.image_size, randaugment=sc.randaugment)
     targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
     if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
-        images, targets = randaugment_lib.mix_batch(
-            jax.random.fold_in(aug_key, 2), images, targets,
-            mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
+        try:  # pairs examples 2k, 2k+1 of this slice: the same pairs on any device count
+            images, targets = randaugment_lib.mix_batch(
+                jax.random.fold_in(aug_key, 2), images, targets,
+                mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
+        except ValueError as e:  # an odd per-device batch: a bad --batch for these flags
+            raise UsageError(str(e)) from None
     return images, targets, drop_key
 
 
@@ -125,21 +130,32 @@ class StepConfig:
     remat: str = "none"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
-    # alphas (0 = off). Mixing pairs examples within each device's slice of the batch.
+    # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (randaugment.mix_batch),
+    # which always sit on one device: the per-device batch must be even.
     randaugment: tuple[int, int] = (0, 0)
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     # Gradient accumulation: each device's slice of the batch runs as this many
     # micro-batches, one after another, inside the compiled step (see `local_grads`).
     accum_steps: int = 1
+    # What the hardware decided for the flags left to it (hardware.resolve), for the
+    # startup log; not part of the step's identity.
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
-    def from_args(cls, args) -> "StepConfig":
+    def from_args(cls, args, platform: str | None = None) -> "StepConfig":
+        """The step's settings from the parsed flags, with the backend-aware defaults
+        (vit_pure/hardware.py: the layer loop, the matmul output dtype, --dtype auto)
+        resolved for `platform` (default: the backend JAX runs on, so call this after
+        jax.distributed is started). `notes` says what the hardware decided."""
         # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
         # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
-        return cls(args.cfg, args.policy_obj, args.label_smoothing, args.grad_clip, args.scan,
+        choices = hardware.resolve(args.policy or args.dtype, args.matmul_precision, args.scan,
+                                   platform or jax.default_backend())
+        return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
                    args.remat, randaugment=tuple(getattr(args, "randaugment", (0, 0))),
-                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0))
+                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0),
+                   notes=choices.notes)
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
