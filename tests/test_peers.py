@@ -1,0 +1,181 @@
+"""benchmarks/peers.py and benchmarks/profile_breakdown.py on CPU; neither flax nor torch
+is needed (their rows must then say "skipped"). No timing assertions."""
+import gzip
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import peers  # noqa: E402
+import profile_breakdown as pb  # noqa: E402
+
+
+# --------------------------------------------------------------------------------- peers
+def test_table_rows_mfu_and_failures():
+    ok = {"name": "kit", "batch": 100, "step_s": [2.0, 0.5, 1.0], "compile_s": 3.25,
+          "peak_bytes": 3 * 2 ** 30, "params": 1234, "loss": 2.5}
+    rows = [ok, {**ok, "name": "torch-eager", "peak_bytes": None},
+            {"name": "nnx", "error": "error: ValueError: a|b"},
+            {"name": "torch-compile", "skipped": "skipped: torch not installed"}]
+    # median step 1 s -> 100 img/s; 1e9 FLOP/img -> 0.1 TFLOP/s = 10% of 1e12.
+    lines = peers.markdown_table(rows, 1e9, 1e12).splitlines()
+    assert lines[0].startswith("| entry | img/s | step ms | MFU |")
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells == ["kit", "100", "1000.0", "10.0%", "0.1", "3.00", "3.2", "1,234", "2.5000"]
+    assert "| n/a |" in lines[3]  # no peak memory (CPU)
+    assert lines[4].startswith("| nnx | failed: error: ValueError: a/b |")
+    assert lines[5].startswith("| torch-compile | skipped: torch not installed |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "| n/a |" in peers.markdown_table([ok], 1e9, None)  # no ceiling: MFU n/a
+
+
+def test_kit_variant_flags():
+    assert peers.parse_kit_variant("as written=") == ("as written", [], {})
+    assert peers.parse_kit_variant("nodrop=--no-scan --model-dropout 0") == (
+        "nodrop", ["--no-scan"], {"dropout": 0.0})
+    assert peers.parse_kit_variant("d=--model-dropout=0.2 --remat block") == (
+        "d", ["--remat", "block"], {"dropout": 0.2})
+    for bad in ("no-equals-sign", "=--no-scan", "x=--model-dropout 1.5", "x=--model-dropout"):
+        with pytest.raises(peers.UsageError):
+            peers.parse_kit_variant(bad)
+    with pytest.raises(peers.UsageError, match="refuses"):
+        peers.check_kit_flags(["--no-such-flag"], "x=--no-such-flag")
+
+
+def test_kit_row_and_skipped_peers(tmp_path):
+    """The real kit step on the tiny model, 2 timed steps, in a child process; the peers
+    whose package is missing are rows that say so (those installed: test below)."""
+    missing = [e for e, pkg in peers.NEEDS.items() if importlib.util.find_spec(pkg) is None]
+    out = tmp_path / "peers.json"
+    record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
+                         "--only", ",".join(["kit", *missing]),
+                         "--kit", "nodrop=--model-dropout 0 --randaugment 0",
+                         "--matmul-size", "64", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert record["ceiling"]["flops_per_s"] > 0
+    kit, *rest = record["results"]
+    assert kit["name"] == "kit: nodrop" and "error" not in kit, kit
+    assert len(kit["step_s"]) == 2 and kit["params"] == 23_282  # the tiny preset
+    assert "dropout=0.0" in kit["step_config"]
+    assert kit["loss"] == pytest.approx(kit["loss"]) and 0 < kit["loss"] < 10
+    for row, entry in zip(rest, missing):
+        assert row == {"name": entry, "skipped": f"skipped: {peers.NEEDS[entry]} not installed"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["nnx", "torch-eager", "torch-compile"])
+def test_installed_peer_runs(entry):
+    pytest.importorskip(peers.NEEDS[entry])
+    record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
+                         "--only", entry, "--matmul-size", "64", "--entry-timeout", "600"])
+    (row,) = record["results"]
+    assert "error" not in row, row
+    assert row["params"] == 23_282 and 0 < row["loss"] < 10  # the same model as the kit
+
+
+@pytest.mark.slow
+def test_profile_kit(tmp_path, capsys):
+    record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "1", "--warmup", "1",
+                         "--only", "kit", "--matmul-size", "64",
+                         "--profile-kit", str(tmp_path)])
+    assert record["profile"]["total_us"] > 0
+    assert "gemm/matmul" in {c["category"] for c in record["profile"]["categories"]}
+    assert "| category | ms | % |" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------- profile_breakdown
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT", "gemm/matmul"),
+    ("gemm_fusion_dot_138", "gemm/matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm/matmul"),
+    ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_nn_align8", "gemm/matmul"),
+    ("ynn_fusion.28", "gemm/matmul"),
+    ("dot_general.72", "gemm/matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("MemcpyD2D", "memcpy"),
+    ("Memset", "memcpy"),
+    ("loop_dynamic_update_slice_fusion_3", "dynamic-update-slice"),
+    ("input_reduce_fusion_164", "reduction"),
+    ("triton_red_fused_native_layer_norm_0", "reduction"),
+    ("input_transpose_fusion_2", "transpose/copy"),
+    ("copy.1020", "transpose/copy"),
+    ("loop_convert_fusion", "convert"),
+    ("shift-right-logical_convert_fusion", "random"),
+    ("loop_add_xor_fusion", "random"),
+    ("threefry2x32", "random"),
+    ("loop_add_fusion", "fusion"),
+    ("triton_poi_fused_add_0", "fusion"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collective"),
+    ("while.1403", "other"),
+])
+def test_classify(name, category):
+    assert pb.classify(name) == category
+
+
+def test_classify_falls_back_to_hlo_op():
+    assert pb.classify("some_vendor_kernel") == "other"
+    assert pb.classify("some_vendor_kernel", "custom-call.3") == "other"
+    assert pb.classify("some_vendor_kernel", "dot.7") == "gemm/matmul"
+
+
+def _meta(pid, tid=None, name=""):
+    kind = "process_name" if tid is None else "thread_name"
+    return {"ph": "M", "pid": pid, **({} if tid is None else {"tid": tid}), "name": kind,
+            "args": {"name": name}}
+
+
+def _x(pid, tid, name, ts, dur, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur,
+            "args": args}
+
+
+def _write(path, events):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_gpu_trace_counts_stream_kernels_once(tmp_path, capsys):
+    events = [_meta(1, name="/device:GPU:0"), _meta(1, 7, "Stream #7(Compute,MemcpyD2D)"),
+              _meta(1, 8, "XLA Ops"), _meta(2, name="/host:CPU"), _meta(2, 9, "python"),
+              # overlapping kernels on one stream (programmatic dependent launch): both count
+              _x(1, 7, "nvjet_sm90_tst_128x160", 0, 60), _x(1, 7, "input_reduce_fusion", 50, 30),
+              _x(1, 7, "MemcpyD2D", 100, 10),
+              _x(1, 8, "fusion.1", 0, 200),       # derived line: restates the kernels
+              _x(2, 9, "jit_train_step", 0, 500)]  # host: not device time
+    _write(tmp_path / "plugins/profile/run1/host.trace.json.gz", events)
+    result, source, files = pb.analyse(str(tmp_path))
+    assert "1 GPU device" in source and files[0].endswith("run1/host.trace.json.gz")
+    assert result["total_us"] == 100 and result["events"] == 3
+    assert {c["category"]: c["percent"] for c in result["categories"]} == {
+        "memcpy": 10.0, "gemm/matmul": 60.0, "reduction": 30.0}
+    assert [k["name"] for k in result["top"]][0] == "nvjet_sm90_tst_128x160"
+    assert pb.main([str(tmp_path), "--top", "2"]) == 0
+    assert "| nvjet_sm90_tst_128x160 | gemm/matmul | 1 | 0.06 | 60.0 |" in capsys.readouterr().out
+
+
+def test_cpu_trace_counts_self_time_of_nested_ops(tmp_path):
+    op = {"hlo_op": "x", "hlo_module": "jit_train_step"}
+    events = [_meta(5, name="/host:CPU"), _meta(5, 1, "tf_XLAEigen"),
+              _x(5, 1, "while.3", 0, 100, **op),         # encloses the two body ops
+              _x(5, 1, "dot.1", 10, 50, **op), _x(5, 1, "add_fusion", 70, 20, **op),
+              _x(5, 1, "ThunkExecutor::Execute", 0, 300),  # no hlo_op: not an XLA op
+              _x(5, 2, "copy.2", 0, 40, **op)]
+    path = tmp_path / "t.trace.json.gz"
+    _write(path, events)
+    result, source, _ = pb.analyse(str(path))
+    assert source.startswith(pb.CPU_SOURCE)
+    assert result["total_us"] == 140  # while's self time 30 + 50 + 20 + 40
+    cats = {c["category"]: c["us"] for c in result["categories"]}
+    assert cats == {"gemm/matmul": 50, "transpose/copy": 40, "fusion": 20, "other": 30}
+
+
+def test_breakdown_bad_paths(tmp_path, capsys):
+    assert pb.main([str(tmp_path / "missing")]) == 2
+    assert pb.main([str(tmp_path)]) == 2  # a directory without traces
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
