@@ -138,9 +138,9 @@ def test_dropout_follows_the_global_layer_index(reference, monkeypatch):
 
 
 def test_training_recipe_matches_the_unpipelined_step():
-    """Label smoothing, RandAugment and mixup / cutmix (which pairs examples within each
-    device's slice): the pipeline prepares the batch as step.local_grads does, so with the
-    same data-parallel slices (data=4) it matches the script's unpipelined step."""
+    """Label smoothing, RandAugment and mixup / cutmix: the pipeline prepares the batch
+    through step.accumulate, as step.local_grads does, so it matches the script's
+    unpipelined step (data=4 on both sides)."""
     sc = _sc(label_smoothing=0.1, randaugment=(2, 9), mixup_alpha=0.8, cutmix_alpha=1.0)
     plain = train_shardmap.ShardMapStrategy(sc, OPT, "data=4", devices=jax.devices()[:4])
     want, want_metrics, _ = _grads(plain, sc)

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from vit_pure.config import ViTConfig
-from vit_pure.model import _example_keys, compute_params, embed, encoder, head
-from vit_pure.step import F32, StepConfig, cross_entropy, prepare_batch, prepare_images
+from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
+from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
 # ----------------------------------------------------------------------------- planning
@@ -139,16 +139,19 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
     return jnp.stack(outputs)
 
 
-def pipelined_logits(params, images, cfg: ViTConfig, policy, ex_keys, *, pipe_axis: str,
-                     microbatches: int, scan: bool = False, remat: str = "none",
-                     tp_axis: str | None = None, gather=None):
-    """The forward pass, pipelined: images (b, h, w, C) -> logits (b, classes), valid on
-    the last stage. params: this stage's blocks (L/S layers), every other parameter whole.
+def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = False,
+                     rng=None, example_ids=None, pipe_axis: str, microbatches: int,
+                     scan: bool = False, remat: str = "none", tp_axis: str | None = None,
+                     gather=None):
+    """`model.apply`, pipelined: images (b, h, w, C) -> logits (b, classes), valid on the
+    last stage. params: this stage's blocks (L/S layers), every other parameter whole;
+    `train`, `rng` and `example_ids` as in `apply`.
 
     `gather` (FSDP) is applied once per step to the non-block params and to each of this
     stage's layers, *before* the tick loop: inside it, every layer would all-gather its
     weights K + S - 1 times (and reduce-scatter as often in the backward pass).
     """
+    ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
     blocks = params["blocks"]  # cast to the compute dtype layer by layer, in the encoder
     if gather is not None:
@@ -195,53 +198,27 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     """
     check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
-    # The batch preparation is step.local_grads' own (augmentation, RandAugment, label
-    # smoothing, mixup / cutmix over the whole local slice), so that every stage sees
-    # exactly the images and targets an unpipelined step sees.
-    images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
-    use_keys = sc.cfg.dropout > 0 or sc.cfg.drop_path > 0
 
-    def micro_grads(params, images, labels, targets, example_ids):
-        ex_keys = _example_keys(drop_key, example_ids) if use_keys else None
-
-        def loss_fn(p):
-            logits = pipelined_logits(p, images, sc.cfg, sc.policy, ex_keys,
-                                      pipe_axis=pipe_axis, microbatches=microbatches,
-                                      scan=sc.scan, remat=sc.remat, tp_axis=tp_axis,
-                                      gather=gather)
-            ce = cross_entropy(logits, labels, sc.cfg.num_classes, targets=targets).mean()
-            acc = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
-            # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
-            # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
-            # mask turns into 0 on all but the last stage.
-            loss, acc = lax.psum(_on_last_stage((ce, acc), pipe_axis), pipe_axis)
-            return loss_scale.scale_loss(loss), (loss, acc)
-
-        grads, (loss, acc) = jax.grad(loss_fn, has_aux=True)(params)
-        return loss_scale.unscale(grads), {"loss": loss, "accuracy": acc}
+    def micro_metrics(p, images, labels, targets, example_ids, drop_key):
+        logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
+                                  example_ids=example_ids, pipe_axis=pipe_axis,
+                                  microbatches=microbatches, scan=sc.scan, remat=sc.remat,
+                                  tp_axis=tp_axis, gather=gather)
+        # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
+        # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
+        # mask turns into 0 on all but the last stage.
+        return lax.psum(_on_last_stage(train_metrics(sc, logits, labels, targets),
+                                       pipe_axis), pipe_axis)
 
     # Varying over the pipe axis before the gradient (see the docstring): each stage's
     # copy of the replicated pieces gets its own, per-stage gradient.
     params = {k: v if k == "blocks" else lax.pcast(v, pipe_axis, to="varying")
               for k, v in params.items()}
-    A = sc.accum_steps
-    if A == 1:
-        grads, metrics = micro_grads(params, images, labels, targets, example_ids)
-    else:
-        if labels.shape[0] % A:
-            raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does "
-                             f"not divide into {A} micro-batches")
-
-        def accumulate(total, batch):
-            g, m = micro_grads(params, *batch)
-            return jax.tree.map(lambda t, x: t + x.astype(F32), total, g), m
-
-        zeros = jax.tree.map(lambda x: jnp.zeros_like(x, F32), params)
-        total, metrics = lax.scan(
-            accumulate, zeros,
-            tuple(_micro(x, A) for x in (images, labels, targets, example_ids)))
-        grads = jax.tree.map(lambda t, x: (t / A).astype(x.dtype), total, params)
-        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    # step.accumulate: the batch preparation (augmentation, mixup / cutmix over the whole
+    # local slice), the gradient and the accumulation of every step, so every stage sees
+    # exactly the images, targets and micro-batches an unpipelined step sees.
+    grads, metrics = accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels,
+                                example_ids, key)
 
     # All-reduce (sum) over the pipe axis of the gradients of the pipe-replicated params:
     # the embedding's gradient is nonzero on stage 0 only, the final norm's and head's on
@@ -259,13 +236,9 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis:
     Uses `microbatches` pieces if the slice divides into them, else their greatest common
     divisor with the slice (an evaluation batch need not share the training batch's size).
     """
-    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
     k = math.gcd(labels.shape[0], microbatches)
-    logits = pipelined_logits(params, images, sc.cfg, sc.policy, None, pipe_axis=pipe_axis,
-                              microbatches=k, scan=sc.scan, tp_axis=tp_axis, gather=gather)
-    loss = cross_entropy(logits, labels, sc.cfg.num_classes)
-    correct = (jnp.argmax(logits, -1) == labels).astype(F32)
-    sums = {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),
-            "count": jnp.sum(mask)}
+    sums = eval_sums(sc, lambda images: pipelined_logits(
+        params, images, sc.cfg, sc.policy, pipe_axis=pipe_axis, microbatches=k, scan=sc.scan,
+        tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

@@ -1,13 +1,22 @@
 """The step math both training scripts share: optimizer, loss, per-device gradients, update.
 
-Everything here is collective-free. The per-device training step is split so that each
-script writes its collectives between the pieces, once:
+This module writes no collective: no psum, pmean, all_gather or ppermute appears here.
+The per-device training step is split so that each script writes its collectives between
+the pieces, once:
 
     grads, metrics = local_grads(sc, params, ...)     # this device's slice of the batch
     grads   = <all-reduce over 'data'>(grads)         # written in the script
     metrics = <all-reduce over 'data'>(metrics)       # written in the script
     norm    = <global gradient norm>                  # a collective under model parallelism
     state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
+
+What the trace of `local_grads` / `local_eval` may still hold comes from what they are
+handed or call: with `tp_axis`, the model's two tensor-parallel operators
+(`model._copy_to_tp`, a pcast whose transpose is a psum, and `model._reduce_from_tp`, a
+psum); with `gather`, the script's FSDP hook (an all_gather, a reduce-scatter in the
+backward pass). `accumulate` is the one gradient path: `local_grads` and
+`pipeline.pipeline_grads` (whose loss carries the pipeline schedule's ppermute and psum)
+both run through it.
 """
 from __future__ import annotations
 
@@ -160,18 +169,50 @@ class StepConfig:
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
                 key, *, tp_axis=None, gather=None):
-    """Loss and gradients of *this device's* slice of the batch; no collectives.
+    """Loss and gradients of *this device's* slice of the batch; it writes no collective.
 
     Returns (grads of the local mean loss, unscaled), {"loss", "accuracy"} local means.
     `key` is the step's key (the same on every device); each example's randomness comes
-    from its global `example_ids` entry, never from the device it sits on.
+    from its global `example_ids` entry, never from the device it sits on. The model's
+    tensor-parallel operators (`tp_axis`) and the FSDP hook (`gather`) put their own
+    collectives into the trace; see the module docstring. Gradient accumulation
+    (`sc.accum_steps`): see `accumulate`.
+    """
+    def micro_metrics(p, images, labels, targets, example_ids, drop_key):
+        logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
+                       example_ids=example_ids, scan=sc.scan, remat=sc.remat,
+                       tp_axis=tp_axis, gather=gather)
+        return train_metrics(sc, logits, labels, targets)
+
+    return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
+                      key)
+
+
+def train_metrics(sc: StepConfig, logits, labels, targets) -> dict:
+    """{"loss": mean float32 cross-entropy against the (soft) targets, "accuracy"}."""
+    loss = cross_entropy(logits, labels, sc.cfg.num_classes, targets=targets).mean()
+    accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
+    return {"loss": loss, "accuracy": accuracy}
+
+
+def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: LossScale,
+               images_u8, labels, example_ids, key):
+    """The one gradient path of the kit (`local_grads` and `pipeline.pipeline_grads`):
+    prepare this device's slice, differentiate its mean loss, over `sc.accum_steps`
+    micro-batches. Returns (grads, unscaled, in the params' dtypes; mean metrics).
+
+    `micro_metrics(p, images, labels, targets, example_ids, drop_key) -> {"loss", ...}`
+    is the forward pass and loss of one micro-batch; its "loss" is differentiated (scaled
+    by `loss_scale`, the gradients unscaled after). It may hold collectives of its own
+    (the pipeline's schedule); this function adds none.
 
     Gradient accumulation (`sc.accum_steps` = K > 1): the slice of b examples is cut into
     K micro-batches of b/K, run one after another in a `lax.scan`; their gradients are
     summed here, in float32, and divided by K. Only one micro-batch's activations are
     alive at a time, so activation memory shrinks about K-fold, and the result is the
-    K = 1 result up to float summation order: each micro-batch carries its examples'
-    global ids, so every dropout / drop-path / augmentation draw stays with its example.
+    K = 1 result up to float summation order: the whole slice is augmented (and mixed)
+    before it is cut, and each micro-batch carries its examples' global ids, so every
+    dropout / drop-path / augmentation draw stays with its example.
     There is deliberately no collective in here: the caller reduces the *summed*
     gradients over the data axis once per optimizer step, so K micro-batches cost one
     all-reduce, not K (reducing per micro-batch would move K times the bytes for the
@@ -180,29 +221,19 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     micro-batch's forward and backward pass (the weights are gathered where they are
     used), so K micro-batches cost K of those, as in any ZeRO-3 trainer.
 
-    A pipeline's micro-batches are another thing, and nest inside these: in
-    `pipeline.pipeline_grads` each accumulation micro-batch is itself split into the
-    pipeline's micro-batches, which fill the stages; accumulation repeats the whole
-    pipelined forward/backward K times. With FSDP (`gather`), the weights are gathered
-    inside the differentiated function, so every micro-batch gathers them again and
-    reduce-scatters its own gradient shards: K of each per step, the price of never
-    holding whole weights or gradients.
+    A pipeline's micro-batches are another thing, and nest inside these: each
+    accumulation micro-batch is itself split into the pipeline's micro-batches, which
+    fill the stages; accumulation repeats the whole pipelined forward/backward K times.
     """
-    # The whole local slice is augmented (and mixed) at once, before it is cut into
-    # micro-batches, so the images and targets are exactly those a K = 1 step sees.
     images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
 
     def micro_grads(images, labels, targets, example_ids):
-        def loss_fn(p):
-            logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                           example_ids=example_ids, scan=sc.scan, remat=sc.remat,
-                           tp_axis=tp_axis, gather=gather)
-            loss = cross_entropy(logits, labels, sc.cfg.num_classes, targets=targets).mean()
-            return loss_scale.scale_loss(loss), (loss, logits)
+        def scaled_loss(p):
+            metrics = micro_metrics(p, images, labels, targets, example_ids, drop_key)
+            return loss_scale.scale_loss(metrics["loss"]), metrics
 
-        grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(params)
-        accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(F32))
-        return loss_scale.unscale(grads), {"loss": loss, "accuracy": accuracy}
+        grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)
+        return loss_scale.unscale(grads), metrics
 
     K = sc.accum_steps
     if K == 1:
@@ -214,7 +245,7 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     def micro_batches(x):  # (b, ...) -> (K, b/K, ...): micro-batch k is rows k*b/K...
         return x.reshape(K, x.shape[0] // K, *x.shape[1:])
 
-    def accumulate(total, batch):
+    def add(total, batch):
         grads, metrics = micro_grads(*batch)
         return jax.tree.map(lambda t, g: t + g.astype(F32), total, grads), metrics
 
@@ -222,7 +253,7 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     # shard_map, e.g. "varying over 'data'", which scan needs the carry to keep.)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)
     total, metrics = jax.lax.scan(
-        accumulate, zeros, tuple(micro_batches(x) for x in (images, labels, targets, example_ids)))
+        add, zeros, tuple(micro_batches(x) for x in (images, labels, targets, example_ids)))
     # Equal-size micro-batches: the mean over the slice is the mean of the K means.
     grads = jax.tree.map(lambda t, p: (t / K).astype(p.dtype), total, params)
     return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
@@ -258,11 +289,21 @@ def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
 
 def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
     """Sums over this device's slice (padding masked out): loss, correct, count."""
+    return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy, scan=sc.scan,
+                                              tp_axis=tp_axis, gather=gather),
+                     images_u8, labels, mask)
+
+
+def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> dict:
+    """The evaluation of one slice (`local_eval`, `pipeline.pipeline_eval`): the images
+    prepared for evaluation, `logits_fn(images) -> logits`, then the masked sums
+    {"loss", "correct", "count"}."""
     images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
-    logits = apply(params, images, sc.cfg, sc.policy, scan=sc.scan, tp_axis=tp_axis, gather=gather)
+    logits = logits_fn(images)
     loss = cross_entropy(logits, labels, sc.cfg.num_classes)
     correct = (jnp.argmax(logits, -1) == labels).astype(F32)
-    return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+    return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),
+            "count": jnp.sum(mask)}
 
 
 def step_key(seed: int, epoch: int, step: int) -> jax.Array:
