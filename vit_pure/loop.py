@@ -237,6 +237,8 @@ def _log_setup(log: Logger, args, sc: StepConfig, strategy: Strategy, ckpts: Che
         event="config", model=sc.cfg.name, policy=str(policy), batch=args.batch,
         matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
+    for note in sc.notes:  # what the hardware chose for the flags left to it (hardware.py)
+        log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
 
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,
