@@ -20,7 +20,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
     # ../shared/data/cifar10-subset); README "Accuracy" has its result and how it was chosen.
     # Measured: 50.1% test, 6 min 39 s (vs RandAugment 2x7: 45.8%, none: 48.9%).
-    "cpu-quick": dict(model="vit-cifar-quick", dtype="bf16", batch=128, epochs=50, lr=2e-3,
+    "cpu-quick": dict(model="vit-cifar-quick", dtype="auto", batch=128, epochs=50, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(1, 5), eval_every=10, cpu_devices=2, scan=False,
                       accum_steps=1),
@@ -33,9 +33,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
     a("--batch", type=int, default=128, help="global batch (divisible by the device count)")
-    a("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-      help="f32 master params computing in this dtype")
-    a("--policy", default=None, help="full dtype policy, e.g. p=f32,c=bf16,o=f32 (wins over --dtype)")
+    a("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+      help="f32 master params computing in this dtype; auto: bf16 where the hardware has "
+           "fast bf16 (accelerators, CPUs with avx512_bf16/amx_bf16), else fp32")
+    a("--policy", default=None,
+      help="full dtype policy, e.g. p=f32,c=bf16,o=f32,m=bf16 (wins over --dtype); m= is "
+           "what matmuls return, chosen per backend when left out (vit_pure/policy.py)")
     a("--matmul-precision", default="default", choices=["default", "high", "highest"])
     a("--epochs", type=int, default=200)
     a("--steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -54,13 +57,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--label-smoothing", type=float, default=0.1)
     g.add_argument("--randaugment", type=_randaugment, default=(2, 9), metavar="N,M",
                    help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off")
+    g.add_argument("--dropout", type=float, default=None, metavar="RATE",
+                   help="dropout rate (default: the model preset's; vit-cifar 0.1)")
+    g.add_argument("--drop-path", type=float, default=None, metavar="RATE",
+                   help="stochastic depth rate at the last block (default: the preset's)")
     g.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
                    help="mixup with Beta(ALPHA, ALPHA) weights (0: off)")
     g.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
                    help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, "
                         "each batch uses one of the two")
-    a("--scan", action=argparse.BooleanOptionalAction, default=True,
-      help="lax.scan over the encoder layers (faster compile) instead of a Python loop")
+    a("--scan", action=argparse.BooleanOptionalAction, default=None,
+      help="lax.scan over the encoder layers (faster compile) instead of a Python loop "
+           "(default: per backend, vit_pure/hardware.py: unrolled on CPU and GPU)")
     a("--remat", default="none", choices=list(REMAT_MODES),
       help="recompute in the backward pass: each whole encoder block (block), or all but "
            "its matmul outputs (block-save-dots); same results, less memory")
@@ -147,10 +155,17 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     _check_profile_flags(parser, args)
     _check_synthetic_flags(parser, args)
     try:
-        args.policy_obj = Policy.parse(args.policy or args.dtype, args.matmul_precision)
+        if (args.policy or args.dtype) != "auto":  # checked here; built by StepConfig.from_args
+            Policy.parse(args.policy or args.dtype, args.matmul_precision)
     except ValueError as e:
         parser.error(f"--policy: {e}")
     args.cfg = get_preset(args.model)
+    for name in ("dropout", "drop_path"):  # the model preset's rates, unless given
+        rate = getattr(args, name)
+        if rate is not None:
+            if not 0.0 <= rate < 1.0:
+                parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {rate}")
+            args.cfg = args.cfg.replace(**{name: rate})
     _check_process_flags(parser, args)
     return args
 

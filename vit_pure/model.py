@@ -313,6 +313,19 @@ def head(params, x, cfg: ViTConfig, policy: Policy):
     return logits.astype(policy.output_dtype)
 
 
+def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int):
+    """The per-example keys (B,) of a forward pass's dropout and stochastic depth, or None
+    when it draws nothing (evaluation, or both rates 0). Used by `apply` and by
+    `pipeline.pipelined_logits`. example_ids default to 0..B-1."""
+    if not train or (cfg.dropout == 0 and cfg.drop_path == 0):
+        return None
+    if rng is None:
+        raise ValueError("train=True needs rng for dropout / drop path")
+    if example_ids is None:
+        example_ids = jnp.arange(batch_size)
+    return _example_keys(rng, example_ids)
+
+
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
           scan: bool = False, remat: str = "none", tp_axis: str | None = None,
@@ -323,13 +336,7 @@ def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: b
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
     so a batch split over devices gives the same masks as one device.
     """
-    ex_keys = None
-    if train and (cfg.dropout > 0 or cfg.drop_path > 0):
-        if rng is None:
-            raise ValueError("apply(train=True) needs rng for dropout / drop path")
-        if example_ids is None:
-            example_ids = jnp.arange(images.shape[0])
-        ex_keys = _example_keys(rng, example_ids)
+    ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
     x = embed(top, images, cfg, policy, ex_keys)
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
