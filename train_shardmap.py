@@ -427,12 +427,10 @@ class ShardMapStrategy:
             train_step, mesh=self.mesh,
             in_specs=(self.state_specs, batch, batch, batch, P()),
             out_specs=(self.state_specs, P())), donate_argnums=0)
-        # The first half of train_step, for tests: the gradients of the global mean loss,
-        # laid out like the params.
-        self.grads_step = jax.jit(jax.shard_map(
-            global_grads, mesh=self.mesh,
-            in_specs=(self.state_specs, batch, batch, batch, P()),
-            out_specs=(self.param_specs, P())))
+        # The per-device function of train_step's first half (the gradients of the global
+        # mean loss, laid out like the params, and the metrics), not compiled here: tests
+        # wrap it in shard_map with the same specs to compare gradients across layouts.
+        self.global_grads = global_grads
         self.eval_step = jax.jit(jax.shard_map(
             eval_step, mesh=self.mesh,
             in_specs=(self.state_specs, batch, batch, batch), out_specs=P()))

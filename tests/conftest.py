@@ -19,3 +19,17 @@ def subset_dir():
     if not (SUBSET_DIR / "cifar-10-batches-py").is_dir():
         pytest.skip(f"CIFAR-10 subset not found at {SUBSET_DIR}")
     return SUBSET_DIR
+
+
+def grads_step(strategy):
+    """jit(shard_map(...)) of a ShardMapStrategy's gradient half (`global_grads`), with
+    the train step's input specs: (state, images, labels, example ids, key) -> (the
+    gradients of the global mean loss laid out like the params, metrics)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    batch = P("data")
+    return jax.jit(jax.shard_map(
+        strategy.global_grads, mesh=strategy.mesh,
+        in_specs=(strategy.state_specs, batch, batch, batch, P()),
+        out_specs=(strategy.param_specs, P())))

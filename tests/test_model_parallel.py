@@ -32,6 +32,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from conftest import grads_step
 import train_shardmap as ts
 from vit_pure import cli, step
 from vit_pure.config import PRESETS
@@ -134,7 +135,7 @@ def _layout(mesh: str, fsdp: bool, remat: str) -> dict:
     out = {"strategy": strategy, "stablehlo": train_lowered.as_text()}
     if remat != "none":  # only the collective inventory is wanted
         return out
-    grads, metrics = strategy.grads_step.lower(*args).compile(FAST)(*args)
+    grads, metrics = grads_step(strategy).lower(*args).compile(FAST)(*args)
     train_compiled = train_lowered.compile(FAST)
     out.update(grads=jax.device_get(grads), metrics=strategy.metrics_to_host(metrics),
                compiled=train_compiled.as_text(),
@@ -420,7 +421,7 @@ def test_fsdp_gradients_are_float32_means_under_bf16():
     for fsdp in (False, True):
         strategy = ts.ShardMapStrategy(sc, optimizer, "data=8", fsdp=fsdp)
         args = strategy_args(strategy, strategy.put_state(state), batch)
-        grads[fsdp] = jax.device_get(strategy.grads_step.lower(*args).compile(FAST)(*args)[0])
+        grads[fsdp] = jax.device_get(grads_step(strategy).lower(*args).compile(FAST)(*args)[0])
     sharded = ["patch_embed/kernel", "blocks/attn/qkv/kernel", "blocks/mlp/fc1/kernel",
                "blocks/mlp/fc2/kernel", "head/kernel"]
     for name in sharded:

@@ -3,7 +3,8 @@ reference.
 
 The tiny model (depth 4, so 2 or 4 stages) on 8 fake CPU devices, dropout and stochastic
 depth on, the on-device augmentation on, float32. Everything goes through the training
-script's own `ShardMapStrategy` (its compiled `grads_step` / `train_step` / `eval_step`);
+script's own `ShardMapStrategy` (its `global_grads` under conftest.grads_step, its
+compiled `train_step` / `eval_step`);
 the reference is `jax.grad` of the mean loss over the whole batch on one device
 (`step.local_grads`), with the same step key and example ids.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import grads_step
 import train_shardmap
 from vit_pure import PRESETS, Policy, cli, pipeline, step
 
@@ -78,7 +80,7 @@ def _collectives(text):
 def _grads(strategy, sc):
     """The script's compiled gradient step (the first half of its train step)."""
     state = strategy.put_state(_host_state(sc))
-    compiled = strategy.grads_step.lower(state, *_inputs(strategy)).compile()
+    compiled = grads_step(strategy).lower(state, *_inputs(strategy)).compile()
     grads, metrics = compiled(state, *_inputs(strategy))
     return jax.device_get(grads), jax.device_get(metrics), _collectives(compiled.as_text())
 
