@@ -61,7 +61,10 @@ def trajectory(args, sc: StepConfig, train: data_lib.Split, total_steps: int) ->
     labels = np.ascontiguousarray(train.labels)
     derived = {
         "model config": dataclasses.asdict(sc.cfg),
-        "dtype policy": f"{sc.policy} (matmul precision {sc.policy.matmul_precision})",
+        # The matmul output dtype (m=) is left out: chosen per backend, it only moves where
+        # products round (like the mesh), so a run may continue on another kind of device.
+        "dtype policy": f"{str(sc.policy).rpartition(',m=')[0]} "
+                        f"(matmul precision {sc.policy.matmul_precision})",
         "total steps": total_steps,  # fixes the learning-rate schedule
         # Which data (not a hash of every image: the labels and the count tell sets apart).
         "training set": f"{len(train)} images, labels sha256 "
