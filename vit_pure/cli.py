@@ -28,6 +28,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
+    # Long but flat: one add_argument per flag, grouped as `--help` shows them.
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
