@@ -125,9 +125,11 @@ def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
         if cfg.mlp_dim % m:
             raise cli.UsageError(f"--mesh model={m}: MLP width {cfg.mlp_dim} does not divide by {m}")
     pipe = mesh_sizes.get(PIPE, 1)
-    if pipe > 1 and cfg.depth % pipe:
-        raise cli.UsageError(f"--mesh pipe={pipe}: depth {cfg.depth} does not split into "
-                             f"{pipe} equal stages")
+    if pipe > 1:  # the pipeline's own rule (it checks again inside the schedule)
+        try:
+            pipeline.check_pipeline(cfg, pipe, 1)
+        except ValueError as e:
+            raise cli.UsageError(f"--mesh pipe={pipe}: {e}") from None
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
 
     def spec(names, shape):

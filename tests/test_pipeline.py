@@ -219,7 +219,7 @@ def test_layout_and_start_message():
 
 @pytest.mark.parametrize("mesh,k,message", [
     ("data=2,pipe=4", None, None),
-    ("data=2,pipe=3", 1, "depth 4 does not split into 3 equal stages"),
+    ("data=2,pipe=3", 1, "--mesh pipe=3: pipeline: depth 4 of tiny does not split into 3"),
     ("data=8", 2, "--microbatches needs a pipeline"),
     ("data=4,pipe=2", 0, "--microbatches must be >= 1"),
 ])
