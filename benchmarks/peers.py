@@ -428,9 +428,11 @@ def _jax_device_info() -> dict:
 
 
 def _jax_peak_bytes():
+    """Peak device memory of the first JAX device (None where the backend has no figure)."""
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+
+    import bench
+    return bench.device_peak_bytes(jax.devices()[0])
 
 
 def run_ceiling(job: dict) -> dict:
