@@ -29,7 +29,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from vit_pure.policy import Policy
+from vit_pure.policy import Policy, dtype_name
 
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -61,6 +61,13 @@ def cpu_has_bf16(flags: frozenset[str]) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
+def _cpu_kind(flags: frozenset[str]) -> str:
+    """What the startup notes say of the CPU's bf16 support."""
+    if not cpu_has_bf16(flags):
+        return "this CPU has no bf16 arithmetic (no avx512_bf16 or amx_bf16)"
+    return f"this CPU has bf16 arithmetic ({'/'.join(f for f in BF16_CPU_FLAGS if f in flags)})"
+
+
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None) -> Choices:
     """The policy and layer loop for `platform` ("cpu", "gpu", "tpu", ...).
@@ -73,26 +80,23 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     on_cpu = platform == "cpu"
     if on_cpu and flags is None:
         flags = cpu_flags()
-    bf16_fast = not on_cpu or cpu_has_bf16(flags or frozenset())
-    cpu_kind = ("this CPU has bf16 arithmetic (" + "/".join(
-        f for f in BF16_CPU_FLAGS if f in (flags or ())) + ")" if bf16_fast
-        else "this CPU has no bf16 arithmetic (no avx512_bf16 or amx_bf16)")
+    bf16_fast = not on_cpu or cpu_has_bf16(flags)
 
     text = policy_text.strip().lower()
     if text == "auto":
         text = "bf16" if bf16_fast else "fp32"
-        notes.append(f"dtype: {text} (--dtype auto; " + (
-            "accelerator)" if not on_cpu else f"{cpu_kind})"))
+        notes.append(f"dtype: {text} (--dtype auto; "
+                     f"{_cpu_kind(flags) if on_cpu else 'accelerator'})")
     policy = Policy.parse(text, matmul_precision)
     if on_cpu and policy.compute_dtype == jnp.bfloat16 and not bf16_fast:
-        notes.append(f"dtype: bf16 as asked, but {cpu_kind}: XLA emulates it, measured "
+        notes.append(f"dtype: bf16 as asked, but {_cpu_kind(flags)}: XLA emulates it, measured "
                      "slower than fp32 (vit-cifar batch 128: 8.7 vs 12.3 img/s); "
                      "--dtype fp32 is faster here")
     if not Policy.gives_matmul_dtype(text) and policy.compute_dtype != jnp.float32:
         matmul = jnp.dtype(jnp.float32) if on_cpu else policy.compute_dtype
         policy = dataclasses.replace(policy, matmul_dtype=matmul)
         notes.append(
-            f"matmul outputs: {'f32' if on_cpu else str(policy).rpartition('m=')[2]} "
+            f"matmul outputs: {dtype_name(matmul)} "
             + ("(CPU: XLA:CPU upcasts low-precision-output dots; give m= in --policy to "
                "choose)" if on_cpu else
                "(accelerator: the GEMM accumulates in f32 inside and rounds once; "

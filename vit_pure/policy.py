@@ -60,6 +60,11 @@ _PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.H
                "highest": jax.lax.Precision.HIGHEST}
 
 
+def dtype_name(dtype) -> str:
+    """The policy string's name of a dtype: "f32", "bf16" or "f16"."""
+    return _SHORT_NAMES[jnp.dtype(dtype)]
+
+
 def parse_dtype(name: str) -> jnp.dtype:
     try:
         return jnp.dtype(_DTYPE_NAMES[name.strip().lower()])
@@ -88,7 +93,7 @@ class Policy:
             object.__setattr__(self, field, dtype)
         if self.matmul_dtype not in (jnp.dtype(jnp.float32), self.compute_dtype):
             raise ValueError(f"policy matmul dtype must be f32 or the compute dtype "
-                             f"({_SHORT_NAMES[self.compute_dtype]}), got "
+                             f"({dtype_name(self.compute_dtype)}), got "
                              f"{_SHORT_NAMES.get(self.matmul_dtype, self.matmul_dtype)}")
         if self.matmul_precision not in _PRECISIONS:
             raise ValueError(f"matmul precision must be one of {', '.join(_PRECISIONS)}, "
@@ -120,8 +125,8 @@ class Policy:
         return any(item.partition("=")[0].strip() == "m" for item in text.lower().split(","))
 
     def __str__(self) -> str:
-        return (f"p={_SHORT_NAMES[self.param_dtype]},c={_SHORT_NAMES[self.compute_dtype]},"
-                f"o={_SHORT_NAMES[self.output_dtype]},m={_SHORT_NAMES[self.matmul_dtype]}")
+        return (f"p={dtype_name(self.param_dtype)},c={dtype_name(self.compute_dtype)},"
+                f"o={dtype_name(self.output_dtype)},m={dtype_name(self.matmul_dtype)}")
 
     @property
     def precision(self) -> jax.lax.Precision:
