@@ -29,7 +29,7 @@ def test_analytic_flops_by_hand_and_for_vit_cifar():
     # tiny: 17 tokens, width 24, MLP 40, 16 patches of 192 pixels, 10 classes, depth 4.
     block = 17 * 24 * 72 + 2 * 17 * 17 * 24 + 17 * 24 * 24 + 2 * 17 * 24 * 40
     assert bench.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
-    # The brief's figure for the reference model: about 4.27 GFLOP per training image.
+    # The reference model, vit-cifar: about 4.26 GFLOP per training image (docs/performance.md).
     assert bench.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
 
 
