@@ -88,7 +88,7 @@ def _step_jaxpr(strategy, sc, optimizer):
 @pytest.mark.parametrize("mesh, fsdp, policy, scan", [
     ("data=4,model=2", True, "bf16", False),      # TP + FSDP, m=f32 custom VJPs
     ("data=2,model=4", False, "c=bf16,m=bf16", True),  # TP in a layer scan, bf16 outputs
-    ("data=2,model=2,pipe=2", True, "fp32", False),  # pipeline + TP + FSDP
+    ("data=2,model=2,pipe=2", True, "bf16", False),  # pipeline + TP + FSDP, m=f32
 ])
 def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan):
     sc = step.StepConfig(CFG, Policy.parse(policy), scan=scan)

@@ -1,0 +1,173 @@
+"""Every layout under every dtype policy, layer loop and remat mode matches data parallel.
+
+The matrix: layouts {TP, FSDP, PP, PP+TP+FSDP, pmap} x policies {fp32; bf16 with float32
+matmul outputs (m=f32, the CPU default, which runs policy.py's custom VJP); bf16 with bf16
+matmul outputs (m=bf16, the GPU default); fp16 with its dynamic loss scale} x {unrolled,
+scan} x {remat none, block-save-dots}. Each cell runs two training steps of a small model
+(dropout and stochastic depth on) on 8 fake CPU devices and compares them with the
+shard_map data-parallel step (data=8) under the same policy, loop and remat mode:
+
+* the loss and the global gradient norm of both steps, relative to the reference, and
+* the parameters after the two steps, relative to how far the reference moved them,
+
+within a tolerance proportional to the compute dtype's machine epsilon (`tolerance`).
+Different layouts sum in different orders (per-device partial sums, all-reduces, TP
+partial products), so low-precision policies agree to a few roundings, not bit for bit.
+
+The default run takes 20 cells: every layout under every policy, with the four
+(loop, remat) pairs spread over them so that each layout and each policy meets all four.
+`python -m pytest -m slow tests/test_layout_matrix.py` runs the remaining 60.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_pmap
+import train_shardmap as ts
+from vit_pure import step
+from vit_pure.config import PRESETS
+from vit_pure.policy import Policy
+
+# Depth 2 splits into 2 pipeline stages, 4 heads and MLP 40 over model=2, width 24 over
+# FSDP's data=8; 17 tokens of 8x8 patches.
+CFG = PRESETS["tiny"].replace(name="matrix-test", depth=2)
+BATCH, STEPS = 16, 2
+LAYOUTS = {  # name -> (mesh, fsdp); None: pmap
+    "tp": ("data=4,model=2", False),
+    "fsdp": ("data=8", True),
+    "pp": ("data=4,pipe=2", False),
+    "pp+tp+fsdp": ("data=2,model=2,pipe=2", True),
+    "pmap": None,
+}
+POLICIES = {
+    "fp32": "fp32",
+    "bf16,m=f32": "p=f32,c=bf16,o=f32,m=f32",
+    "bf16,m=bf16": "p=f32,c=bf16,o=f32,m=bf16",
+    "fp16": "fp16",
+}
+LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
+         (True, "none")]  # (scan, remat)
+# XLA:CPU options that compile these programs over 2x faster (same HLO passes up to code
+# generation, so the same collectives and the same arithmetic).
+FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def _cells():
+    """Every cell, marked `slow` unless it is in the default 20 (a Latin square: layout i
+    under policy j runs loop pair (i + j) mod 4)."""
+    cells = []
+    for (i, layout), (j, policy), (k, (scan, remat)) in itertools.product(
+            enumerate(LAYOUTS), enumerate(POLICIES), enumerate(LOOPS)):
+        default = k == (i + j) % len(LOOPS)
+        marks = () if default else (pytest.mark.slow,)
+        cells.append(pytest.param(layout, policy, scan, remat, marks=marks,
+                                  id=f"{layout}-{policy}-{'scan' if scan else 'unrolled'}"
+                                     f"-{remat}"))
+    return cells
+
+
+def tolerances(policy: Policy) -> tuple[float, float]:
+    """(metrics, params) relative tolerances for a policy, from the machine epsilon of its
+    compute dtype (fp32 1.2e-7, fp16 9.8e-4, bf16 7.8e-3) and of float32.
+
+    Loss and gradient norm: half an eps of the compute dtype (one rounding) plus 4 float32
+    eps. The params: 32 eps of the compute dtype plus 256 float32 eps, relative to the
+    distance the reference moved them: Adam divides each gradient by its own magnitude,
+    so a gradient element near zero that two summation orders round differently moves its
+    parameter by a different fraction of the learning rate. (On 8 fake CPU devices the
+    largest differences seen were 0.95 float32 eps in the metrics under fp32, 0.24 bf16
+    eps under bf16; in the params 125 float32 eps under fp32, 7 bf16 eps, 19 fp16 eps.)"""
+    eps, eps32 = float(jnp.finfo(policy.compute_dtype).eps), float(jnp.finfo(jnp.float32).eps)
+    return eps / 2 + 4 * eps32, 32 * eps + 256 * eps32
+
+
+def _optimizer():
+    args = types.SimpleNamespace(lr=1e-3, warmup_steps=1, weight_decay=0.05)
+    return step.make_optimizer(args, STEPS)[0]
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 256, (BATCH, 32, 32, 3), dtype=np.uint8),
+             rng.integers(0, 10, (BATCH,), dtype=np.int32),
+             np.arange(BATCH, dtype=np.int32) + i * BATCH,
+             step.step_key(0, 0, i)) for i in range(STEPS)]
+
+
+@functools.cache
+def _initial_state(policy_text: str) -> dict:
+    policy = Policy.parse(policy_text)
+    state = step.init_state(jax.random.key(0), CFG, policy, _optimizer())
+    if state["loss_scale"].dynamic:
+        # float16: start the dynamic loss scale where these gradients do not overflow, so
+        # that both steps update the params (from 2^15 both would be skipped).
+        state["loss_scale"] = dataclasses.replace(state["loss_scale"],
+                                                  scale=jnp.asarray(2.0 ** 6, jnp.float32))
+    return jax.device_get(state)
+
+
+@functools.cache
+def run(layout: str, policy_text: str, scan: bool, remat: str, cfg=CFG) -> dict:
+    """Two steps of one cell from the same initial state and batches: the host metrics
+    of each step and the final host params. layout "dp" is the reference, data=8."""
+    sc = step.StepConfig(cfg, Policy.parse(policy_text), scan=scan, remat=remat)
+    optimizer = _optimizer()
+    if layout == "pmap":
+        strategy = train_pmap.PmapStrategy(sc, optimizer, devices=jax.devices()[:8])
+    else:
+        mesh, fsdp = LAYOUTS.get(layout) or ("data=8", False)
+        strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
+    state = strategy.put_state(_initial_state(policy_text))
+    compiled, metrics = None, []
+    for images, labels, ids, key in _batches():
+        args = (state, *strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
+        compiled = compiled or strategy.train_step.lower(*args).compile(FAST)
+        state, m = compiled(*args)
+        metrics.append(strategy.metrics_to_host(m))
+    return {"metrics": metrics, "params": strategy.host_state(state)["params"]}
+
+
+def _distance(a, b) -> float:
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)
+                                                - np.asarray(y, np.float64))))
+                         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+
+
+@pytest.mark.parametrize("layout, policy, scan, remat", _cells())
+def test_layout_matches_data_parallel(layout, policy, scan, remat):
+    """The reference is the plain data-parallel step (unrolled, no remat) under the same
+    policy: the layer scan and remat give the same numbers, so one reference per policy
+    checks them too."""
+    text = POLICIES[policy]
+    tol_metrics, tol_params = tolerances(Policy.parse(text))
+    ref, got = run("dp", text, False, "none"), run(layout, text, scan, remat)
+    for i, (r, g) in enumerate(zip(ref["metrics"], got["metrics"], strict=True)):
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert g["loss"] == pytest.approx(r["loss"], rel=tol_metrics), f"step {i + 1} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=tol_metrics), \
+            f"step {i + 1} gradient norm"
+    moved = _distance(ref["params"], _initial_state(text)["params"])
+    assert moved > 0  # both steps were taken (none skipped by the loss scale)
+    assert _distance(got["params"], ref["params"]) <= tol_params * moved
+
+
+def test_tolerances_separate_a_real_difference():
+    """The check can fail: a real change of the program (the same data-parallel step with
+    dropout and stochastic depth off) leaves the tolerance in the loss and gradient norm
+    of the first step, under bf16, the loosest policy."""
+    text = POLICIES["bf16,m=bf16"]
+    tol_metrics, _ = tolerances(Policy.parse(text))
+    ref = run("dp", text, False, "none")["metrics"][0]
+    off = run("dp", text, False, "none", cfg=CFG.replace(dropout=0.0, drop_path=0.0))
+    for name in ("loss", "grad_norm"):
+        print(name, off["metrics"][0][name] / ref[name] - 1, tol_metrics)
+        assert off["metrics"][0][name] != pytest.approx(ref[name], rel=tol_metrics)
