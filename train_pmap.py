@@ -117,6 +117,10 @@ class PmapStrategy:
 
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
+    if args.plan is not None:  # compile for --plan N devices and print the plan; no training
+        from vit_pure import plan
+        return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
+            sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     sc = step.StepConfig.from_args(args)
     return loop.run(args, sc, PmapStrategy)

@@ -482,6 +482,11 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
+    if args.plan is not None:  # compile for --plan N devices and print the plan; no training
+        from vit_pure import plan
+        return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
+            sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
+            microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     sc = step.StepConfig.from_args(args)
 

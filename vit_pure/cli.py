@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from vit_pure import data as data_lib
 from vit_pure import distributed
+from vit_pure import plan
 from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.model import REMAT_MODES
@@ -135,6 +136,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process job, letting jax.distributed.initialize detect "
                         "what the three flags above leave out")
+    plan.add_flags(p)  # --plan N: compile for N devices and print the plan (no training)
     return p
 
 
