@@ -28,12 +28,13 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 import bench
 import train_pmap
 import train_shardmap as ts
-from vit_pure import accum, cli, plan, step
+from vit_pure import cli, plan, step
 from vit_pure import interconnect as ic
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
@@ -195,13 +196,23 @@ def test_scan_and_accumulation_multiply_by_trip_counts(loops):
 
 
 # ------------------------------------------------------------- predicted vs measured
+def _zero_inputs(strategy, sc, opt):
+    """Zeros for the train step, placed as the training loop places its inputs."""
+    shapes = jax.eval_shape(lambda: step.init_state(jax.random.key(0), sc.cfg, sc.policy, opt))
+    state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    batch = (np.zeros((BATCH, *plan.DATASET_IMAGE_SHAPE), np.uint8),
+             np.zeros((BATCH,), np.int32), np.arange(BATCH, dtype=np.int32))
+    return (strategy.put_state(state), *strategy.put_batch(*batch),
+            strategy.put_replicated(jax.random.key(0)))
+
+
 def test_measured_run_executes_each_collective_count_times(loops, tmp_path):
     """Run the very executable the plan was read from on the 8 fake devices under the
     profiler: each collective op's events / 8 devices = its planned count; and the
     gradient all-reduce's bytes = the bytes of the parameters placed on a device."""
     p, strategy = loops
     sc, opt = strategy.sc, _setup()[1]
-    inputs = accum.train_step_inputs(strategy, sc, opt, BATCH, plan.DATASET_IMAGE_SHAPE)
+    inputs = _zero_inputs(strategy, sc, opt)
     placed = ts.bytes_per_device(inputs[0]["params"], strategy.mesh.devices.flat[0])
     with jax.profiler.trace(str(tmp_path)):
         jax.block_until_ready(p.compiled(*inputs))

@@ -603,7 +603,7 @@ class Plan:
         axis, row = max(axes.items(), key=lambda kv: kv[1]["seconds"])
         share = row["seconds"] / compute
         advice = self._advice(axis, row["seconds"], compute)
-        return (f"communication-bound {ratio:.1f}x; '{axis}' alone {share:.1f}x the compute "
+        return (f"communication-bound {ratio:.2f}x; '{axis}' alone {share:.1f}x the compute "
                 f"({row['seconds'] * 1e3:.2f} vs {compute * 1e3:.2f} ms): {advice}{memory}", rule)
 
     def _advice(self, axis: str, axis_s: float, compute_s: float) -> str:
