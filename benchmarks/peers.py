@@ -467,7 +467,7 @@ def build_kit(job: dict):
     import jax
 
     import train_shardmap
-    from vit_pure import accum, cli, step
+    from vit_pure import accum, cli, data, step
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
     sc = step.StepConfig.from_args(args)
@@ -481,7 +481,8 @@ def build_kit(job: dict):
                                                fsdp=args.fsdp, microbatches=args.microbatches)
 
     # --accum-steps K or auto (this resolves and checks it, as in training).
-    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer)
+    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer,
+                                        image_shape=(data.HEIGHT, data.WIDTH, data.CHANNELS))
     print(f"kit: {' '.join(kit_argv(job))}; {sc}", file=sys.stderr, flush=True)
     return sc, optimizer, strategy
 

@@ -15,6 +15,7 @@ results.
 """
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from vit_pure.policy import LossScale
 
 CFG = PRESETS["tiny"]  # dropout 0.1 and drop path 0.1: per-example randomness is on
 BATCH = 32  # 8 devices x 4 examples: K in {1, 2, 4}
+IMAGE_SHAPE = (32, 32, 3)  # what the loop feeds: CIFAR-10's images
 
 
 def _batch(seed=0, n=BATCH):
@@ -172,7 +174,7 @@ def _train_step_program(kind, mesh, accum_steps):
     sc = dataclasses.replace(step.StepConfig.from_args(args), accum_steps=accum_steps)
     optimizer = optax.sgd(0.1, momentum=0.9)
     strategy = _strategy(kind, sc, optimizer, mesh)
-    inputs = accum.train_step_inputs(strategy, sc, optimizer, BATCH)
+    inputs = accum.train_step_inputs(strategy, sc, optimizer, BATCH, IMAGE_SHAPE)
     jaxpr = jax.make_jaxpr(strategy.train_step)(*inputs).jaxpr
     lowered = strategy.train_step.lower(*inputs).as_text()
     accum.free(inputs)
@@ -236,12 +238,14 @@ def test_bad_accum_steps_is_a_usage_error():
         "--model", "tiny", "--batch", str(BATCH), "--accum-steps", "8"])
     with pytest.raises(cli.UsageError, match="per-device batch 4"):
         accum.build_strategy(args, step.StepConfig.from_args(args), train_pmap.PmapStrategy,
-                             optax.sgd(0.1, momentum=0.9), log=_no_log)
+                             optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
+                             log=_no_log)
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--eval-batch", "12"])
     with pytest.raises(cli.UsageError, match="--eval-batch 12 is not divisible by the 8"):
         accum.build_strategy(args, step.StepConfig.from_args(args), train_pmap.PmapStrategy,
-                             optax.sgd(0.1, momentum=0.9), log=_no_log)
+                             optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
+                             log=_no_log)
 
 
 def test_auto_candidates_respect_the_pipeline_micro_batches():
@@ -274,7 +278,8 @@ def test_explicit_accum_steps_reach_the_factory_as_a_value():
     def make_strategy(sc, optimizer):
         seen.append(sc)
         return train_pmap.PmapStrategy(sc, optimizer)
-    strategy, got = accum.build_strategy(args, sc, make_strategy, optax.sgd(0.1), log=_no_log)
+    strategy, got = accum.build_strategy(args, sc, make_strategy, optax.sgd(0.1),
+                                         image_shape=IMAGE_SHAPE, log=_no_log)
     assert [s.accum_steps for s in seen] == [4] and got is strategy.sc is seen[0]
     assert got == dataclasses.replace(sc, accum_steps=4)
     assert args.accum_steps == 4 and sc.accum_steps == 1  # neither args nor sc is written
@@ -292,7 +297,8 @@ def _auto(budget_gib):
     records = []
     strategy, sc = accum.build_strategy(
         args, sc, lambda sc, opt: train_shardmap.ShardMapStrategy(sc, opt, args.mesh),
-        optax.sgd(0.1, momentum=0.9), log=lambda text, **record: records.append(record))
+        optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
+        log=lambda text, **record: records.append(record))
     assert strategy.sc is sc and args.accum_steps == "auto"
     record = [r for r in records if r.get("event") == "accum_steps"][0]
     assert record["accum_steps"] == sc.accum_steps
@@ -338,3 +344,39 @@ def test_candidates_and_prediction():
     # bytes(K) = a + b / K is exact for affine data: a = 100, b = 800.
     measured = [accum.StepMemory(k, 0, 0, 0, 100 + 800 // k) for k in (1, 2)]
     assert accum._predict(measured, 8) == pytest.approx(200)
+
+
+# Every preset; the 32-pixel ones other than the default share vit-cifar's geometry and run
+# with the slow tests.
+AUTO_PRESETS = [pytest.param(name, marks=() if name == "vit-cifar" or PRESETS[name].image_size
+                             != 32 else (pytest.mark.slow,)) for name in sorted(PRESETS)]
+
+
+@pytest.mark.parametrize("preset", AUTO_PRESETS)
+def test_auto_measures_the_program_the_loop_runs(preset, monkeypatch):
+    """`--accum-steps auto` compiles the train step for the images the loop feeds (32x32
+    CIFAR-10 images, resized on the device for the 224-pixel presets), so the loop's first
+    step reuses that compile: one compilation of the train step in the whole run. Each
+    preset keeps its input geometry (image size, patch size, classes) but is made narrow
+    and one block deep, to compile in seconds."""
+    narrow = PRESETS[preset].replace(width=16, depth=1, heads=2, mlp_dim=16)
+    monkeypatch.setattr(cli, "get_preset", lambda name: narrow)
+    compiles = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "Finished XLA compilation of jit(train_step)" in record.getMessage():
+                compiles.append(record.getMessage())
+
+    handler = Count()
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            train_shardmap.main([
+                "--model", preset, "--dataset", "synthetic", "--synthetic-train", "16",
+                "--synthetic-val", "0", "--synthetic-test", "0", "--batch", "8",
+                "--steps", "1", "--accum-steps", "auto", "--memory-budget", "100",
+                "--randaugment", "0", "--no-final-eval", "--no-progress"])
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert len(compiles) == 1, compiles

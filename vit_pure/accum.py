@@ -5,7 +5,8 @@ Gradient accumulation itself is a dozen lines in `step.accumulate` (a `lax.scan`
 micro-batches of each device's slice, the gradients summed, one all-reduce per step
 written by the script). This module decides K and builds the script's strategy with it:
 
-    strategy, sc = build_strategy(args, sc, make_strategy, optimizer, log=log)
+    strategy, sc = build_strategy(args, sc, make_strategy, optimizer,
+                                  image_shape=train.images.shape[1:], log=log)
 
 `sc` is a frozen `step.StepConfig`; K reaches the factory as `dataclasses.replace(sc,
 accum_steps=K)` and the returned `sc` carries the chosen K (nothing is written into args).
@@ -137,9 +138,14 @@ def candidates(per_device_batch: int) -> list[int]:
     return [k for k in range(1, per_device_batch + 1) if per_device_batch % k == 0]
 
 
-def train_step_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
+def train_step_inputs(strategy, sc, optimizer, global_batch: int,
+                      image_shape: tuple[int, int, int]) -> tuple:
     """Zeros in place of the train step's inputs, placed exactly as `strategy` places the
     real ones (state, this process's rows of a global batch, the step key).
+
+    `image_shape` (h, w, C) is the shape of the images the loop feeds: the dataset's
+    (CIFAR-10's 32x32x3), not the model's input size; the step resizes them on the device
+    (the 224-pixel presets), so the compiled program is the one the loop runs.
 
     Real placed arrays, not `ShapeDtypeStruct`s: with several processes a pmap'd step,
     even to be lowered, turns each process's local per-device arrays into global ones,
@@ -148,8 +154,7 @@ def train_step_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
     """
     shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-    size = sc.cfg.image_size
-    batch = (np.zeros((global_batch, size, size, sc.cfg.channels), np.uint8),
+    batch = (np.zeros((global_batch, *image_shape), np.uint8),
              np.zeros((global_batch,), np.int32), np.zeros((global_batch,), np.int32))
     # As in the loop: each process feeds its own rows of the global batch.
     return (strategy.put_state(zeros), *strategy.put_batch(*distributed.local_rows(*batch)),
@@ -217,7 +222,8 @@ def _print(text: str, **_record):
     print(text, flush=True)
 
 
-def build_strategy(args, sc, make_strategy: Callable, optimizer, *, log: Callable = _print,
+def build_strategy(args, sc, make_strategy: Callable, optimizer, *,
+                   image_shape: tuple[int, int, int], log: Callable = _print,
                    budget: Budget | None = None):
     """(strategy, sc): the script's strategy, built with K micro-batches per step, and the
     StepConfig it was built with (`sc.accum_steps` = K).
@@ -227,7 +233,8 @@ def build_strategy(args, sc, make_strategy: Callable, optimizer, *, log: Callabl
     candidate K in turn until one fits. The batch rules (`--batch` with K, `--eval-batch`
     without accumulation) are checked here, before anything compiles. `budget` overrides
     the measured device memory (tests pass a small one), as does `--memory-budget` (GiB
-    for all local devices together: on a shared machine).
+    for all local devices together: on a shared machine). `image_shape`: one training
+    image as the loop will feed it (see `train_step_inputs`).
     """
     requested = args.accum_steps
     k = 1 if requested == "auto" else requested
@@ -239,7 +246,7 @@ def build_strategy(args, sc, make_strategy: Callable, optimizer, *, log: Callabl
 
     per_device = args.batch // strategy.batch_divisor
     budget = resolve_budget(args, budget)
-    inputs = train_step_inputs(strategy, strategy.sc, optimizer, args.batch)
+    inputs = train_step_inputs(strategy, strategy.sc, optimizer, args.batch, image_shape)
     measured: list[StepMemory] = []
     ks = [k for k in candidates(per_device) if _allows(strategy, args.batch, k)]
     for k in ks:

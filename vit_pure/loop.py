@@ -110,7 +110,10 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
     resume_from = ckpts.find_resume_point()
     # K micro-batches per step (--accum-steps; auto: the smallest K that fits in memory),
     # after checking that --batch and --eval-batch split over processes and devices.
-    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer, log=log)
+    # The step is measured for the images the loop feeds (the dataset's, resized on the
+    # device to the model's input size), so the loop's first step reuses that compile.
+    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer,
+                                        image_shape=train.images.shape[1:], log=log)
     eval_batch = args.eval_batch or args.batch
     host_state, step = _start_state(args, sc, optimizer, ckpts, resume_from)
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
