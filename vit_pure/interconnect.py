@@ -100,7 +100,7 @@ HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("a100", "gpu", 312e12, 80 * 2**30, 195 * GB, 23 * GB, 8, 10e-6, 30e-6,
                      "A100 datasheet; 195 GB/s ring bandwidth measured by nccl-tests on 8 "
                      "NVLink A100s; 200 Gb/s HDR per GPU, 23 GB/s assumed"),
-    "tpu-v5e": Hardware("tpu-v5e", "tpu", 197e12, 16 * 2**30, 90 * GB, 3.125 * GB, 256, 5e-6,
+    "tpu-v5e": Hardware("tpu-v5e", "tpu", 197e12, 16e9, 90 * GB, 3.125 * GB, 256, 5e-6,
                         30e-6, "Cloud TPU v5e docs; ICI from the JAX scaling book"),
     "tpu-v5p": Hardware("tpu-v5p", "tpu", 459e12, 95 * 2**30, 180 * GB, 6.25 * GB, 6144,
                         5e-6, 30e-6, "Cloud TPU v5p docs (largest single slice 6,144 chips); "
