@@ -657,7 +657,8 @@ class Plan:
                      "collectives) modelled for the latency term")
         lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
         lines.append("collectives per device (V = bytes per execution; count = executions "
-                     "per optimizer step, loop trip counts included):")
+                     "per optimizer step, loop trip counts included; calls = XLA:GPU calls "
+                     "as modelled, a shared call counted on the row that opens it):")
         lines.append(f"  {'kind':<19}{'axes':<12}{'dtype':<6}{'ops':>5}{'V min..max':>22}"
                      f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  source")
         groups = collections.defaultdict(list)
