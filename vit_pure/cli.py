@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -30,8 +31,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     # Long but flat: one add_argument per flag, grouped as `--help` shows them.
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrorParser(description=description,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
     a("--batch", type=int, default=128, help="global batch (divisible by the device count)")
@@ -145,15 +146,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     if preset is not None:  # the preset's values become defaults: explicit flags win
         parser.set_defaults(**RECIPES[preset])
     args = parser.parse_args(argv)
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        parser.error("--cpu-devices must be >= 1")
-    for name in ("batch", "epochs", "log_every"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.steps is not None and args.steps <= 0:
-        parser.error("--steps must be positive")
-    if args.memory_budget is not None and not args.memory_budget > 0:
-        parser.error("--memory-budget must be positive")
+    _check_numbers(parser, args)
     _check_checkpoint_flags(parser, args)
     _check_profile_flags(parser, args)
     _check_synthetic_flags(parser, args)
@@ -170,6 +163,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
                 parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {rate}")
             args.cfg = args.cfg.replace(**{name: rate})
     _check_process_flags(parser, args)
+    _check_paths(parser, args)
     return args
 
 
@@ -221,6 +215,67 @@ def _accum_steps(text: str):
 
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), like the
+    scripts' other errors (`main_guard`), without argparse's many-line usage block
+    before it: the line names the flag; `--help` lists them all."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _check_numbers(parser, args) -> None:
+    """Every numeric flag within its range: counts, rates, coefficients (NaN never is)."""
+    def flag(name):
+        return "--" + name.replace("_", "-")
+
+    def at_least(name, low, what):  # None means "not given" (a default chosen later)
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= low):
+            parser.error(f"{flag(name)} must be {what}, got {value}")
+
+    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices"):
+        at_least(name, 1, "positive")
+    for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix"):
+        at_least(name, 0, ">= 0")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+    if not 0 <= args.seed < 2 ** 63:  # jax.random.key takes a 64-bit signed seed
+        parser.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.memory_budget is not None:
+        if not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
+            parser.error(f"--memory-budget must be positive, got {args.memory_budget}")
+        if args.accum_steps != "auto":
+            parser.error(f"--memory-budget is the budget of --accum-steps auto; with "
+                         f"--accum-steps {args.accum_steps} nothing reads it")
+
+
+def _check_paths(parser, args) -> None:
+    """Where the run will write: fail now, not after the first epoch's training."""
+    for flag, path in (("--ckpt-dir", args.ckpt_dir), ("--profile", args.profile)):
+        if path is None:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            parser.error(f"{flag} {path}: exists and is not a directory")
+        parent = os.path.abspath(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            parser.error(f"{flag} {path}: cannot create or write it ({parent} is not a "
+                         f"writable directory)")
+    if args.log_json is not None:
+        parent = os.path.dirname(os.path.abspath(args.log_json))
+        if os.path.isdir(args.log_json):
+            parser.error(f"--log-json {args.log_json}: is a directory, expected a file")
+        if not os.path.isdir(parent):
+            parser.error(f"--log-json {args.log_json}: directory {parent} does not exist")
+    if (args.dataset == "cifar10" and os.path.exists(args.data_dir)
+            and not os.path.isdir(args.data_dir)):
+        parser.error(f"--data-dir {args.data_dir}: exists and is not a directory")
+
+
 def _check_checkpoint_flags(parser, args) -> None:
     if args.ckpt_every < 0:
         parser.error("--ckpt-every must be >= 0")
@@ -228,6 +283,9 @@ def _check_checkpoint_flags(parser, args) -> None:
         parser.error("--ckpt-keep must be >= 1")
     if args.stop_after is not None and args.stop_after <= 0:
         parser.error("--stop-after must be positive")
+    if args.stop_after is not None and args.steps is not None and args.stop_after > args.steps:
+        parser.error(f"--stop-after {args.stop_after}: the run ends sooner, at --steps "
+                     f"{args.steps}")
     if args.ckpt_dir is None:
         for flag, given in (("--resume", args.resume), ("--ckpt-every", args.ckpt_every),
                             ("--eval-only", args.eval_only)):
@@ -248,6 +306,9 @@ def _check_profile_flags(parser, args) -> None:
             and 1 <= int(first) <= int(last)):
         parser.error(f"--profile-steps {text!r}: expected A:B with 1 <= A <= B, e.g. 3:5")
     args.profile_range = (int(first), int(last))
+    if args.steps is not None and args.profile_range[0] > args.steps:  # nothing to trace
+        parser.error(f"--profile-steps {text}{'' if args.profile_steps else ' (the default)'}"
+                     f": the run has only --steps {args.steps}")
 
 
 def _check_synthetic_flags(parser, args) -> None:
@@ -274,10 +335,15 @@ def _check_process_flags(parser, args) -> None:
         parser.error(f"a multi-process run needs --coordinator, --num-processes and "
                      f"--process-id (missing {missing}); or --distributed, to let JAX detect "
                      f"them from the cluster (SLURM, Open MPI, Cloud TPU)")
-    if args.coordinator is not None and not args.coordinator.rpartition(":")[2].isdigit():
-        parser.error(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    if args.coordinator is not None:
+        host, _, port = args.coordinator.rpartition(":")
+        if not (host and port.isdigit() and 1 <= int(port) <= 65535):
+            parser.error(f"--coordinator {args.coordinator!r}: expected HOST:PORT with a "
+                         f"port in 1..65535")
     if args.num_processes is not None and args.num_processes < 1:
         parser.error("--num-processes must be >= 1")
+    if args.process_id is not None and args.process_id < 0:
+        parser.error(f"--process-id must be >= 0, got {args.process_id}")
     if (args.process_id is not None and args.num_processes is not None
             and not 0 <= args.process_id < args.num_processes):
         parser.error(f"--process-id must be in 0..{args.num_processes - 1}")

@@ -1,0 +1,261 @@
+"""Bad input on the command line: one line on stderr that names the flag, a non-zero exit.
+
+Every flag of both scripts, with wrong values: negative, zero, NaN / inf, out of range,
+unknown names, malformed text, values that do not divide (batch over devices, micro-
+batches, heads over `model=`, depth over `pipe=`), pairs that do not go together, and
+paths the run could not write. None may end in a traceback, and none may run silently.
+
+Most cases fail while the flags are parsed, or while the step is built (before any
+compile), so they run in this process through the script's own `main` and
+`cli.main_guard`, on conftest's 8 fake devices (`--cpu-devices 8` matches them). A few run
+as real processes, to show the exit code and the whole of stderr end to end.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import train_pmap
+import train_shardmap
+from vit_pure import cli, data
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A run that would finish in seconds, were its input good (a case that runs fails).
+TINY = ["--model", "tiny", "--steps", "1", "--batch", "16", "--no-final-eval",
+        "--no-progress", "--randaugment", "0", "--cpu-devices", "8", "--accum-steps", "1"]
+SYNTHETIC = ["--dataset", "synthetic", "--synthetic-train", "64", "--synthetic-val", "16",
+             "--synthetic-test", "16"]
+BASE = TINY + SYNTHETIC
+SCRIPTS = {"shardmap": train_shardmap, "pmap": train_pmap}
+
+# (flags added to BASE, what stderr's line must contain). Both scripts share these flags.
+SHARED = [
+    # counts: zero, negative, not a number
+    (["--batch", "0"], "--batch must be positive"),
+    (["--batch", "-8"], "--batch must be positive"),
+    (["--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--steps", "-1"], "--steps must be positive"),
+    (["--log-every", "0"], "--log-every must be positive"),
+    (["--eval-batch", "0"], "--eval-batch must be positive"),
+    (["--eval-batch", "-4"], "--eval-batch must be positive"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--cpu-devices", "0"], "--cpu-devices must be positive"),
+    (["--cpu-devices", "-2"], "--cpu-devices must be positive"),
+    (["--accum-steps", "0"], "argument --accum-steps: expected a positive integer or 'auto'"),
+    (["--accum-steps", "-1"], "argument --accum-steps"),
+    (["--accum-steps", "two"], "argument --accum-steps"),
+    (["--synthetic-train", "-1"], "--synthetic-train must be >= 0"),
+    (["--synthetic-val", "-1"], "--synthetic-val must be >= 0"),
+    (["--synthetic-test", "-5"], "--synthetic-test must be >= 0"),
+    (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+    (["--ckpt-keep", "0"], "--ckpt-keep must be >= 1"),
+    (["--stop-after", "0"], "--stop-after must be positive"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+    (["--seed", str(2 ** 63)], "--seed must be in [0, 2**63)"),
+    # rates and coefficients: negative, NaN, inf, outside their interval
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--lr", "inf"], "--lr must be a positive number"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    (["--grad-clip", "nan"], "--grad-clip must be >= 0"),
+    (["--label-smoothing", "1.0"], "--label-smoothing must be in [0, 1)"),
+    (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+    (["--label-smoothing", "nan"], "--label-smoothing must be in [0, 1)"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--dropout", "-0.1"], "--dropout must be in [0, 1)"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1)"),
+    (["--drop-path", "1.0"], "--drop-path must be in [0, 1)"),
+    (["--mixup", "-1"], "--mixup must be >= 0"),
+    (["--mixup", "nan"], "--mixup must be >= 0"),
+    (["--cutmix", "-0.5"], "--cutmix must be >= 0"),
+    (["--cutmix", "inf"], "--cutmix must be >= 0"),
+    (["--memory-budget", "0"], "--memory-budget must be positive"),
+    (["--memory-budget", "-1"], "--memory-budget must be positive"),
+    (["--memory-budget", "nan"], "--memory-budget must be positive"),
+    (["--memory-budget", "inf"], "--memory-budget must be positive"),
+    # malformed text and unknown names
+    (["--randaugment", "2,11"], "argument --randaugment: expected N,M"),
+    (["--randaugment", "x"], "argument --randaugment: expected N,M"),
+    (["--randaugment", "1,2,3"], "argument --randaugment: expected N,M"),
+    (["--randaugment", "-1,5"], "argument --randaugment"),
+    (["--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    (["--policy", "garbage"], "--policy: unknown dtype 'garbage'"),
+    (["--policy", "p=f32,c=bf17"], "--policy: unknown dtype 'bf17'"),
+    (["--policy", "p=f32,c=bf16,o=f32,m=f16"], "--policy: policy matmul dtype must be"),
+    (["--matmul-precision", "ultra"], "argument --matmul-precision: invalid choice"),
+    (["--remat", "nope"], "argument --remat: invalid choice"),
+    (["--dataset", "imagenet"], "argument --dataset: invalid choice"),
+    (["--preset", "nope"], "argument --preset: invalid choice"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # pairs that do not go together
+    (["--dataset", "cifar10"], "--synthetic-train/--synthetic-val/--synthetic-test need "
+                               "--dataset synthetic"),
+    (["--resume"], "--resume needs --ckpt-dir"),
+    (["--eval-only"], "--eval-only needs --ckpt-dir"),
+    (["--ckpt-every", "5"], "--ckpt-every needs --ckpt-dir"),
+    (["--profile-steps", "3:5"], "--profile-steps needs --profile"),
+    (["--memory-budget", "4"], "--memory-budget is the budget of --accum-steps auto; with "
+                               "--accum-steps 1 nothing reads it"),
+    (["--stop-after", "5"], "--stop-after 5: the run ends sooner, at --steps 1"),
+    # several processes
+    (["--num-processes", "2"], "missing --coordinator, --process-id"),
+    (["--coordinator", "garbage"], "missing --num-processes, --process-id"),
+    (["--coordinator", "garbage", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator 'garbage': expected HOST:PORT"),
+    (["--coordinator", "127.0.0.1:99999", "--num-processes", "2", "--process-id", "0"],
+     "port in 1..65535"),
+    (["--coordinator", ":1234", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator ':1234': expected HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in 0..1"),
+    (["--distributed", "--process-id", "-1"], "--process-id must be >= 0"),
+    # paths the run would write to, or read from
+    (["--log-json", "/nonexistent-dir/log.jsonl"], "--log-json /nonexistent-dir/log.jsonl: "
+                                                   "directory /nonexistent-dir does not exist"),
+    (["--log-json", "{tmp}"], "is a directory, expected a file"),
+    (["--ckpt-dir", "{file}"], "exists and is not a directory"),
+    (["--ckpt-dir", "{file}/sub"], "cannot create or write it"),
+    (["--profile", "{file}", "--profile-steps", "1:1"], "--profile {file}: exists and is not "
+                                                        "a directory"),
+    (["--profile", "{tmp}"], "--profile-steps 3:5 (the default): the run has only --steps 1"),
+    (["--profile", "{tmp}", "--profile-steps", "5:3"], "--profile-steps '5:3': expected A:B"),
+    (["--profile", "{tmp}", "--profile-steps", "0:2"], "--profile-steps '0:2': expected A:B"),
+    (["--profile", "{tmp}", "--profile-steps", "x"], "--profile-steps 'x': expected A:B"),
+    (["--profile", "{tmp}", "--profile-steps", "2:3"], "--profile-steps 2:3: the run has only "
+                                                       "--steps 1"),
+]
+
+# Flags of train_shardmap.py only; most fail when the strategy is built (before compiling).
+SHARDMAP = [
+    (["--mesh", "data=3"], "--mesh data=3: data*model = 3 but there are 8 devices"),
+    (["--mesh", "data=2,model=2"], "--mesh data=2,model=2: data*model = 4 but there are 8"),
+    (["--mesh", "model=3"], "--mesh: model=3 does not divide the 8 devices"),
+    (["--mesh", "pipe=3"], "--mesh: model*pipe = 3 does not divide the 8 devices"),
+    (["--mesh", "model=0"], "--mesh 'model=0': expected data=D,model=M,pipe=S"),
+    (["--mesh", "model=-1"], "--mesh 'model=-1': expected data=D,model=M,pipe=S"),
+    (["--mesh", "foo=2"], "--mesh 'foo=2': expected data=D,model=M,pipe=S"),
+    (["--mesh", "data=x"], "--mesh 'data=x': expected data=D,model=M,pipe=S"),
+    (["--mesh", "data=4,data=2"], "--mesh 'data=4,data=2': expected data=D,model=M,pipe=S"),
+    (["--mesh", "data=1,model=8"], "--mesh model=8: 4 heads do not divide by 8"),
+    (["--mesh", "data=1,pipe=8"], "--mesh pipe=8: pipeline: depth 4 of tiny does not split "
+                                  "into 8 equal stages"),
+    (["--microbatches", "2"], "--microbatches needs a pipeline: add pipe=S to --mesh"),
+    (["--mesh", "data=4,pipe=2", "--microbatches", "0"], "--microbatches must be >= 1"),
+    (["--mesh", "data=4,pipe=2", "--microbatches", "-1"], "--microbatches must be >= 1"),
+    (["--mesh", "data=4,pipe=2", "--microbatches", "3"],
+     "--batch 16: the per-device batch 4 (over data=4) does not divide into --microbatches 3"),
+    (["--microbatches", "x"], "argument --microbatches: invalid int value"),
+]
+
+# Flags of train_shardmap.py that train_pmap.py does not have.
+PMAP = [
+    (["--fsdp"], "unrecognized arguments: --fsdp"),
+    (["--mesh", "data=8"], "unrecognized arguments: --mesh data=8"),
+    (["--microbatches", "2"], "unrecognized arguments: --microbatches 2"),
+]
+
+# Both scripts: values that fail once the data is loaded or the batch split is checked.
+AFTER_PARSE = [
+    (["--batch", "12"], "--batch 12 is not divisible by the 8 data-parallel devices"),
+    (["--eval-batch", "12"], "--eval-batch 12 is not divisible by the 8 data-parallel devices"),
+    (["--accum-steps", "3"], "--accum-steps 3 does not divide the per-device batch 2"),
+    (["--synthetic-train", "8"], "--batch 16 is larger than the 8 training images"),
+    (["--eval-only", "--ckpt-dir", "{tmp}"], "--eval-only: no intact checkpoint in {tmp}"),
+    (["--batch", "8", "--mixup", "0.2"], "mixup / CutMix pair examples 2k and 2k+1 on one "
+                                         "device: the per-device batch 1 must be even"),
+]
+
+
+def _cases():
+    return [pytest.param(name, flags, message, id=f"{name}:{' '.join(flags)}")
+            for name in SCRIPTS
+            for flags, message in SHARED + AFTER_PARSE + (SHARDMAP if name == "shardmap" else PMAP)]
+
+
+def _fill(items, tmp_path):
+    """{tmp}: an empty folder; {file}: a plain file."""
+    (tmp_path / "file").write_text("not a folder")
+    return [x.format(tmp=tmp_path / "empty", file=tmp_path / "file") for x in items]
+
+
+def _main(script, argv) -> int:
+    """The script's `main` as its `__main__` block runs it: the exit code."""
+    try:
+        return cli.main_guard(lambda: SCRIPTS[script].main(argv))
+    except SystemExit as e:  # argparse, and the parse_args checks
+        return e.code
+
+
+def _assert_one_line(code, err, message):
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], (code, err)
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("script, flags, message", _cases())
+def test_bad_flag_is_one_line_and_exit_2(script, flags, message, tmp_path, capsys,
+                                         monkeypatch):
+    (tmp_path / "empty").mkdir()
+    # start_runtime writes XLA_FLAGS (--cpu-devices): put it back afterwards.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = _main(script, BASE + _fill(flags, tmp_path))
+    _assert_one_line(code, capsys.readouterr().err, _fill([message], tmp_path)[0])
+
+
+def test_missing_data_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """No CIFAR-10 folder and nowhere to download it from (a file URL that is not there)."""
+    monkeypatch.setenv(data.URL_ENV, (tmp_path / "no-such-archive.tar.gz").as_uri())
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = _main("shardmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d")])
+    _assert_one_line(code, capsys.readouterr().err, "pass --data-dir DIR")
+
+
+def test_data_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    code = _main("pmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "file")])
+    _assert_one_line(code, capsys.readouterr().err, "--data-dir {}: exists and is not a "
+                                                    "directory".format(tmp_path / "file"))
+
+
+def _env():
+    """This environment, minus conftest's 8-device XLA_FLAGS and any cluster a launcher
+    (SLURM, Open MPI) would have described to jax's detection."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+# End to end, as a user's shell sees it: the exit code and the whole of stderr. Each of
+# these needs a process of its own: a device count other than conftest's 8, or a
+# jax.distributed.initialize before any backend starts.
+PROCESS_CASES = [
+    ("train_shardmap.py", ["--batch", "0"], "train_shardmap.py: error: --batch must be positive"),
+    ("train_pmap.py", ["--fsdp"], "train_pmap.py: error: unrecognized arguments: --fsdp"),
+    ("train_pmap.py", ["--cpu-devices", "3"],
+     "error: --batch 16 is not divisible by the 3 data-parallel devices"),
+    # Outside SLURM / Open MPI / Cloud TPU, jax's cluster detection finds nothing.
+    ("train_shardmap.py", ["--distributed"], "error: --distributed: coordinator_address "
+                                             "should be defined"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", PROCESS_CASES,
+                         ids=[f"{s}:{' '.join(f)}" for s, f, _ in PROCESS_CASES])
+def test_bad_flag_in_a_real_process(script, flags, message):
+    argv = BASE[:BASE.index("--cpu-devices")] + BASE[BASE.index("--cpu-devices") + 2:] + flags
+    proc = subprocess.run([sys.executable, script, *argv], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    _assert_one_line(proc.returncode, proc.stderr, message)
+    assert "Traceback" not in proc.stdout
