@@ -44,8 +44,10 @@ def initialize(coordinator: str | None, num_processes: int | None,
 
     Arguments left None are filled in by JAX's cluster detection (SLURM, Open MPI,
     Cloud TPU; the coordinator also from $JAX_COORDINATOR_ADDRESS); it raises
-    ValueError when it cannot. On CPU the collectives between processes use gloo, JAX's
-    default there (`jax_cpu_collectives_implementation`), so nothing else is needed.
+    ValueError when it cannot. Detection also limits each process to the GPU of its local
+    rank: one process per GPU (docs/multihost.md, with the variables it reads). On CPU
+    the collectives between processes use gloo, JAX's default there
+    (`jax_cpu_collectives_implementation`), so nothing else is needed.
     """
     jax.distributed.initialize(coordinator_address=coordinator,
                                num_processes=num_processes, process_id=process_id)
