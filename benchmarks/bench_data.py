@@ -1,7 +1,7 @@
 """Throughput of the data path: device-side normalisation + augmentation, host-side batching.
 
-    python benchmarks/bench_data.py --batch 4096
-    python benchmarks/bench_data.py --batch 4096 --data-dir ../shared/data/cifar10-subset
+    python -m benchmarks.bench_data --batch 4096
+    python -m benchmarks.bench_data --batch 4096 --data-dir ../shared/data/cifar10-subset
 
 Prints one table row (images/s, median of --runs timed runs after a warm-up):
   normalize+augment  jax.jit(step.prepare_images) on uint8 NHWC, as the training step runs it
@@ -10,18 +10,15 @@ Prints one table row (images/s, median of --runs timed runs after a warm-up):
   eval batches       eval_batches(): in-order slices, last one padded
 """
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from vit_pure import data as D  # noqa: E402
-from vit_pure import step as S  # noqa: E402
+from vit_pure import data as D
+from vit_pure import step as S
 
 
 def median_seconds(fn, runs: int) -> float:

@@ -1,22 +1,19 @@
 """Time jitted RandAugment (and mix_batch) on one device, and each op on its own.
 
-    python benchmarks/bench_randaugment.py [--batch 1024] [--repeats 10]
+    python -m benchmarks.bench_randaugment [--batch 1024] [--repeats 10]
 
 Under vmap, `lax.switch` evaluates every op and selects one per image, so a RandAugment
 layer should cost about the sum of the single-op times; the printout shows both.
 Prints timings only; asserts nothing.
 """
 import argparse
-import pathlib
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from vit_pure import randaugment as ra  # noqa: E402
+from vit_pure import randaugment as ra
 
 
 def time_jitted(fn, *args, repeats):

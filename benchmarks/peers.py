@@ -1,9 +1,9 @@
 """Peer benchmark: this kit's training step against Flax NNX and PyTorch, same ViT, one device.
 
-    python benchmarks/peers.py --batch 4096 --dtype bf16 \
-        --kit "as written=" --kit "no-scan=--no-scan" --kit "nodrop=--no-scan --model-dropout 0"
-    python benchmarks/peers.py --batch 4096 --dtype fp32 --matmul-precision highest --only kit,nnx
-    python benchmarks/peers.py --model tiny --batch 16 --steps 2 --warmup 1     # a CPU smoke test
+    python -m benchmarks.peers --batch 4096 --dtype bf16 \
+        --kit "as written=" --kit "no-scan=--no-scan" --kit "nodrop=--no-scan --dropout 0"
+    python -m benchmarks.peers --batch 4096 --dtype fp32 --matmul-precision highest --only kit,nnx
+    python -m benchmarks.peers --model tiny --batch 16 --steps 2 --warmup 1     # a CPU smoke test
 
 Times, in one run on one device, the same training step (forward, backward, AdamW update
 of a ViT on random CIFAR-shaped uint8 batches, normalised on the device) written several
@@ -12,13 +12,12 @@ ways, and prints one markdown table:
     kit            this kit's real step, built exactly as `train_shardmap.py --batch B
                    --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
                    parser, StepConfig.from_args, make_optimizer, ShardMapStrategy on one
-                   device), timed by bench.py's measure_train_step, which drives the
+                   device), timed by benchmarks/bench.py's measure_train_step, which drives the
                    compiled step as the training loop does. So the whole recipe is in:
                    flip + crop and RandAugment on the device, label smoothing, clipping.
                    `--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags;
-                   FLAGS are the training script's flags, plus one of this script's own:
-                   `--model-dropout RATE` replaces the model config's dropout rate (e.g.
-                   "nodrop=--model-dropout 0"). Without --kit: one row, no extra flags.
+                   FLAGS are the training script's flags (e.g. "nodrop=--dropout 0").
+                   Without --kit: one row, no extra flags.
                    `--accum-steps K|auto` in FLAGS overrides the default 1.
     nnx            a Flax NNX ViT written here to the same config (vit_pure.config.PRESETS
                    [--model]: pre-LN, class token, learned position embedding, tanh-GELU,
@@ -78,8 +77,6 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 RESULT_TAG = "PEERS_RESULT "
 PEERS = ("kit", "nnx", "torch-eager", "torch-compile")
@@ -95,34 +92,15 @@ class UsageError(ValueError):
 
 
 # ============================================================================ the parent
-def parse_kit_variant(text: str) -> tuple[str, list[str], dict]:
-    """`LABEL=FLAGS` -> (label, the training script's flags, model-config changes)."""
+def parse_kit_variant(text: str) -> tuple[str, list[str]]:
+    """`LABEL=FLAGS` -> (label, the training script's flags)."""
     label, sep, flags = text.partition("=")
     if not sep or not label.strip():
         raise UsageError(f"--kit {text!r}: expected LABEL=FLAGS, e.g. 'no-scan=--no-scan'")
     try:
-        words = shlex.split(flags)
+        return label.strip(), shlex.split(flags)
     except ValueError as e:
         raise UsageError(f"--kit {text!r}: {e}") from None
-    kit_flags, changes = [], {}
-    i = 0
-    while i < len(words):
-        word = words[i]
-        name, eq, value = word.partition("=")
-        if name == "--model-dropout":
-            if not eq:
-                value = words[i + 1] if i + 1 < len(words) else ""
-                i += 1
-            try:
-                changes["dropout"] = float(value)
-            except ValueError:
-                raise UsageError(f"--kit {text!r}: --model-dropout needs a rate") from None
-            if not 0.0 <= changes["dropout"] < 1.0:
-                raise UsageError(f"--kit {text!r}: --model-dropout must be in [0, 1)")
-        else:
-            kit_flags.append(word)
-        i += 1
-    return label.strip(), kit_flags, changes
 
 
 def kit_argv(job: dict) -> list[str]:
@@ -157,17 +135,17 @@ def build_jobs(args) -> list[dict]:
             jobs.append({**common, "entry": entry, "name": entry})
             continue
         for text in args.kit or ["="]:
-            label, flags, changes = ("", [], {}) if text == "=" else parse_kit_variant(text)
+            label, flags = ("", []) if text == "=" else parse_kit_variant(text)
             check_kit_flags(kit_argv({**common, "kit_flags": flags}), text)
             jobs.append({**common, "entry": "kit", "name": f"kit: {label}" if label else "kit",
-                         "kit_flags": flags, "cfg_changes": changes})
+                         "kit_flags": flags})
     return jobs
 
 
 def run_child(job: dict, timeout: float) -> dict:
     """Run one job in a fresh interpreter (its own process group, killed at the
     timeout); its result, or {"error": last error line}."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=str(REPO))
@@ -292,10 +270,10 @@ def main(argv=None) -> dict:
     args = parse(argv)
     if args.child is not None:
         sys.exit(child_main(json.loads(args.child)))
-    import bench  # FLOPs per image; imports jax without starting a backend
     from vit_pure.config import get_preset
+    from vit_pure.flops import train_flops_per_image  # imports no jax backend
     jobs = build_jobs(args)
-    flops = bench.train_flops_per_image(get_preset(args.model))
+    flops = train_flops_per_image(get_preset(args.model))
     record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
@@ -353,11 +331,11 @@ def _report(r: dict) -> None:
 
 def profile_kit(args, jobs: list[dict]) -> dict:
     """Trace a few steps of the first kit row (in a child) and print the breakdown."""
-    import profile_breakdown
+    from benchmarks import profile_breakdown
     kit = next((j for j in jobs if j["entry"] == "kit"), None)
     if kit is None:
         from vit_pure.config import get_preset
-        kit = {**jobs[0], "entry": "kit", "name": "kit", "kit_flags": [], "cfg_changes": {},
+        kit = {**jobs[0], "entry": "kit", "name": "kit", "kit_flags": [],
                "cfg": dataclasses.asdict(get_preset(args.model))}
     r = run_child({**kit, "entry": "profile-kit", "profile_dir": args.profile_kit},
                   args.entry_timeout)
@@ -375,12 +353,21 @@ def profile_kit(args, jobs: list[dict]) -> dict:
 
 
 # ============================================================================ the children
+def _runner(entry: str):
+    """The function that runs one entry (a peer's module is imported only by its child)."""
+    if entry == "nnx":
+        from benchmarks.peer_nnx import run_nnx
+        return run_nnx
+    if entry in ("torch-eager", "torch-compile"):
+        from benchmarks.peer_torch import run_torch
+        return run_torch
+    return {"ceiling": run_ceiling, "kit": run_kit, "profile-kit": run_profile_kit}[entry]
+
+
 def child_main(job: dict) -> int:
     """Run one job in this process; print its result after RESULT_TAG."""
-    runners = {"ceiling": run_ceiling, "kit": run_kit, "profile-kit": run_profile_kit,
-               "nnx": run_nnx, "torch-eager": run_torch, "torch-compile": run_torch}
     try:
-        result = runners[job["entry"]](job)
+        result = _runner(job["entry"])(job)
     except SystemExit as e:  # argparse has printed why
         return e.code if isinstance(e.code, int) else 2
     except Exception as e:  # noqa: BLE001 - one row's failure, reported in its row
@@ -431,7 +418,7 @@ def _jax_peak_bytes():
     """Peak device memory of the first JAX device (None where the backend has no figure)."""
     import jax
 
-    import bench
+    from benchmarks import bench
     return bench.device_peak_bytes(jax.devices()[0])
 
 
@@ -471,8 +458,6 @@ def build_kit(job: dict):
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
     sc = step.StepConfig.from_args(args)
-    if job["cfg_changes"]:  # a peers.py-only flag (--model-dropout): the model config
-        sc = dataclasses.replace(sc, cfg=dataclasses.replace(sc.cfg, **job["cfg_changes"]))
     optimizer, _ = step.make_optimizer(args, 1000)
     devices = jax.devices()[:1]
 
@@ -490,7 +475,7 @@ def build_kit(job: dict):
 def run_kit(job: dict) -> dict:
     import jax
 
-    import bench
+    from benchmarks import bench
     from vit_pure.model import count_params, init_params
     sc, optimizer, strategy = build_kit(job)
     res = bench.measure_train_step(strategy, sc, optimizer, job["batch"],
@@ -525,235 +510,6 @@ def run_profile_kit(job: dict) -> dict:
     jax.block_until_ready((state, metrics))
     jax.profiler.stop_trace()
     return {**_jax_device_info(), "profile_dir": job["profile_dir"]}
-
-
-# ------------------------------------------------------------------------------ Flax NNX
-def make_nnx_vit(cfg: dict, dtype, precision, seed: int = 0):
-    """A ViT in Flax NNX, to the kit's config: returns the module. The dropout masks come
-    from an explicit key passed to __call__ (one mask per site for the whole batch)."""
-    import jax
-    import jax.numpy as jnp
-    from einops import rearrange
-    from flax import nnx
-    F32 = jnp.float32
-    E, M, T = cfg["width"], cfg["mlp_dim"], (cfg["image_size"] // cfg["patch_size"]) ** 2 + 1
-    init = jax.nn.initializers.truncated_normal(0.02)
-    dense = dict(dtype=dtype, param_dtype=F32, precision=precision, kernel_init=init)
-    norm = dict(epsilon=cfg["ln_eps"], dtype=dtype, param_dtype=F32)
-
-    def dropout(x, key):
-        rate = cfg["dropout"]
-        if not rate:
-            return x
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-        return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.ln1 = nnx.LayerNorm(E, rngs=rngs, **norm)
-            self.attn = nnx.MultiHeadAttention(
-                num_heads=cfg["heads"], in_features=E, qkv_features=E, out_features=E,
-                decode=False, rngs=rngs, **dense)
-            self.ln2 = nnx.LayerNorm(E, rngs=rngs, **norm)
-            self.fc1 = nnx.Linear(E, M, rngs=rngs, **dense)
-            self.fc2 = nnx.Linear(M, E, rngs=rngs, **dense)
-
-        def __call__(self, x, key):
-            k1, k2 = jax.random.split(key)
-            x = x + dropout(self.attn(self.ln1(x), deterministic=True), k1)
-            return x + dropout(self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)))), k2)
-
-    class ViT(nnx.Module):
-        def __init__(self, rngs):
-            p = cfg["patch_size"]
-            self.patch = nnx.Linear(p * p * cfg["channels"], E, rngs=rngs, **dense)
-            self.cls = nnx.Param(jnp.zeros((1, 1, E), F32))
-            self.pos = nnx.Param(init(rngs.params(), (1, T, E), F32))
-            for i in range(cfg["depth"]):  # attributes, not a list: any flax version
-                setattr(self, f"block{i}", Block(rngs))
-            self.final_ln = nnx.LayerNorm(E, rngs=rngs, **norm)
-            self.head = nnx.Linear(E, cfg["num_classes"], rngs=rngs, **dense)
-
-        def __call__(self, images, key):  # images: (B, H, W, C) float32, normalised
-            p = cfg["patch_size"]
-            x = self.patch(rearrange(images, "b (h p) (w q) c -> b (h w) (p q c)", p=p, q=p))
-            cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (x.shape[0], 1, E))
-            x = jnp.concatenate([cls, x], axis=1) + self.pos[...].astype(x.dtype)
-            keys = jax.random.split(key, cfg["depth"] + 1)
-            x = dropout(x, keys[0])
-            for i in range(cfg["depth"]):
-                x = getattr(self, f"block{i}")(x, keys[i + 1])
-            return self.head(self.final_ln(x[:, 0])).astype(F32)
-
-    return ViT(nnx.Rngs(seed))
-
-
-def _decay_mask(params):
-    """Weight decay on the weight matrices ("kernel") only, as the kit."""
-    import jax
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "kernel" in jax.tree_util.keystr(path), params)
-
-
-def run_nnx(job: dict) -> dict:
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    F32 = jnp.float32
-    dtype = jnp.bfloat16 if job["dtype"] == "bf16" else F32
-    precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}[job["precision"]]
-    if job["cfg"]["image_size"] != 32:  # the batches are CIFAR-shaped
-        raise UsageError("the peers take 32 px images (the kit resizes; they do not)")
-    model = make_nnx_vit(job["cfg"], dtype, precision)
-    graphdef, params = nnx.split(model)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, LR, 50, 1000)  # the kit's, 1000 steps
-    tx = optax.chain(optax.clip_by_global_norm(CLIP),
-                     optax.adamw(schedule, *BETAS, weight_decay=WEIGHT_DECAY, mask=_decay_mask))
-    opt_state = tx.init(params)
-    mean, std = jnp.asarray(CIFAR10_MEAN, F32), jnp.asarray(CIFAR10_STD, F32)
-
-    def loss_fn(params, images, labels, key):
-        logits = nnx.merge(graphdef, params)(images, key)
-        targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), LABEL_SMOOTHING)
-        return optax.softmax_cross_entropy(logits, targets).mean()
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, images_u8, labels, i):
-        images = (images_u8.astype(F32) / 255.0 - mean) / std
-        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels,
-                                                  jax.random.fold_in(jax.random.key(1), i))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    batches = host_batches(job["batch"])
-    t0 = time.perf_counter()
-    compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
-    compile_s = time.perf_counter() - t0
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    state = {"params": params, "opt": opt_state, "loss": None}
-
-    def dispatch(i):
-        images, labels = batches[i % len(batches)]
-        state["params"], state["opt"], state["loss"] = compiled(
-            state["params"], state["opt"], jax.device_put(images), jax.device_put(labels),
-            jnp.int32(i))
-        return state["loss"]
-
-    step_s = time_steps(dispatch, jax.block_until_ready, job["warmup"], job["steps"])
-    return {**_jax_device_info(), "step_s": step_s, "compile_s": compile_s,
-            "loss": float(state["loss"]), "peak_bytes": _jax_peak_bytes(), "params": n_params}
-
-
-# ------------------------------------------------------------------------------- PyTorch
-def make_torch_vit(cfg: dict):
-    """The same ViT as a torch nn.Module (weights std 0.02 truncated normal)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-    E, H, M = cfg["width"], cfg["heads"], cfg["mlp_dim"]
-    S, p = cfg["image_size"], cfg["patch_size"]
-    T = (S // p) ** 2 + 1
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1 = nn.LayerNorm(E, eps=cfg["ln_eps"])
-            self.ln2 = nn.LayerNorm(E, eps=cfg["ln_eps"])
-            self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E, E)
-            self.fc1, self.fc2 = nn.Linear(E, M), nn.Linear(M, E)
-            self.drop = nn.Dropout(cfg["dropout"])
-
-        def forward(self, x):  # (B, T, E)
-            B = x.shape[0]
-            q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, H, E // H).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
-            x = x + self.drop(self.out(a.transpose(1, 2).reshape(B, T, E)))
-            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")))
-
-    class ViT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.patch = nn.Linear(p * p * cfg["channels"], E)
-            self.cls = nn.Parameter(torch.zeros(1, 1, E))
-            self.pos = nn.Parameter(torch.zeros(1, T, E))
-            self.drop = nn.Dropout(cfg["dropout"])
-            self.blocks = nn.Sequential(*[Block() for _ in range(cfg["depth"])])
-            self.final_ln = nn.LayerNorm(E, eps=cfg["ln_eps"])
-            self.head = nn.Linear(E, cfg["num_classes"])
-            for name, w in self.named_parameters():
-                if (name.endswith("weight") and w.ndim == 2) or name == "pos":
-                    nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04)
-                elif name.endswith("bias"):
-                    nn.init.zeros_(w)
-
-        def forward(self, images):  # (B, H, W, C) float32, normalised
-            B, C = images.shape[0], images.shape[-1]
-            x = images.reshape(B, S // p, p, S // p, p, C).permute(0, 1, 3, 2, 4, 5)
-            x = self.patch(x.reshape(B, T - 1, p * p * C))
-            x = torch.cat([self.cls.expand(B, -1, -1).to(x.dtype), x], 1) + self.pos
-            x = self.blocks(self.drop(x))
-            return self.head(self.final_ln(x[:, 0]))
-
-    return ViT()
-
-
-def run_torch(job: dict) -> dict:
-    import torch
-    import torch.nn.functional as F
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    if cuda:  # float32 matmuls: TF32 unless --matmul-precision highest
-        tf32 = job["precision"] == "default"
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    if job["cfg"]["image_size"] != 32:  # the batches are CIFAR-shaped
-        raise UsageError("the peers take 32 px images (the kit resizes; they do not)")
-    torch.manual_seed(0)
-    model = make_torch_vit(job["cfg"]).to(dev).train()
-    named = list(model.named_parameters())
-    decay = [w for n, w in named if n.endswith("weight") and w.ndim == 2]
-    rest = [w for n, w in named if not (n.endswith("weight") and w.ndim == 2)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, fused=cuda)
-    mean = torch.tensor(CIFAR10_MEAN, device=dev)
-    std = torch.tensor(CIFAR10_STD, device=dev)
-    bf16 = job["dtype"] == "bf16"
-
-    def loss_fn(images_u8, labels):
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model((images_u8.float() / 255.0 - mean) / std)
-        return F.cross_entropy(logits.float(), labels, label_smoothing=LABEL_SMOOTHING)
-
-    if job["entry"] == "torch-compile":
-        loss_fn = torch.compile(loss_fn, mode=job["compile_mode"])
-    batches = [(torch.from_numpy(x), torch.from_numpy(y).long())
-               for x, y in host_batches(job["batch"])]
-    if cuda:
-        batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
-        torch.cuda.reset_peak_memory_stats()
-
-    def dispatch(i):
-        images, labels = (t.to(dev, non_blocking=True) for t in batches[i % len(batches)])
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(images, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        return loss.detach()
-
-    t0 = time.perf_counter()
-    first = dispatch(0).item()  # compilation, cuBLAS / autotuning set-up
-    compile_s = time.perf_counter() - t0
-    losses = []
-    step_s = time_steps(dispatch, lambda t: losses.append(t.item()), job["warmup"], job["steps"])
-    name = torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu"
-    return {"device": f"{name} ({dev.type}, torch {torch.__version__})", "step_s": step_s,
-            "compile_s": compile_s, "loss": losses[-1] if losses else first,
-            "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
-            "params": sum(w.numel() for w in model.parameters())}
 
 
 if __name__ == "__main__":

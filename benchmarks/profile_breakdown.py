@@ -1,7 +1,7 @@
 """Device time of a jax.profiler trace, split by kind of kernel.
 
-    python benchmarks/profile_breakdown.py /tmp/prof             # newest run under it
-    python benchmarks/profile_breakdown.py /tmp/prof/plugins/profile/RUN/host.trace.json.gz
+    python -m benchmarks.profile_breakdown /tmp/prof             # newest run under it
+    python -m benchmarks.profile_breakdown /tmp/prof/plugins/profile/RUN/host.trace.json.gz
     python train_shardmap.py --model tiny --dataset synthetic --steps 6 --batch 16 \
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
 

@@ -5,8 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-import bench
-import study
+from benchmarks import bench, study
 from vit_pure import PRESETS, apply, init_params, step
 from train_shardmap import ShardMapStrategy
 

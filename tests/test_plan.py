@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import pytest
 
-import bench
+from benchmarks import bench
 import train_pmap
 import train_shardmap as ts
 from vit_pure import cli, plan, step

@@ -1,9 +1,9 @@
-"""plot_log.py turns a --log-json file into a PNG of loss and accuracy curves."""
+"""plot.py turns a --log-json file into a PNG of loss and accuracy curves."""
 import json
 
 import pytest
 
-import plot_log
+from vit_pure import plot
 
 
 def _write_log(path):
@@ -18,7 +18,7 @@ def _write_log(path):
 def test_reads_training_and_eval_records(tmp_path):
     log = tmp_path / "run.jsonl"
     _write_log(log)
-    train, evals = plot_log.read_log(log)
+    train, evals = plot.read_log(log)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
     assert [r["split"] for r in evals] == ["val", "test"]
 
@@ -27,14 +27,14 @@ def test_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     log = tmp_path / "run.jsonl"
     _write_log(log)
-    assert plot_log.main([str(log), "--out", str(tmp_path / "curves.png")]) == 0
+    assert plot.main([str(log), "--out", str(tmp_path / "curves.png")]) == 0
     data = (tmp_path / "curves.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
 def test_bad_input(tmp_path, capsys):
-    assert plot_log.main([str(tmp_path / "missing.jsonl")]) == 2
+    assert plot.main([str(tmp_path / "missing.jsonl")]) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     with pytest.raises(SystemExit, match="not JSON"):
-        plot_log.read_log(bad)
+        plot.read_log(bad)

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import train_pmap
 import train_shardmap
 from vit_pure import PRESETS, Policy, step
-from vit_pure.policy import LossScale
 
 CFG = PRESETS["tiny"]
 BATCH = 16

@@ -46,7 +46,6 @@ forward, all-reduce of the gradient backward: "f") before each column-parallel m
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 

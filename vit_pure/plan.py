@@ -44,7 +44,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import re
 import time
@@ -765,7 +764,7 @@ def params_per_device(strategy, sc) -> int:
 
 def model_flops_per_device(cfg, global_batch: int, devices: int) -> float:
     """bench.py's count (matmuls, training = 3 x forward) for this device's share."""
-    from bench import train_flops_per_image  # the kit's one FLOP convention
+    from vit_pure.flops import train_flops_per_image  # the kit's one FLOP convention
     return train_flops_per_image(cfg) * global_batch / devices
 
 

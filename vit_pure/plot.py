@@ -1,6 +1,6 @@
 """Plot loss and accuracy curves from a training run's --log-json file (needs matplotlib).
 
-    python plot_log.py runs/quick.jsonl --out runs/quick.png
+    python -m vit_pure.plot runs/quick.jsonl --out runs/quick.png
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
 
-    python bench.py --cpu-devices 8 --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
-    python bench.py --config "pmap:1:fp32; pmap:1:bf16; shard_map:data=2:bf16:scan=0"
-    python bench.py --model tiny --batch 32 --steps 3 --config "shard_map:2:fp32"
+    python -m benchmarks.bench --cpu-devices 8 --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
+    python -m benchmarks.bench --config "pmap:1:fp32; pmap:1:bf16; shard_map:data=2:bf16:scan=0"
+    python -m benchmarks.bench --model tiny --batch 32 --steps 3 --config "shard_map:2:fp32"
 
 A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
     STRATEGY  pmap | shard_map
@@ -85,10 +85,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_pure import cli, data, hostmem, step
-from vit_pure.config import PRESETS, ViTConfig, get_preset
+from vit_pure.config import PRESETS, get_preset
+from vit_pure.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
 from vit_pure.policy import Policy
 
 RESULT_TAG = "BENCH_RESULT "
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # for the children
 
 # Published dense (no sparsity) peak throughput in TFLOP/s, per device, by matmul input
 # type. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16/FP16 989, TF32 495,
@@ -105,33 +107,6 @@ PUBLISHED_PEAK_TFLOPS = {
 
 
 # ----------------------------------------------------------------------- FLOP counting
-def forward_flops_per_image(cfg: ViTConfig) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one image's forward pass.
-
-    patch embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
-    scores (H x T x T x D), attention-weighted values (H x T x T x D), output projection
-    (T x E x E), MLP (T x E x M twice); the head reads the class token only (E x K).
-    Elementwise work (LayerNorm, softmax, GELU, residual adds) is left out, as usual.
-    """
-    T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim
-    patch_embed = cfg.num_patches * cfg.patch_dim * E
-    block = (T * E * 3 * E          # qkv
-             + T * T * E            # q . k over all heads (H x D = E)
-             + T * T * E            # probs . v
-             + T * E * E            # output projection
-             + 2 * T * E * M)       # fc1, fc2
-    head = E * cfg.num_classes
-    return 2 * (patch_embed + cfg.depth * block + head)
-
-
-def train_flops_per_image(cfg: ViTConfig) -> int:
-    """A training step's matmul FLOPs per image: the forward pass and a backward pass of
-    twice its cost (for every matmul, one for the input's gradient and one for the
-    weight's). The usual convention; exact but for the patch embedding's input gradient,
-    which nothing needs (0.06% of the total for vit-cifar)."""
-    return 3 * forward_flops_per_image(cfg)
-
-
 _DOT_RE = re.compile(r"stablehlo\.dot_general.*?contracting_dims = \[([\d, ]*)\] x .*?"
                      r": \(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
 
@@ -473,8 +448,8 @@ def _child(job_json: str) -> int:
 
 def run_in_child(job: dict) -> dict:
     """Run one configuration in a fresh interpreter; its result, or {"error": ...}."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--child", json.dumps(job)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])

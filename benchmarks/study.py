@@ -1,15 +1,15 @@
 """Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
 precision do to memory, speed and the loss, measured on the real training step.
 
-    python study.py --model vit-cifar --steps 3 --out study.md --png study.png
-    python study.py --model tiny --param-dtypes f32,bf16 --compute-dtypes f32,f16 \
+    python -m benchmarks.study --model vit-cifar --steps 3 --out study.md --png study.png
+    python -m benchmarks.study --model tiny --param-dtypes f32,bf16 --compute-dtypes f32,f16 \
         --batches 32 --precisions default --steps 2 --out /tmp/study.md
 
 For every combination of --param-dtypes x --compute-dtypes x --batches x --precisions
 (default: {f32, bf16, f16} x {f32, bf16, f16} x {128, 4096} x {default, highest}) it
 builds the shard_map strategy of train_shardmap.py over the current devices (all on the
 'data' axis), compiles its train_step and runs --warmup + --steps steps on synthetic
-CIFAR-shaped data (the same data and seed for every configuration), with bench.py's
+CIFAR-shaped data (the same data and seed for every configuration), with benchmarks/bench.py's
 timing (bench.measure_train_step). The Markdown table (--out) has one row each:
 
     param bytes        the parameters, in the parameter dtype
@@ -46,7 +46,7 @@ import os
 import re
 import sys
 
-import bench
+from benchmarks import bench
 from vit_pure import cli, hostmem
 from vit_pure.config import PRESETS, get_preset
 

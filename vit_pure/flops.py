@@ -1,0 +1,33 @@
+"""Matmul FLOPs of the ViT, counted from its shapes: the one convention the kit's
+benchmarks (benchmarks/bench.py, MFU) and the communication plan (vit_pure/plan.py) share.
+"""
+from __future__ import annotations
+
+from vit_pure.config import ViTConfig
+
+
+def forward_flops_per_image(cfg: ViTConfig) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one image's forward pass.
+
+    patch embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
+    scores (H x T x T x D), attention-weighted values (H x T x T x D), output projection
+    (T x E x E), MLP (T x E x M twice); the head reads the class token only (E x K).
+    Elementwise work (LayerNorm, softmax, GELU, residual adds) is left out, as usual.
+    """
+    T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim
+    patch_embed = cfg.num_patches * cfg.patch_dim * E
+    block = (T * E * 3 * E          # qkv
+             + T * T * E            # q . k over all heads (H x D = E)
+             + T * T * E            # probs . v
+             + T * E * E            # output projection
+             + 2 * T * E * M)       # fc1, fc2
+    head = E * cfg.num_classes
+    return 2 * (patch_embed + cfg.depth * block + head)
+
+
+def train_flops_per_image(cfg: ViTConfig) -> int:
+    """A training step's matmul FLOPs per image: the forward pass and a backward pass of
+    twice its cost (for every matmul, one for the input's gradient and one for the
+    weight's). The usual convention; exact but for the patch embedding's input gradient,
+    which nothing needs (0.06% of the total for vit-cifar)."""
+    return 3 * forward_flops_per_image(cfg)
