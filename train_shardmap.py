@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import math
 import sys
 
 import jax
@@ -65,7 +64,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import accum, cli, distributed, hostmem, loop, pipeline, step
+from vit_pure import accum, cli, distributed, hostmem, layout, loop, pipeline, step
+from vit_pure.layout import entry_axes, mesh_axes
+from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
@@ -147,20 +148,6 @@ def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
     return jax.tree.map(spec, param_axes(cfg), shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry: None, 'data', or ('data', 'model')."""
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def mesh_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes a PartitionSpec splits an array over, e.g. ('data', 'model')."""
-    return tuple(axis for entry in spec for axis in _entry_axes(entry))
-
-
-def _is_spec(x):
-    return isinstance(x, P)
-
-
 # ---------------------------------------------------------------------------------- FSDP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def fsdp_gather(shard: jax.Array, axis: int, dtype) -> jax.Array:
@@ -208,7 +195,7 @@ def fsdp_gather_axes(specs) -> dict[str, int]:
     table = {}
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
         name = "/".join(str(k.key) for k in path)
-        where = [i for i, entry in enumerate(spec) if DATA in _entry_axes(entry)]
+        where = [i for i, entry in enumerate(spec) if DATA in entry_axes(entry)]
         if where:
             table[name] = where[0] - (1 if name.startswith("blocks/") else 0)
     return table
@@ -224,55 +211,6 @@ def make_gather(axes_table: dict[str, int], dtype):
             return x if axis is None else fsdp_gather(x, axis, dtype)
         return jax.tree_util.tree_map_with_path(one, tree)
     return gather
-
-
-# ------------------------------------------------------------------------------- layout
-def _bytes(shape_dtype, spec, mesh_shape) -> int:
-    """Bytes of one device's block of an array with this shape, dtype and spec."""
-    shards = math.prod(mesh_shape[a] for a in mesh_axes(spec))
-    return math.prod(shape_dtype.shape) * jnp.dtype(shape_dtype.dtype).itemsize // shards
-
-
-def bytes_per_device(tree, device) -> int:
-    """Measured: the bytes of `tree`'s arrays that actually sit on `device`."""
-    return sum(shard.data.nbytes for x in jax.tree.leaves(tree)
-               for shard in x.addressable_shards if shard.device == device)
-
-
-def format_layout(specs, params_shapes, opt_state_shapes, opt_specs, optimizer,
-                  mesh_shape: dict) -> str:
-    """Per parameter its PartitionSpec and bytes per device, for the parameter and its
-    optimizer state, next to pure data parallelism (everything replicated)."""
-    flat = jax.tree_util.tree_flatten_with_path(params_shapes)[0]
-    names = ["/".join(str(k.key) for k in path) for path, _ in flat]
-    # The optimizer state holds its own copies of param-shaped arrays (Adam: mu, nu);
-    # tree_map_params finds them, so each can be charged to its parameter's row.
-    name_tree = jax.tree.unflatten(jax.tree.structure(params_shapes), names)
-    opt_rows = collections.Counter()
-    owners = optax.tree_map_params(optimizer, lambda _, name: name, opt_state_shapes,
-                                   name_tree, transform_non_params=lambda _: "(other)")
-    for owner, x, spec in zip(jax.tree.leaves(owners), jax.tree.leaves(opt_state_shapes),
-                              jax.tree.leaves(opt_specs, is_leaf=_is_spec)):
-        opt_rows[owner] += _bytes(x, spec, mesh_shape)
-
-    rows = [f"  {'parameter':<24} {'PartitionSpec':<44} {'params B/dev':>13} "
-            f"{'opt state B/dev':>16} {'params, DP':>14}"]
-    dp_params = sum(_bytes(x, P(), mesh_shape) for _, x in flat)
-    dp_opt = sum(_bytes(x, P(), mesh_shape) for x in jax.tree.leaves(opt_state_shapes))
-    total = 0
-    for name, (_, x), spec in zip(names, flat, jax.tree.leaves(specs, is_leaf=_is_spec)):
-        b = _bytes(x, spec, mesh_shape)
-        total += b
-        rows.append(f"  {name:<24} {str(spec):<44} {b:>13,} {opt_rows[name]:>16,} "
-                    f"{_bytes(x, P(), mesh_shape):>14,}")
-    if opt_rows["(other)"]:
-        rows.append(f"  {'(optimizer step counts)':<24} {'P()':<44} {0:>13,} "
-                    f"{opt_rows['(other)']:>16,} {0:>14,}")
-    opt_total = sum(opt_rows.values())
-    rows.append(f"  total: params {total:,} B/device (data parallel {dp_params:,}: "
-                f"/{dp_params / total:.2f}); optimizer state {opt_total:,} B/device "
-                f"(data parallel {dp_opt:,}: /{dp_opt / max(opt_total, 1):.2f})")
-    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------ strategy
@@ -309,9 +247,9 @@ class ShardMapStrategy:
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
                             "loss_scale": P(), "step": P()}
         self._measured_line = None
-        self.layout = format_layout(self.param_specs, self.params_shapes,
-                                    self.opt_state_shapes, self.opt_specs, optimizer,
-                                    dict(self.mesh.shape))
+        self.layout = layout.format_table(self.param_specs, self.params_shapes,
+                                          self.opt_state_shapes, self.opt_specs, optimizer,
+                                          dict(self.mesh.shape))
         self._build(optimizer)
 
     def describe(self) -> str:
@@ -343,20 +281,8 @@ class ShardMapStrategy:
         return self._measured_line
 
     def measure_layout(self) -> str:
-        """Place zeros with the state's shardings and count the bytes on each device: the
-        layout as the runtime holds it, not as the table above computes it."""
-        shardings = {k: jax.tree.map(self._sharding, self.state_specs[k], is_leaf=_is_spec)
-                     for k in ("params", "opt_state")}
         shapes = {"params": self.params_shapes, "opt_state": self.opt_state_shapes}
-        placed = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
-                         out_shardings=shardings)()
-        devices = list(self.mesh.devices.flat)
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        p = [bytes_per_device(placed["params"], d) for d in local]
-        o = [bytes_per_device(placed["opt_state"], d) for d in local]
-        jax.tree.map(lambda x: x.delete(), placed)
-        return (f"measured on the placed arrays, per device (min..max over {len(local)}): "
-                f"params {min(p):,}..{max(p):,} B, optimizer state {min(o):,}..{max(o):,} B")
+        return layout.measure(self.mesh, {k: self.state_specs[k] for k in shapes}, shapes)
 
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):

@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import cli, data, hostmem, step
+from vit_pure import accum, cli, data, hostmem, step
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
 from vit_pure.policy import Policy
@@ -327,13 +327,6 @@ def tree_bytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def compiled_peak_bytes(compiled) -> int:
-    """Per-device bytes the compiled program needs: args + outputs - aliases + temps."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
-
-
 def device_peak_bytes(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
@@ -422,7 +415,7 @@ def run_config(job: dict) -> dict:
         "images_per_cpu_s": ips_cpu if platform_name == "cpu" else None,
         "mfu_cpu_time": flops * ips_cpu / ceiling_cpu if platform_name == "cpu" else None,
         "mfu_datasheet": None if peak is None else achieved / (peak * n),
-        "mem_per_device": dev_bytes if dev_bytes is not None else compiled_peak_bytes(compiled),
+        "mem_per_device": dev_bytes if dev_bytes is not None else accum.StepMemory.of(compiled).total,
         "mem_source": "memory_stats" if dev_bytes is not None else "memory_analysis",
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "loss": res["loss"], "load_start": load_start, "load": os.getloadavg()[0],

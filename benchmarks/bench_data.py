@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_pure import augment as A
 from vit_pure import data as D
 from vit_pure import step as S
 
@@ -46,10 +47,10 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     x_u8 = jax.device_put(rng.integers(0, 256, (b, 32, 32, 3), dtype=np.uint8))
     ids = jnp.arange(b, dtype=jnp.int32)
-    key = D.augment_key(0, 0, 0)
+    key = A.augment_key(0, 0, 0)
 
     norm_aug = jax.jit(lambda k, x, i: S.prepare_images(x, k, i, train=True, image_size=32))
-    aug = jax.jit(D.augment)
+    aug = jax.jit(A.augment)
     x_f32 = jax.block_until_ready(jax.jit(
         lambda x: S.prepare_images(x, key, ids, train=False, image_size=32))(x_u8))
     t_norm_aug = median_seconds(lambda: norm_aug(key, x_u8, ids), args.runs)

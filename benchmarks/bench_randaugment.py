@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_pure import augment as aug
 from vit_pure import randaugment as ra
 
 
@@ -52,7 +53,7 @@ def main():
           f"{per_call * 1e3:8.2f} ms/batch  ({args.batch / per_call:9.0f} img/s), "
           f"compile+first {first:.1f} s")
 
-    mix = jax.jit(lambda k, x, y: ra.mix_batch(k, x, y, mixup_alpha=0.8, cutmix_alpha=1.0))
+    mix = jax.jit(lambda k, x, y: aug.mix_batch(k, x, y, mixup_alpha=0.8, cutmix_alpha=1.0))
     first, per_call = time_jitted(mix, key, images, labels, repeats=args.repeats)
     print(f"mix_batch     batch {args.batch}: {per_call * 1e3:8.2f} ms/batch, "
           f"compile+first {first:.1f} s")

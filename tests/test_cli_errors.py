@@ -19,7 +19,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import cli, data
+from vit_pure import cli, download
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).
@@ -215,7 +215,7 @@ def test_bad_flag_is_one_line_and_exit_2(script, flags, message, tmp_path, capsy
 
 def test_missing_data_dir_is_one_line(tmp_path, capsys, monkeypatch):
     """No CIFAR-10 folder and nowhere to download it from (a file URL that is not there)."""
-    monkeypatch.setenv(data.URL_ENV, (tmp_path / "no-such-archive.tar.gz").as_uri())
+    monkeypatch.setenv(download.URL_ENV, (tmp_path / "no-such-archive.tar.gz").as_uri())
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     code = _main("shardmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d")])
     _assert_one_line(code, capsys.readouterr().err, "pass --data-dir DIR")

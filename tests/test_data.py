@@ -1,4 +1,5 @@
-"""Tests for vit_pure/data.py: loading, splits, batching, augmentation, download."""
+"""vit_pure/data.py (loading, splits, batching), vit_pure/augment.py (flip + crop) and
+vit_pure/download.py."""
 import functools
 import hashlib
 import http.server
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from vit_pure import augment as A
 from vit_pure import data as D
+from vit_pure import download as DL
 
 # ---------------------------------------------------------------- helpers
 
@@ -267,35 +270,35 @@ def _images(n, seed=0):
 def test_augment_reproducible_and_random():
     x = _images(8)
     ids = jnp.arange(8, dtype=jnp.int32)
-    aug = jax.jit(D.augment)
-    out = aug(D.augment_key(0, 0, 0), x, ids)
+    aug = jax.jit(A.augment)
+    out = aug(A.augment_key(0, 0, 0), x, ids)
     assert out.shape == x.shape and out.dtype == x.dtype
-    np.testing.assert_array_equal(out, aug(D.augment_key(0, 0, 0), x, ids))
-    other = aug(D.augment_key(0, 0, 1), x, ids)
+    np.testing.assert_array_equal(out, aug(A.augment_key(0, 0, 0), x, ids))
+    other = aug(A.augment_key(0, 0, 1), x, ids)
     assert not np.allclose(out, other)
     # every example changed, and each output pixel is a convex mix of the input's pixels
     assert all(not np.allclose(out[i], x[i]) for i in range(8))
     lo, hi = x.min(axis=(1, 2, 3)), x.max(axis=(1, 2, 3))
     assert np.all(out.min(axis=(1, 2, 3)) >= lo - 1e-5) and np.all(out.max(axis=(1, 2, 3)) <= hi + 1e-5)
     # the examples do not all get the same transform
-    assert len({tuple(np.round(D.crop_params(k, 32, 32)[0:4], 4).tolist())
-                for k in jax.vmap(jax.random.fold_in, (None, 0))(D.augment_key(0, 0, 0), ids)}) == 8
+    assert len({tuple(np.round(A.crop_params(k, 32, 32)[0:4], 4).tolist())
+                for k in jax.vmap(jax.random.fold_in, (None, 0))(A.augment_key(0, 0, 0), ids)}) == 8
     # bfloat16 in, bfloat16 out
-    assert aug(D.augment_key(0, 0, 0), x.astype(jnp.bfloat16), ids).dtype == jnp.bfloat16
+    assert aug(A.augment_key(0, 0, 0), x.astype(jnp.bfloat16), ids).dtype == jnp.bfloat16
 
 
 def test_augment_key_chain():
-    keys = {(s, e, t): jax.random.key_data(D.augment_key(s, e, t)).tolist()
+    keys = {(s, e, t): jax.random.key_data(A.augment_key(s, e, t)).tolist()
             for s in (0, 1) for e in (0, 1) for t in (0, 1)}
     assert len({str(v) for v in keys.values()}) == 8
-    assert jax.random.key_data(D.augment_key(1, 0, 1)).tolist() == keys[(1, 0, 1)]
+    assert jax.random.key_data(A.augment_key(1, 0, 1)).tolist() == keys[(1, 0, 1)]
 
 
 def test_augment_independent_of_batch_split():
     x = _images(8, seed=1)
     ids = jnp.arange(100, 108, dtype=jnp.int32)   # global positions, e.g. on process 1
-    key = D.augment_key(5, 2, 7)
-    aug = jax.jit(D.augment)
+    key = A.augment_key(5, 2, 7)
+    aug = jax.jit(A.augment)
     full = aug(key, x, ids)
     halves = jnp.concatenate([aug(key, x[:4], ids[:4]), aug(key, x[4:], ids[4:])])
     np.testing.assert_allclose(full, halves, atol=1e-6)
@@ -303,14 +306,14 @@ def test_augment_independent_of_batch_split():
     np.testing.assert_allclose(full, reversed_order, atol=1e-6)
     # Under shard_map over 8 devices, each device augments its own example.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharded = jax.jit(jax.shard_map(D.augment, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+    sharded = jax.jit(jax.shard_map(A.augment, mesh=mesh, in_specs=(P(), P("data"), P("data")),
                                     out_specs=P("data")))(key, x, ids)
     np.testing.assert_allclose(full, sharded, atol=1e-6)
 
 
 def test_crop_params_ranges():
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(D.augment_key(0, 0, 0), jnp.arange(512))
-    top, left, h, w, flip = (np.asarray(a) for a in jax.vmap(lambda k: D.crop_params(k, 32, 32))(keys))
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(A.augment_key(0, 0, 0), jnp.arange(512))
+    top, left, h, w, flip = (np.asarray(a) for a in jax.vmap(lambda k: A.crop_params(k, 32, 32))(keys))
     area = h * w / 32**2
     assert np.all((area >= 0.9 - 1e-5) & (area <= 1.0 + 1e-5))
     assert np.all((w / h >= 0.9 - 1e-5) & (w / h <= 1.1 + 1e-5))
@@ -321,13 +324,13 @@ def test_crop_params_ranges():
 
 def test_crop_flip_resize_is_bilinear():
     x = np.asarray(_images(1, seed=2)[0])
-    same = D.crop_flip_resize(x, 0.0, 0.0, 32.0, 32.0, False)
+    same = A.crop_flip_resize(x, 0.0, 0.0, 32.0, 32.0, False)
     np.testing.assert_allclose(same, x, atol=1e-6)
-    mirrored = D.crop_flip_resize(x, 0.0, 0.0, 32.0, 32.0, True)
+    mirrored = A.crop_flip_resize(x, 0.0, 0.0, 32.0, 32.0, True)
     np.testing.assert_allclose(mirrored, x[:, ::-1], atol=1e-6)
     # A linear ramp stays linear: crop columns [8, 24) -> slope 1/2 from 7.75 to 23.25.
     ramp = np.broadcast_to(np.arange(32, dtype=np.float32)[None, :, None], (32, 32, 3))
-    out = np.asarray(D.crop_flip_resize(jnp.asarray(ramp), 0.0, 8.0, 32.0, 16.0, False))
+    out = np.asarray(A.crop_flip_resize(jnp.asarray(ramp), 0.0, 8.0, 32.0, 16.0, False))
     np.testing.assert_allclose(out[5, :, 1], 8 + (np.arange(32) + 0.5) * 0.5 - 0.5, atol=1e-5)
     np.testing.assert_allclose(out[:, 3, 0], out[0, 3, 0])  # rows untouched
 
@@ -450,8 +453,8 @@ def test_download_from_local_server(tmp_path, http_server):
 def test_download_url_from_environment(tmp_path, http_server, monkeypatch):
     base, requests = http_server
     _, md5, _ = make_archive(tmp_path, name="mirror.tgz", n_per_batch=2, n_test=2)
-    monkeypatch.setenv(D.URL_ENV, f"{base}/mirror.tgz")
-    monkeypatch.setenv(D.MD5_ENV, md5)
+    monkeypatch.setenv(DL.URL_ENV, f"{base}/mirror.tgz")
+    monkeypatch.setenv(DL.MD5_ENV, md5)
     splits = D.load_dataset("cifar10", tmp_path / "data", log=lambda s: None)
     assert len(splits["test"]) == 2 and requests == ["/mirror.tgz"]
 
@@ -503,7 +506,7 @@ def test_download_silent_server_times_out(tmp_path, monkeypatch):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    monkeypatch.setattr(D, "NET_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(DL, "NET_TIMEOUT_S", 0.5)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/cifar-10-python.tar.gz"
     try:
         t0 = time.monotonic()

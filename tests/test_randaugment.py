@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from vit_pure import PRESETS, LossScale, Policy, cli, step
+from vit_pure import augment as aug
 from vit_pure import randaugment as ra
 
 H, W = 9, 11
@@ -417,9 +418,9 @@ MIX_IMAGES = np.stack([random_image(seed) for seed in range(6)])
 CLASSES = np.array([3, 0, 7, 1, 9, 4])
 MIX_LABELS = np.eye(10, dtype=np.float32)[CLASSES]
 PAIRS = np.array([1, 0, 3, 2, 5, 4])  # each row's partner: global examples 2k <-> 2k+1
-mixup = jax.jit(ra.mixup, static_argnames="alpha")
-cutmix = jax.jit(ra.cutmix, static_argnames="alpha")
-mix_batch = jax.jit(ra.mix_batch, static_argnames=("mixup_alpha", "cutmix_alpha", "switch_prob"))
+mixup = jax.jit(aug.mixup, static_argnames="alpha")
+cutmix = jax.jit(aug.cutmix, static_argnames="alpha")
+mix_batch = jax.jit(aug.mix_batch, static_argnames=("mixup_alpha", "cutmix_alpha", "switch_prob"))
 
 
 def own_weight(labels):
@@ -470,7 +471,7 @@ def test_cutmix_pastes_one_box_and_mixes_labels_by_its_area():
 
 def test_cutmix_box_is_sized_from_lambda_and_clipped():
     height, width = 33, 41  # lam 0.75: side ratio sqrt(0.25), a 16 x 20 box before clipping
-    box = jax.jit(jax.vmap(ra.cutmix_box, in_axes=(0, None, None, None)), static_argnums=(1, 2))
+    box = jax.jit(jax.vmap(aug.cutmix_box, in_axes=(0, None, None, None)), static_argnums=(1, 2))
     rows0, rows1, cols0, cols1 = map(np.asarray, box(
         jax.random.split(jax.random.key(0), 64), height, width, 0.75))
     assert np.all((0 <= rows0) & (rows0 < rows1) & (rows1 <= height))
@@ -483,13 +484,13 @@ def test_cutmix_box_is_sized_from_lambda_and_clipped():
 
 
 def test_partners_are_neighbours_and_an_odd_batch_is_refused():
-    np.testing.assert_array_equal(np.asarray(ra.partners(jnp.arange(6))), PAIRS)
+    np.testing.assert_array_equal(np.asarray(aug.partners(jnp.arange(6))), PAIRS)
     for fn in (mixup, cutmix):
         with pytest.raises(ValueError, match="per-device batch 5 must be even"):
             fn(jax.random.key(0), MIX_IMAGES[:5], MIX_LABELS[:5], alpha=1.0)
 
 
-@pytest.mark.parametrize("fn", [ra.mixup, ra.cutmix], ids=op_id)
+@pytest.mark.parametrize("fn", [aug.mixup, aug.cutmix], ids=op_id)
 def test_alpha_zero_is_identity(fn):
     images, labels = fn(jax.random.key(0), MIX_IMAGES, MIX_LABELS, alpha=0.0)
     np.testing.assert_array_equal(np.asarray(images), MIX_IMAGES)
@@ -513,11 +514,11 @@ def test_mix_batch_chooses_between_mixup_and_cutmix():
     key = jax.random.key(3)
     for kwargs, fn in (({"mixup_alpha": 1.0, "cutmix_alpha": 0.0}, mixup),
                        ({"mixup_alpha": 0.0, "cutmix_alpha": 1.0}, cutmix)):
-        got = ra.mix_batch(key, MIX_IMAGES, MIX_LABELS, **kwargs)  # eager
+        got = aug.mix_batch(key, MIX_IMAGES, MIX_LABELS, **kwargs)  # eager
         want = fn(key, MIX_IMAGES, MIX_LABELS, alpha=1.0)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, atol=1e-6)
-    images, labels = ra.mix_batch(key, MIX_IMAGES, MIX_LABELS, mixup_alpha=0.0, cutmix_alpha=0.0)
+    images, labels = aug.mix_batch(key, MIX_IMAGES, MIX_LABELS, mixup_alpha=0.0, cutmix_alpha=0.0)
     np.testing.assert_array_equal(np.asarray(images), MIX_IMAGES)
     np.testing.assert_array_equal(np.asarray(labels), MIX_LABELS)
 

@@ -81,6 +81,13 @@ class StepMemory:
     alias: int
     temp: int
 
+    @classmethod
+    def of(cls, compiled, accum_steps: int = 1) -> "StepMemory":
+        """XLA's memory analysis of a compiled program (`jitted.lower(...).compile()`)."""
+        m = compiled.memory_analysis()
+        return cls(accum_steps, m.argument_size_in_bytes, m.output_size_in_bytes,
+                   m.alias_size_in_bytes, m.temp_size_in_bytes)
+
     @property
     def total(self) -> int:
         # Donated outputs reuse their argument's buffer (alias); the rest is live at once.
@@ -170,9 +177,7 @@ def free(inputs) -> None:
 
 def step_memory(strategy, inputs, accum_steps: int) -> StepMemory:
     """Compile `strategy.train_step` for `inputs` and read XLA's per-device memory use."""
-    m = strategy.train_step.lower(*inputs).compile().memory_analysis()
-    return StepMemory(accum_steps, m.argument_size_in_bytes, m.output_size_in_bytes,
-                      m.alias_size_in_bytes, m.temp_size_in_bytes)
+    return StepMemory.of(strategy.train_step.lower(*inputs).compile(), accum_steps)
 
 
 # ------------------------------------------------------------------------- batch rules

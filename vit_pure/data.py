@@ -1,21 +1,12 @@
-"""CIFAR-10 on the host in numpy, augmentation on the device in JAX.
+"""CIFAR-10 on the host, in numpy (no JAX): read, split, batch.
 
-Two halves, kept apart on purpose:
-
-* Host side (numpy, no JAX): read the official python-format folder
-  ``<data-dir>/cifar-10-batches-py/`` once into uint8 arrays, split it into
-  train / val / test, and cut global batches: shuffled per epoch with the last
-  partial batch dropped for training, zero-padded with a mask for evaluation.
-  If the folder is missing it is downloaded, md5-checked and extracted
-  atomically. Pickles are read with a restricted unpickler, so a crafted file
-  cannot run code.
-* Device side (pure ``jnp``, usable inside jit / shard_map / pmap):
-  ``augment`` (random horizontal flip + random resized crop, bilinear), whose
-  per-example randomness comes from ``fold_in(key, example_id)`` with the
-  example's *global* position in the global batch, so a batch gives the same
-  augmented images however it is split across devices or processes. The
-  training step (``step.prepare_images``) scales the uint8 pixels to [0, 1],
-  augments, and normalises with ``CIFAR10_MEAN`` / ``CIFAR10_STD``.
+Read the official python-format folder ``<data-dir>/cifar-10-batches-py/`` once into uint8
+arrays, split it into train / val / test, and cut global batches: shuffled per epoch with
+the last partial batch dropped for training, zero-padded with a mask for evaluation.
+Pickles are read with a restricted unpickler, so a crafted file cannot run code. If the
+folder is missing, vit_pure/download.py fetches it (md5-checked, extracted atomically).
+The device side, flip + crop and mixup / CutMix, is vit_pure/augment.py; RandAugment is
+vit_pure/randaugment.py.
 
 Shapes: images are NHWC, N examples of H=W=32 pixels and C=3 channels.
 
@@ -26,34 +17,21 @@ Usage (one host; vit_pure/loop.py is the full loop)::
     step = 0
     for epoch in range(epochs):
         for x, y in train_batches(splits["train"], 4096, seed=0, epoch=epoch):
-            key = augment_key(0, epoch, step)             # what step.step_key returns
-            # On the device, step.prepare_batch scales x to [0, 1], runs augment() with
-            # (a key split from) `key` and `ids`, then normalises with CIFAR10_MEAN / STD.
+            key = augment.augment_key(0, epoch, step)     # what step.step_key returns
+            # On the device, step.prepare_images scales x to [0, 1], runs augment.augment
+            # with (a key split from) `key` and `ids`, then normalises with CIFAR10_MEAN / STD.
             state, metrics = strategy.train_step(state, *strategy.put_batch(x, y, ids), key)
             step += 1
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
-import math
 import os
 import pathlib
 import pickle
-import shutil
-import socket
-import tarfile
-import tempfile
-import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Callable, Iterator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 # Per-channel statistics of CIFAR-10 on [0, 1]-scaled pixels, as commonly used.
@@ -66,16 +44,11 @@ CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
 
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
-URL_ENV = "VIT_PURE_CIFAR10_URL"   # overrides CIFAR10_URL when no url= is given
-MD5_ENV = "VIT_PURE_CIFAR10_MD5"   # overrides CIFAR10_MD5 when no md5= is given
 FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"
 META_FILE = "batches.meta"
 VAL_FRACTION = 0.1                 # 45,000 / 5,000 on the full training set
-NET_TIMEOUT_S = 10.0               # per socket operation (connect, each read)
 
 HEIGHT = WIDTH = 32
 CHANNELS = 3
@@ -263,6 +236,7 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     if not folder.is_dir():
         if not download:
             raise DataError(f"CIFAR-10 not found at {folder} (download disabled); {HOW_TO_PROVIDE}")
+        from vit_pure.download import download_cifar10  # (it imports this module)
         download_cifar10(data_dir, url=url, md5=md5, log=log)
 
     parts = [read_batch_file(folder / f) for f in TRAIN_FILES]
@@ -281,136 +255,6 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     }
     log(f"CIFAR-10 from {folder}: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
     return splits
-
-
-# --------------------------------------------------------------------------
-# Download
-# --------------------------------------------------------------------------
-
-def _resolve(host: str, port: int, timeout: float) -> None:
-    """getaddrinfo with a deadline (the socket timeout does not cover DNS)."""
-    result: list = []
-
-    def lookup():
-        try:
-            socket.getaddrinfo(host, port)
-            result.append(None)
-        except OSError as e:
-            result.append(e)
-
-    t = threading.Thread(target=lookup, daemon=True)
-    t.start()
-    t.join(timeout)
-    if not result:
-        raise OSError(f"DNS lookup of {host} timed out after {timeout:.0f} s")
-    if result[0] is not None:
-        raise result[0]
-
-
-def download_cifar10(data_dir, *, url: str | None = None, md5: str | None = None,
-                     log: Callable[[str], None] = print,
-                     timeout: float | None = None) -> pathlib.Path:
-    """Download, md5-check and extract ``cifar-10-python.tar.gz`` into data_dir.
-
-    Everything happens in a temporary folder inside data_dir; only a complete,
-    verified ``cifar-10-batches-py`` is moved into place (one os.rename), and the
-    temporary folder is removed whatever happens. Returns the final folder.
-    timeout (default NET_TIMEOUT_S) bounds the DNS lookup and each socket operation.
-    """
-    timeout = NET_TIMEOUT_S if timeout is None else timeout
-    url = url or os.environ.get(URL_ENV) or CIFAR10_URL
-    md5 = (md5 or os.environ.get(MD5_ENV) or CIFAR10_MD5).lower()
-    data_dir = pathlib.Path(data_dir).expanduser()
-    final = data_dir / FOLDER
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create --data-dir {data_dir}: {e.strerror or e}") from None
-    log(f"CIFAR-10 not found at {final}; downloading {url}")
-    try:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".cifar10-download-", dir=data_dir))
-    except OSError as e:
-        raise DataError(f"cannot write in --data-dir {data_dir}: {e.strerror or e}") from None
-    try:
-        archive = tmp / "cifar-10-python.tar.gz"
-        got = _fetch(url, archive, log, timeout)
-        if got != md5:
-            raise DataError(f"md5 mismatch for {url}: got {got}, expected {md5} "
-                            f"(corrupt or different file; nothing was kept)")
-        log(f"md5 ok ({got}); extracting")
-        extracted = tmp / "extract"
-        _safe_extract(archive, extracted, url)
-        src = _find_folder_in(extracted)
-        if src is None:
-            raise DataError(f"archive from {url} has no {FOLDER}/ folder")
-        missing = [f for f in (*TRAIN_FILES, TEST_FILE) if not (src / f).is_file()]
-        if missing:
-            raise DataError(f"archive from {url} lacks {FOLDER}/{missing[0]}")
-        try:
-            os.rename(src, final)
-        except OSError as e:
-            if not final.is_dir():  # a concurrent run may have put it there first
-                raise DataError(f"cannot move the extracted data to {final}: "
-                                f"{e.strerror or e}") from None
-        log(f"CIFAR-10 ready at {final}")
-        return final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
-    """Stream url to dest, printing progress; return the md5 hex digest."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https", "file"):
-        raise DataError(f"unsupported download URL {url!r} (use http, https or file)")
-    h = hashlib.md5()
-    try:
-        if parsed.hostname:
-            _resolve(parsed.hostname, parsed.port or (80 if parsed.scheme == "http" else 443), timeout)
-        with urllib.request.urlopen(url, timeout=timeout) as resp, open(dest, "wb") as f:
-            total = int(resp.headers.get("Content-Length") or 0)
-            done, next_report, t0 = 0, 0.25, time.monotonic()
-            while chunk := resp.read(1 << 20):
-                f.write(chunk)
-                h.update(chunk)
-                done += len(chunk)
-                if total and done / total >= next_report:
-                    log(f"  {done / 1e6:.1f} / {total / 1e6:.1f} MB "
-                        f"({done / total:.0%}, {time.monotonic() - t0:.0f} s)")
-                    next_report += 0.25
-    except DataError:
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise DataError(f"could not download CIFAR-10 from {url} ({_one_line(reason)}); "
-                        f"{HOW_TO_PROVIDE}") from None
-    if total and done != total:
-        raise DataError(f"download from {url} ended early ({done} of {total} bytes); try again")
-    return h.hexdigest()
-
-
-def _safe_extract(archive: pathlib.Path, dest: pathlib.Path, url: str) -> None:
-    """Extract only regular files and folders with relative, in-tree names."""
-    try:
-        with tarfile.open(archive, "r:gz") as tar:
-            members = tar.getmembers()
-            for m in members:
-                parts = pathlib.PurePosixPath(m.name).parts
-                if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
-                    raise DataError(f"archive from {url} has an unsafe entry {m.name!r}")
-            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(dest, members=members, **kwargs)
-    except DataError:
-        raise
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise DataError(f"cannot extract the archive from {url}: {_one_line(e)}") from None
-
-
-def _find_folder_in(root: pathlib.Path) -> pathlib.Path | None:
-    for p in [root / FOLDER, *root.glob(f"*/{FOLDER}")]:
-        if p.is_dir():
-            return p
-    return None
 
 
 # --------------------------------------------------------------------------
@@ -525,84 +369,3 @@ def process_slice(x: np.ndarray, process_index: int, process_count: int) -> np.n
         raise DataError(f"global batch {n} is not divisible by the {process_count} processes")
     per = n // process_count
     return x[process_index * per:(process_index + 1) * per]
-
-
-# --------------------------------------------------------------------------
-# Device side: augmentation (pure jnp)
-# --------------------------------------------------------------------------
-
-# Random resized crop ranges (fractions of the image area; width/height ratio).
-CROP_SCALE = (0.9, 1.0)
-CROP_RATIO = (0.9, 1.1)
-_AUGMENT_TAG = 0x61756700  # 'aug\0': keeps augmentation keys apart from others drawn from seed
-
-
-def augment_key(seed: int, epoch: int, step: int) -> jax.Array:
-    """The augmentation key of one training step: key(seed) -> tag -> epoch -> step."""
-    key = jax.random.fold_in(jax.random.key(seed), _AUGMENT_TAG)
-    return jax.random.fold_in(jax.random.fold_in(key, epoch), step)
-
-
-def crop_params(key: jax.Array, height: int, width: int):
-    """One example's (top, left, crop_h, crop_w, flip) from its key.
-
-    Area fraction ~ U(CROP_SCALE); log aspect ratio (w/h) ~ U(log CROP_RATIO); the
-    crop is clipped to the image and placed uniformly (sub-pixel) inside it.
-    """
-    u = jax.random.uniform(key, (5,), jnp.float32)
-    scale = CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[0]
-    log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
-    ratio = jnp.exp(log_lo + (log_hi - log_lo) * u[1])
-    crop_w = jnp.minimum(width * jnp.sqrt(scale * ratio), width)
-    crop_h = jnp.minimum(height * jnp.sqrt(scale / ratio), height)
-    top = (height - crop_h) * u[2]
-    left = (width - crop_w) * u[3]
-    flip = u[4] < 0.5
-    return top, left, crop_h, crop_w, flip
-
-
-def _sample_points(start, length, n: int):
-    """Bilinear sampling of [start, start+length) at n output pixels (one axis).
-
-    Output pixel o samples the input at its centre, start + (o + 0.5) * length/n,
-    in pixel-centre coordinates (-0.5), between input pixels i0 and i1 = i0 + 1
-    with weight frac on i1; neighbours outside the image are clamped.
-    """
-    o = jnp.arange(n, dtype=jnp.float32)
-    c = jnp.clip(start + (o + 0.5) * (length / n) - 0.5, 0.0, n - 1.0)
-    i0 = jnp.floor(c)
-    frac = c - i0
-    i0 = i0.astype(jnp.int32)
-    return i0, jnp.minimum(i0 + 1, n - 1), frac
-
-
-def crop_flip_resize(image: jax.Array, top, left, crop_h, crop_w, flip) -> jax.Array:
-    """One HWC image: crop the box, resize it bilinearly back to HxW, maybe mirror it.
-
-    Separable: blend two gathered rows per output row, then two gathered columns
-    per output column. The mirror is the column sample points in reverse order.
-    """
-    h, w, _ = image.shape
-    y0, y1, fy = _sample_points(top, crop_h, h)                 # (h_out,)
-    x0, x1, fx = _sample_points(left, crop_w, w)                # (w_out,)
-    x0, x1, fx = (jnp.where(flip, a[::-1], a) for a in (x0, x1, fx))
-    x = image.astype(jnp.float32)
-    rows = x[y0] + (x[y1] - x[y0]) * fy[:, None, None]          # (h_out, w_in, c)
-    out = rows[:, x0] + (rows[:, x1] - rows[:, x0]) * fx[None, :, None]  # (h_out, w_out, c)
-    return out.astype(image.dtype)
-
-
-def augment(key: jax.Array, images: jax.Array, example_ids: jax.Array) -> jax.Array:
-    """Random horizontal flip + random resized crop of a float NHWC batch.
-
-    example_ids: (N,) int32, each example's position in the *global* batch; its
-    key is fold_in(key, example_id), so results do not depend on how the global
-    batch is split over devices or processes. Same shape and dtype out.
-    """
-    _, h, w, _ = images.shape
-    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, example_ids.astype(jnp.int32))
-
-    def one(k, image):
-        return crop_flip_resize(image, *crop_params(k, h, w))
-
-    return jax.vmap(one)(keys, images)

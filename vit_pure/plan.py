@@ -579,8 +579,8 @@ class Plan:
 
     @property
     def memory_bytes(self) -> int:
-        m = self.memory
-        return m["argument"] + m["output"] - m["alias"] + m["temp"]
+        from vit_pure.accum import StepMemory  # (accum imports cli, which imports this module)
+        return StepMemory(1, **self.memory).total
 
     # -- verdict
     def verdict(self) -> tuple[str, str]:
@@ -785,9 +785,9 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     if module.unknown_trips:
         notes.append(f"{module.unknown_trips} while loop(s) without a known trip count: "
                      "their collectives are counted once")
-    m = compiled.memory_analysis()
-    memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-              "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
+    from vit_pure.accum import StepMemory  # (accum imports cli, which imports this module)
+    m = StepMemory.of(compiled)
+    memory = {"argument": m.argument, "output": m.output, "alias": m.alias, "temp": m.temp}
     per_device_batch = global_batch // mesh.get("data", 1)
     return Plan(script, devices, mesh, hw, efficiency, global_batch, per_device_batch,
                 sc.cfg.seq_len, params_per_device(strategy, sc), found,

@@ -1,4 +1,4 @@
-"""On-device image augmentation: RandAugment ops, mixup and CutMix, in pure jax.numpy.
+"""On-device RandAugment, in pure jax.numpy (flip + crop and mixup / CutMix: vit_pure/augment.py).
 
 Everything here runs inside jit / vmap / shard_map: no host callbacks, no Python loops over
 images. Images are float32 HWC (one image) or NHWC (a batch) with pixel values in [0, 1],
@@ -48,14 +48,6 @@ Batched functions
 the global batch. Any split of the batch across devices (or into chunks) therefore gives the
 same images, as long as each piece passes its own examples' global ids.
 
-``mixup`` / ``cutmix`` / ``mix_batch`` mix *pairs*: the example at global batch position g
-is mixed with the one at g XOR 1 (positions 2k and 2k+1 are partners), with one lambda (and,
-for CutMix, one box) per call, drawn from the key. Under data parallelism each device holds a
-contiguous slice of the global batch, starting at a multiple of its (even) length, so both
-partners sit on the same device for any number of devices and no data moves: 1, 2 or 8
-devices mix the same pairs with the same lambda (pass the same key on every device), and
-the step is the same. A slice of odd length cannot be split into pairs: `mix_batch` refuses it.
-
 Sources
 -------
 - RandAugment: E. D. Cubuk, B. Zoph, J. Shlens, Q. V. Le, "RandAugment: Practical automated
@@ -63,10 +55,6 @@ Sources
   is the paper's 14 ops (plus invert); N = ``num_ops`` ops are drawn uniformly per image
   and all use one global magnitude M out of 10.
 - AutoAugment (op definitions and ranges): Cubuk et al., 2018, arXiv:1805.09501.
-- mixup: H. Zhang, M. Cisse, Y. N. Dauphin, D. Lopez-Paz, "mixup: Beyond empirical risk
-  minimization", 2017, arXiv:1710.09412.
-- CutMix: S. Yun, D. Han, S. J. Oh, S. Chun, J. Choe, Y. Yoo, "CutMix: Regularization
-  strategy to train strong classifiers with localizable features", 2019, arXiv:1905.04899.
 
 Cost: under vmap, `lax.switch` with a per-example index evaluates every branch and selects,
 so one RandAugment layer costs the sum of all ops. For 32x32 images that is cheap next to the
@@ -358,128 +346,10 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
     return jax.vmap(one_image)(images, jnp.asarray(example_ids, jnp.int32))
 
 
-# --------------------------------------------------------------------------- mixup, CutMix
-
-
-def partners(x):
-    """Each example's mixing partner: rows (0, 1, 2, 3, ...) -> (1, 0, 3, 2, ...).
-
-    Row i holds global example g = start + i; with `start` even (true of every device's
-    slice, see the module docstring) row i ^ 1 holds example g ^ 1. ValueError (one line)
-    for an odd number of rows, which cannot be paired.
-    """
-    n = x.shape[0]
-    if n % 2:
-        raise ValueError(f"mixup / CutMix pair examples 2k and 2k+1 on one device: "
-                         f"the per-device batch {n} must be even")
-    return x.reshape(n // 2, 2, *x.shape[1:])[:, ::-1].reshape(x.shape)
-
-
-def mixup_with_lambda(images, labels, lam):
-    """x = lam * x + (1 - lam) * partners(x), and the same for the labels."""
-    lam_x = jnp.asarray(lam, images.dtype)
-    lam_y = jnp.asarray(lam, labels.dtype)
-    return (lam_x * images + (1.0 - lam_x) * partners(images),
-            lam_y * labels + (1.0 - lam_y) * partners(labels))
-
-
-def cutmix_box(key, height, width, lam):
-    """CutMix box (Yun et al. 2019): sides floor(H * sqrt(1 - lam)) and floor(W * sqrt(1 -
-    lam)), centre uniform over the pixels, then clipped to the image. Returns int32 (row0,
-    row1, col0, col1), half-open."""
-    key_r, key_c = jax.random.split(key)
-    cut = jnp.sqrt(1.0 - lam)
-    box_h = jnp.floor(height * cut).astype(jnp.int32)
-    box_w = jnp.floor(width * cut).astype(jnp.int32)
-    centre_r = jax.random.randint(key_r, (), 0, height)
-    centre_c = jax.random.randint(key_c, (), 0, width)
-    row0 = centre_r - box_h // 2
-    col0 = centre_c - box_w // 2
-    return (jnp.clip(row0, 0, height), jnp.clip(row0 + box_h, 0, height),
-            jnp.clip(col0, 0, width), jnp.clip(col0 + box_w, 0, width))
-
-
-def cutmix_with_lambda(key, images, labels, lam):
-    """Paste the box for `lam` (position from `key`) from each image's partner into it;
-    mix the labels by the box's actual (clipped) area: lam' = 1 - area / (H * W)."""
-    _, height, width, _ = images.shape
-    row0, row1, col0, col1 = cutmix_box(key, height, width, lam)
-    rows = jnp.arange(height)[:, None]
-    cols = jnp.arange(width)[None, :]
-    in_box = (rows >= row0) & (rows < row1) & (cols >= col0) & (cols < col1)  # (H, W)
-    mixed = jnp.where(in_box[None, :, :, None], partners(images), images)
-    lam_area = 1.0 - ((row1 - row0) * (col1 - col0)) / (height * width)
-    lam_y = lam_area.astype(labels.dtype)
-    return mixed, lam_y * labels + (1.0 - lam_y) * partners(labels)
-
-
-def mixup(key, images, labels_onehot, *, alpha):
-    """mixup (Zhang et al. 2017) with one lam ~ Beta(alpha, alpha) for the batch.
-
-    Examples 2k and 2k+1 are partners (`partners`); pass the same key on every device.
-    `alpha` is a Python float; alpha <= 0 returns the inputs unchanged. Returns (images,
-    labels).
-    """
-    if alpha <= 0:
-        return images, labels_onehot
-    lam = jax.random.beta(key, alpha, alpha)
-    return mixup_with_lambda(images, labels_onehot, lam)
-
-
-def cutmix(key, images, labels_onehot, *, alpha):
-    """CutMix (Yun et al. 2019): lam ~ Beta(alpha, alpha) sets one box for the batch, filled
-    from each image's partner; labels are mixed by the box's actual area after clipping.
-
-    Same batch-level caveats as `mixup`. alpha <= 0 returns the inputs unchanged.
-    Returns (images, labels).
-    """
-    if alpha <= 0:
-        return images, labels_onehot
-    key_lam, key_box = jax.random.split(key)
-    lam = jax.random.beta(key_lam, alpha, alpha)
-    return cutmix_with_lambda(key_box, images, labels_onehot, lam)
-
-
-def mix_batch(key, images, labels_onehot, *, mixup_alpha, cutmix_alpha, switch_prob=0.5):
-    """mixup or CutMix for the whole batch (alphas and switch_prob are Python floats).
-
-    With both alphas > 0, CutMix is chosen with probability `switch_prob` (one draw per batch,
-    then lam ~ Beta of the chosen alpha); with one > 0, that one (same as calling `mixup` or
-    `cutmix` with this key); with both 0, the inputs unchanged. Returns (images, labels).
-
-    Pairing, and why it does not depend on the device count: `images` is one device's
-    slice of the global batch (or the whole batch on one device), rows start .. start+n-1
-    with `start` a multiple of n. The partner of global example g is g XOR 1, which for
-    even n is always in the same slice, at row i XOR 1 (`partners`): no device needs
-    another device's pixels, so no collective. The random draws (mixup or CutMix, lambda,
-    the box) come from `key` alone, once per call: give every device the step's key and
-    every device draws the same. So 1, 2 or 8 devices compute the same mixed batch, and
-    the same step. An odd n (an odd per-device batch) is refused with a ValueError; the
-    training step reports it as a usage error.
-    """
-    if mixup_alpha > 0 and cutmix_alpha > 0:
-        key_choice, key_lam, key_box = jax.random.split(key, 3)
-        use_cutmix = jax.random.bernoulli(key_choice, switch_prob)
-        alpha = jnp.where(use_cutmix, cutmix_alpha, mixup_alpha)
-        lam = jax.random.beta(key_lam, alpha, alpha)  # one Beta sampler for both branches
-        return lax.cond(
-            use_cutmix,
-            lambda: cutmix_with_lambda(key_box, images, labels_onehot, lam),
-            lambda: mixup_with_lambda(images, labels_onehot, lam),
-        )
-    if mixup_alpha > 0:
-        return mixup(key, images, labels_onehot, alpha=mixup_alpha)
-    if cutmix_alpha > 0:
-        return cutmix(key, images, labels_onehot, alpha=cutmix_alpha)
-    return images, labels_onehot
-
-
 __all__ = [
     "FILL_VALUE", "MAX_LEVEL", "DEFAULT_OPS", "ALL_OPS", "SIGNED_OPS",
     "bilinear_sample", "affine_warp", "rotation_matrix",
     "identity", "invert", "auto_contrast", "equalize", "rotate", "solarize", "posterize",
     "color", "contrast", "brightness", "sharpness", "shear_x", "shear_y", "translate_x",
     "translate_y", "rand_augment",
-    "mixup", "cutmix", "mix_batch", "mixup_with_lambda", "cutmix_with_lambda", "cutmix_box",
-    "partners",
 ]

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from vit_pure import augment as augment_lib
 from vit_pure import data as data_lib
 from vit_pure import hardware
 from vit_pure import randaugment as randaugment_lib
@@ -97,7 +98,7 @@ def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
     """
     x = images_u8.astype(F32) * (1.0 / 255.0)
     if train:
-        x = data_lib.augment(key, x, example_ids)
+        x = augment_lib.augment(key, x, example_ids)
         num_ops, magnitude = randaugment
         if num_ops:
             x = randaugment_lib.rand_augment(jax.random.fold_in(key, 1), x, example_ids,
@@ -120,7 +121,7 @@ def prepare_batch(sc: "StepConfig", images_u8, labels, example_ids, key):
     targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
     if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
         try:  # pairs examples 2k, 2k+1 of this slice: the same pairs on any device count
-            images, targets = randaugment_lib.mix_batch(
+            images, targets = augment_lib.mix_batch(
                 jax.random.fold_in(aug_key, 2), images, targets,
                 mixup_alpha=sc.mixup_alpha, cutmix_alpha=sc.cutmix_alpha)
         except ValueError as e:  # an odd per-device batch: a bad --batch for these flags
@@ -139,7 +140,7 @@ class StepConfig:
     remat: str = "none"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
-    # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (randaugment.mix_batch),
+    # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (augment.mix_batch),
     # which always sit on one device: the per-device batch must be even.
     randaugment: tuple[int, int] = (0, 0)
     mixup_alpha: float = 0.0
@@ -308,6 +309,6 @@ def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> d
 
 def step_key(seed: int, epoch: int, step: int) -> jax.Array:
     """The key of one training step; reproducible from (seed, epoch, step)."""
-    return data_lib.augment_key(seed, epoch, step)
+    return augment_lib.augment_key(seed, epoch, step)
 
 
