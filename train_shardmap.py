@@ -33,8 +33,8 @@ default autodiff keeps the gathered copies (they are residuals of the matmuls), 
 forward gathers once and peak memory holds every layer's whole weights for a moment.
 With `--remat block` each block is recomputed in the backward pass, its gather included:
 the weights are gathered a second time there and only one layer's whole weights exist
-at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map` the step sees
-only its device's block of every array, and nothing moves between devices unless a
+at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map`
+the step sees only its device's block of every array, and nothing moves between devices unless a
 collective in this file (or one of the model's two tensor-parallel operators) says so.
 
 THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
@@ -124,7 +124,8 @@ def param_specs(cfg, mesh_sizes: dict[str, int], fsdp: bool = False) -> dict:
         if cfg.heads % m:
             raise cli.UsageError(f"--mesh model={m}: {cfg.heads} heads do not divide by {m}")
         if cfg.mlp_dim % m:
-            raise cli.UsageError(f"--mesh model={m}: MLP width {cfg.mlp_dim} does not divide by {m}")
+            raise cli.UsageError(
+                f"--mesh model={m}: MLP width {cfg.mlp_dim} does not divide by {m}")
     pipe = mesh_sizes.get(PIPE, 1)
     if pipe > 1:  # the pipeline's own rule (it checks again inside the schedule)
         try:

@@ -1,6 +1,7 @@
 """Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
 
-    python -m benchmarks.bench --cpu-devices 8 --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
+    python -m benchmarks.bench --cpu-devices 8 \
+        --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
     python -m benchmarks.bench --config "pmap:1:fp32; pmap:1:bf16; shard_map:data=2:bf16:scan=0"
     python -m benchmarks.bench --model tiny --batch 32 --steps 3 --config "shard_map:2:fp32"
 
@@ -84,7 +85,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import accum, cli, data, hostmem, step
+from vit_pure import cli, data, hostmem, step
+from vit_pure.accum import StepMemory
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
 from vit_pure.policy import Policy
@@ -415,7 +417,8 @@ def run_config(job: dict) -> dict:
         "images_per_cpu_s": ips_cpu if platform_name == "cpu" else None,
         "mfu_cpu_time": flops * ips_cpu / ceiling_cpu if platform_name == "cpu" else None,
         "mfu_datasheet": None if peak is None else achieved / (peak * n),
-        "mem_per_device": dev_bytes if dev_bytes is not None else accum.StepMemory.of(compiled).total,
+        "mem_per_device": (dev_bytes if dev_bytes is not None
+                           else StepMemory.of(compiled).total),
         "mem_source": "memory_stats" if dev_bytes is not None else "memory_analysis",
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "loss": res["loss"], "load_start": load_start, "load": os.getloadavg()[0],

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN, CIFAR10_STD, time_steps, host_batches, _jax_device_info, _jax_peak_bytes, UsageError)
+from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
+                              CIFAR10_STD, time_steps, host_batches, _jax_device_info,
+                              _jax_peak_bytes, UsageError)
 
 
 def make_nnx_vit(cfg: dict, dtype, precision, seed: int = 0):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import platform
 import time
 
-from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN, CIFAR10_STD, time_steps, host_batches, UsageError)
+from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
+                              CIFAR10_STD, time_steps, host_batches, UsageError)
 
 
 def make_torch_vit(cfg: dict):

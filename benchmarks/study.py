@@ -47,7 +47,8 @@ import re
 import sys
 
 from benchmarks import bench
-from vit_pure import accum, cli, hostmem
+from vit_pure import cli, hostmem
+from vit_pure.accum import StepMemory
 from vit_pure.config import PRESETS, get_preset
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
@@ -226,7 +227,7 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
         "param_dtype": param_dtype, "compute_dtype": compute_dtype, "batch": batch,
         "accum": accum, "precision": precision, "param_bytes": res["param_bytes"],
         "opt_state_bytes": res["opt_state_bytes"],
-        "peak_bytes": accum.StepMemory.of(compiled).total,
+        "peak_bytes": StepMemory.of(compiled).total,
         "step_s": step_s, "images_per_s": batch / step_s,
         "images_per_cpu_s": (batch / float(np.median(res["step_cpu_s"]))
                              if devices[0].platform == "cpu" else None),

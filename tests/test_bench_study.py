@@ -89,7 +89,8 @@ def test_parse_configs_and_bad_input():
     assert cs[1].options == {"scan": "0"} and cs[2].options == {"accum": "2", "remat": "block"}
     assert bench.layout_devices("data=4,model=2", None) == 8
     assert bench.layout_devices("", 3) == 3
-    pipe, fsdp = bench.parse_configs(["shard_map:data=2,pipe=2:fp32:mb=4; shard_map:data=4:bf16:fsdp=1"])
+    pipe, fsdp = bench.parse_configs(
+        ["shard_map:data=2,pipe=2:fp32:mb=4; shard_map:data=4:bf16:fsdp=1"])
     assert pipe.layout == "data=2,pipe=2" and pipe.options == {"mb": "4"}
     assert fsdp.options == {"fsdp": "1"}
     assert bench.layout_devices("data=2,model=2,pipe=2", None) == 8

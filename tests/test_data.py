@@ -32,7 +32,9 @@ def write_batch(path, images, labels, protocol=2):
 
 
 def make_folder(root, n_per_batch=6, n_test=6, seed=0):
-    """A tiny, valid cifar-10-batches-py under root; returns (train images, labels, test images, labels)."""
+    """A tiny, valid cifar-10-batches-py under root.
+
+    Returns (train images, labels, test images, labels)."""
     rng = np.random.default_rng(seed)
     folder = root / D.FOLDER
     folder.mkdir(parents=True)
@@ -146,8 +148,10 @@ def test_subset_splits_are_disjoint_and_complete(subset, subset_dir):
     assert len(train) == 3600 and len(val) == 400 and not train & val
     assert train | val == {im.tobytes() for im in raw_images}
     # Labels travel with their images (through the split permutation).
-    label_of = {im.tobytes(): y for im, y in zip(raw_images, np.concatenate([r["labels"] for r in raw]))}
-    assert all(label_of[im.tobytes()] == y for im, y in zip(splits["val"].images, splits["val"].labels))
+    raw_labels = np.concatenate([r["labels"] for r in raw])
+    label_of = {im.tobytes(): y for im, y in zip(raw_images, raw_labels)}
+    val = splits["val"]
+    assert all(label_of[im.tobytes()] == y for im, y in zip(val.images, val.labels))
     # Test split: same order as the file, channel-major rows turned into NHWC.
     test_raw = pickle.loads((folder / D.TEST_FILE).read_bytes(), encoding="latin1")
     np.testing.assert_array_equal(splits["test"].labels, test_raw["labels"])
@@ -243,7 +247,8 @@ def test_process_slice():
 
 def test_synthetic_and_load_dataset():
     a = D.synthetic_cifar10(n_train=50, n_val=7, n_test=11, seed=3)
-    b = D.load_dataset("synthetic", None, log=lambda s: None, n_train=50, n_val=7, n_test=11, seed=3)
+    b = D.load_dataset("synthetic", None, log=lambda s: None,
+                       n_train=50, n_val=7, n_test=11, seed=3)
     c = D.synthetic_cifar10(n_train=50, n_val=7, n_test=11, seed=4)
     assert {k: len(v) for k, v in a.items()} == {"train": 50, "val": 7, "test": 11}
     for k in a:
@@ -279,7 +284,8 @@ def test_augment_reproducible_and_random():
     # every example changed, and each output pixel is a convex mix of the input's pixels
     assert all(not np.allclose(out[i], x[i]) for i in range(8))
     lo, hi = x.min(axis=(1, 2, 3)), x.max(axis=(1, 2, 3))
-    assert np.all(out.min(axis=(1, 2, 3)) >= lo - 1e-5) and np.all(out.max(axis=(1, 2, 3)) <= hi + 1e-5)
+    assert np.all(out.min(axis=(1, 2, 3)) >= lo - 1e-5)
+    assert np.all(out.max(axis=(1, 2, 3)) <= hi + 1e-5)
     # the examples do not all get the same transform
     assert len({tuple(np.round(A.crop_params(k, 32, 32)[0:4], 4).tolist())
                 for k in jax.vmap(jax.random.fold_in, (None, 0))(A.augment_key(0, 0, 0), ids)}) == 8
@@ -313,7 +319,8 @@ def test_augment_independent_of_batch_split():
 
 def test_crop_params_ranges():
     keys = jax.vmap(jax.random.fold_in, (None, 0))(A.augment_key(0, 0, 0), jnp.arange(512))
-    top, left, h, w, flip = (np.asarray(a) for a in jax.vmap(lambda k: A.crop_params(k, 32, 32))(keys))
+    params = jax.vmap(lambda k: A.crop_params(k, 32, 32))(keys)
+    top, left, h, w, flip = (np.asarray(a) for a in params)
     area = h * w / 32**2
     assert np.all((area >= 0.9 - 1e-5) & (area <= 1.0 + 1e-5))
     assert np.all((w / h >= 0.9 - 1e-5) & (w / h <= 1.1 + 1e-5))
@@ -496,7 +503,8 @@ def test_download_unreachable_fails_fast(tmp_path):
     with pytest.raises(D.DataError) as e:
         D.load_cifar10(data_dir, url=url, log=lines.append)
     assert time.monotonic() - t0 < 5
-    assert_one_line_error(e, url, "--data-dir", "torchvision.datasets.CIFAR10", "--dataset synthetic")
+    assert_one_line_error(e, url, "--data-dir", "torchvision.datasets.CIFAR10",
+                          "--dataset synthetic")
     assert any("downloading" in line for line in lines)
     assert list(data_dir.iterdir()) == []
 

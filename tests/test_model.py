@@ -130,7 +130,8 @@ def test_gradients_match_finite_differences():
     cfg = ViTConfig(name="fd", image_size=8, patch_size=4, num_classes=3, width=12, depth=2,
                     heads=3, mlp_dim=10)
     params = init_params(jax.random.key(0), cfg)
-    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(9), a.shape), params)
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(9), a.shape),
+                          params)
     x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
     labels = jnp.array([0, 2])
 
@@ -145,11 +146,13 @@ def test_gradients_match_finite_differences():
 
     grads = jax.grad(loss)(params)
     eps = 1e-3
-    for i, name in enumerate(["cls_token", "pos_embed", "patch_embed", "blocks", "final_ln", "head"]):
+    groups = ["cls_token", "pos_embed", "patch_embed", "blocks", "final_ln", "head"]
+    for i, name in enumerate(groups):
         # A random direction in one group of parameters at a time, so that a wrong gradient
         # of one small parameter cannot hide behind the others.
         d = jax.tree.map(jnp.zeros_like, params)
-        d[name] = jax.tree.map(lambda a: jax.random.normal(jax.random.key(i), a.shape), params[name])
+        d[name] = jax.tree.map(lambda a: jax.random.normal(jax.random.key(i), a.shape),
+                               params[name])
         numeric = (loss_at(params, d, eps) - loss_at(params, d, -eps)) / (2 * eps)
         analytic = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(d)))
         assert abs(numeric) > 1e-3, name  # the direction really moves the loss

@@ -36,13 +36,14 @@ def test_parse_rejects_garbage(bad):
 def test_bad_precision_and_loss_scaling_flag():
     with pytest.raises(ValueError, match="precision"):
         Policy(matmul_precision="fastest")
-    assert Policy.parse("fp16").needs_loss_scaling and Policy.parse("p=f16,c=f32").needs_loss_scaling
+    assert Policy.parse("fp16").needs_loss_scaling
+    assert Policy.parse("p=f16,c=f32").needs_loss_scaling
     assert not Policy.parse("bf16").needs_loss_scaling
 
 
 def test_casting_touches_only_floating_leaves():
-    tree = {"w": jnp.ones(3), "step": jnp.array(4, jnp.int32), "key": jax.random.key_data(jax.random.key(0)),
-            "half": jnp.ones(2, jnp.float16)}
+    tree = {"w": jnp.ones(3), "step": jnp.array(4, jnp.int32),
+            "key": jax.random.key_data(jax.random.key(0)), "half": jnp.ones(2, jnp.float16)}
     out = Policy.parse("bf16").cast_to_compute(tree)
     assert out["w"].dtype == jnp.bfloat16 and out["half"].dtype == jnp.bfloat16
     assert out["step"].dtype == jnp.int32 and out["key"].dtype == jnp.uint32

@@ -78,7 +78,8 @@ def _reference_grads(sc):
 
 def _max_rel_diff(a, b):
     norm = np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(b)))
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / norm
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(np.max(np.abs(x - y))) for x, y in pairs) / norm
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def test_pmap_and_shardmap_gradients_agree_to_the_last_bits():
     # last bits; the check is at float32 rounding level, relative to the gradient norm.
     g_pmap = _grads_via_sgd("pmap", _sc(), 8)
     g_shard = _grads_via_sgd("shard_map", _sc(), 8)
-    differing = sum(int(np.sum(a != b)) for a, b in zip(jax.tree.leaves(g_pmap), jax.tree.leaves(g_shard)))
+    pairs = zip(jax.tree.leaves(g_pmap), jax.tree.leaves(g_shard))
+    differing = sum(int(np.sum(a != b)) for a, b in pairs)
     total = sum(a.size for a in jax.tree.leaves(g_pmap))
     print(f"pmap vs shard_map: {differing} of {total} gradient entries differ in any bit, "
           f"max difference {_max_rel_diff(g_pmap, g_shard):.2e} of the gradient norm")
@@ -188,8 +190,8 @@ def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
         grads, _ = step.local_grads(sc, params, loss_scale, images, labels, ids, key)
         return lax.pmean(grads, "data")
 
-    f = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"), P("data"), P()),
-                              out_specs=P()))
+    in_specs = (P(), P(), P("data"), P("data"), P("data"), P())
+    f = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=in_specs, out_specs=P()))
     images, labels, ids = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _batch())
     grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
     for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):

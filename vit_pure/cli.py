@@ -82,10 +82,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     a("--memory-budget", type=float, default=None, metavar="GIB",
       help="memory --accum-steps auto may plan for, in GiB, all of this process's devices "
            "together (default: 80%% of the free device memory; on CPU of the available RAM)")
-    a("--eval-every", type=int, default=1, help="evaluate on the validation split every N epochs (0: never)")
+    a("--eval-every", type=int, default=1,
+      help="evaluate on the validation split every N epochs (0: never)")
     a("--eval-batch", type=int, default=None, help="evaluation batch (default: --batch)")
     a("--log-json", default=None, help="append one JSON object per log line to this file")
-    a("--log-every", type=int, default=50, help="log every N steps (every step if the run has <= 100)")
+    a("--log-every", type=int, default=50,
+      help="log every N steps (every step if the run has <= 100)")
     a("--cpu-devices", type=int, default=None,
       help="on a CPU-only machine, run on N fake devices")
     a("--no-progress", action="store_true", help="no tqdm progress bars")

@@ -32,7 +32,8 @@ class ViTConfig:
                 f"{self.name}: image_size {self.image_size} is not divisible by "
                 f"patch_size {self.patch_size}")
         if self.width % self.heads:
-            raise ValueError(f"{self.name}: width {self.width} is not divisible by heads {self.heads}")
+            raise ValueError(
+                f"{self.name}: width {self.width} is not divisible by heads {self.heads}")
         for field in ("dropout", "drop_path"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"{self.name}: {field} must be in [0, 1)")

@@ -3,8 +3,10 @@
 Every process (one per host, usually) runs the same script with the same flags, plus
 where it is in the job:
 
-    host 0:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
-    host 1:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1
+    host 0:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 \
+                 --num-processes 2 --process-id 0
+    host 1:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 \
+                 --num-processes 2 --process-id 1
 
 `initialize` connects them (process 0 runs the coordinator at that address; the
 scripts' main() calls it through `cli.start_runtime`, right after parsing the flags).

@@ -109,7 +109,8 @@ def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
     h = hashlib.md5()
     try:
         if parsed.hostname:
-            _resolve(parsed.hostname, parsed.port or (80 if parsed.scheme == "http" else 443), timeout)
+            port = parsed.port or (80 if parsed.scheme == "http" else 443)
+            _resolve(parsed.hostname, port, timeout)
         with urllib.request.urlopen(url, timeout=timeout) as resp, open(dest, "wb") as f:
             total = int(resp.headers.get("Content-Length") or 0)
             done, next_report, t0 = 0, 0.25, time.monotonic()

@@ -8,8 +8,9 @@ Three settings have a right answer that depends on the hardware; each is measure
                    activations into (L, ...) buffers for the backward pass; on an H100 that
                    cost 25% of the step in device-to-device copies and 15% in
                    dynamic-update-slice fusions (unrolled: 1.53x faster, 30.1 against
-                   55.6 GiB at batch 4096), and on CPU unrolled was faster too. On other backends (TPU, not measured
-                   here) the scan stays: it compiles deep models faster.
+                   55.6 GiB at batch 4096), and on CPU unrolled was faster too. On other
+                   backends (TPU, not measured here) the scan stays: it compiles deep
+                   models faster.
   matmul output    a `--policy` without `m=`, or `--dtype`: matmuls return the compute
                    dtype on accelerators (a bf16-output GEMM still accumulates in float32
                    inside; 1.19x faster on an H100 than returning float32) and float32 on

@@ -337,7 +337,8 @@ def _replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
         return ids.reshape(shape).tolist()
     m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if m and m.group(1):
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return [[int(x) for x in g.split(",") if x]
+                for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     return [list(range(n_devices))]
 
 
@@ -670,7 +671,8 @@ class Plan:
                     else f"{_size(min(sizes))}..{_size(max(sizes))}")
             lines.append(
                 f"  {kind:<19}{axes:<12}{dtype:<6}{len(cs):>5}{span:>22}"
-                f"{sum(c.count for c in cs):>11}{sum(self.calls.get(id(c), c.count) for c in cs):>7}"
+                f"{sum(c.count for c in cs):>11}"
+                f"{sum(self.calls.get(id(c), c.count) for c in cs):>7}"
                 f"{sum(c.nbytes * c.count for c in cs) / 1e6:>10.1f}"
                 f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {source}")
         lines.append("per mesh axis (per device per step):")
@@ -756,7 +758,8 @@ def params_per_device(strategy, sc) -> int:
     mesh = mesh_of(strategy)
 
     def local(spec, x):
-        split = math.prod(mesh[a] for e in spec for a in ((e,) if isinstance(e, str) else (e or ())))
+        axes = [a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))]
+        split = math.prod(mesh[a] for a in axes)
         return math.prod(x.shape) // split
     return sum(jax.tree.leaves(jax.tree.map(local, specs, shapes,
                                             is_leaf=lambda x: isinstance(x, P))))

@@ -60,7 +60,8 @@ def plot(train: list[dict], evals: list[dict], out: pathlib.Path, title: str = "
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=pathlib.Path, help="a --log-json file")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="PNG path (default: LOG.png)")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="PNG path (default: LOG.png)")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
     if not args.log.is_file():

@@ -164,7 +164,8 @@ class StepConfig:
                                    platform or jax.default_backend())
         return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
                    args.remat, randaugment=tuple(getattr(args, "randaugment", (0, 0))),
-                   mixup_alpha=getattr(args, "mixup", 0.0), cutmix_alpha=getattr(args, "cutmix", 0.0),
+                   mixup_alpha=getattr(args, "mixup", 0.0),
+                   cutmix_alpha=getattr(args, "cutmix", 0.0),
                    notes=choices.notes)
 
 
