@@ -11,7 +11,7 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
               empty means every device (with --cpu-devices N: N)
     POLICY    fp32 | bf16 | fp16 | p=DTYPE,c=DTYPE,o=DTYPE (as --policy in the scripts)
     OPTIONS   key=value pairs, comma-separated, overriding the global flags for this
-              configuration: scan=0|1, remat=NAME, accum=K, precision=default|high|highest,
+              configuration: scan=0|1|auto, remat=NAME, accum=K, precision=default|high|highest,
               fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
 Give several with repeated --config flags or separated by ';' (or both).
 
@@ -230,13 +230,15 @@ def published_peak(device, policy: Policy) -> float | None:
 
 
 def training_setup(model: str, batch: int, policy: str, *, precision: str = "default",
-                   scan: bool = True, remat: str = "none", accum: int = 1,
+                   scan: bool | None = None, remat: str = "none", accum: int = 1,
                    total_steps: int = 1000) -> tuple[step.StepConfig, object]:
     """The step's settings and the optimizer exactly as the training scripts build them:
     their own parser, so every default of the real recipe (augmentation, RandAugment,
-    label smoothing, clipping, AdamW and its schedule) is in, plus these flags."""
+    label smoothing, clipping, AdamW and its schedule) is in, plus these flags. `scan`
+    None leaves the layer loop to the backend, as the scripts do (vit_pure/hardware.py)."""
     argv = ["--model", model, "--batch", str(batch), "--policy", policy,
-            "--matmul-precision", precision, "--scan" if scan else "--no-scan",
+            "--matmul-precision", precision,
+            *([] if scan is None else ["--scan" if scan else "--no-scan"]),
             "--remat", remat, "--accum-steps", str(accum), "--dataset", "synthetic"]
     try:
         args = cli.parse_args(cli.build_parser("bench"), argv)
@@ -346,7 +348,8 @@ def run_config(job: dict) -> dict:
     cfg = get_preset(job["model"])
     opts = job["options"]
     policy = Policy.parse(job["policy"], opts["precision"])
-    scan, accum = opts["scan"] in ("1", "true", True), int(opts["accum"])
+    scan = {"1": True, "true": True, "0": False, "false": False}.get(str(opts["scan"]).lower())
+    accum = int(opts["accum"])
     n = job["devices"] or len(jax.devices())
     if n > len(jax.devices()):
         raise cli.UsageError(f"{job['label']}: needs {n} devices, {len(jax.devices())} visible")
@@ -382,7 +385,7 @@ def run_config(job: dict) -> dict:
 
     xla_flops = None
     if job["xla_check"]:
-        if scan or accum != 1:
+        if sc.scan or accum != 1:
             # XLA counts a while-loop body once: count an unrolled twin (compiled, not run).
             twin_sc, _ = training_setup(job["model"], job["batch"], job["policy"],
                                         precision=opts["precision"], scan=False,
@@ -500,8 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch", type=int, default=128, help="global batch")
     a("--steps", type=int, default=5, help="timed steps per configuration (median reported)")
     a("--warmup", type=int, default=2, help="untimed steps after compilation")
-    a("--scan", action=argparse.BooleanOptionalAction, default=True,
-      help="lax.scan over the encoder layers (default for every configuration)")
+    a("--scan", action=argparse.BooleanOptionalAction, default=None,
+      help="lax.scan over the encoder layers (default: as the training scripts choose "
+           "per backend, vit_pure/hardware.py: unrolled on CPU and GPU)")
     a("--remat", default="none", help="rematerialisation policy (as the scripts' --remat)")
     a("--accum-steps", type=int, default=1, help="gradient accumulation micro-batches")
     a("--matmul-precision", default="default", choices=["default", "high", "highest"])
@@ -527,7 +531,7 @@ def main(argv=None) -> list[dict]:
         raise cli.UsageError("--warmup must be >= 0")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise cli.UsageError("--cpu-devices must be >= 1")
-    defaults = {"scan": "1" if args.scan else "0", "remat": args.remat,
+    defaults = {"scan": {None: "auto", True: "1", False: "0"}[args.scan], "remat": args.remat,
                 "accum": str(args.accum_steps), "precision": args.matmul_precision}
     jobs = []
     for c in parse_configs(args.config):

@@ -94,7 +94,8 @@ SHARED = [
     (["--matmul-precision", "ultra"], "argument --matmul-precision: invalid choice"),
     (["--remat", "nope"], "argument --remat: invalid choice"),
     (["--dataset", "imagenet"], "argument --dataset: invalid choice"),
-    (["--preset", "nope"], "argument --preset: invalid choice"),
+    (["--recipe", "nope"], "argument --recipe/--preset: invalid choice"),
+    (["--preset", "nope"], "argument --recipe/--preset: invalid choice"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     # pairs that do not go together
     (["--dataset", "cifar10"], "--synthetic-train/--synthetic-val/--synthetic-test need "

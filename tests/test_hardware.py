@@ -52,10 +52,10 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 
 def test_the_scripts_parser_leaves_these_to_the_hardware():
     """What `python train_shardmap.py --batch 4096 --dtype bf16` parses to, resolved as
-    StepConfig.from_args does for a GPU; `--preset cpu-quick` asks for --dtype auto."""
+    StepConfig.from_args does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
     assert args.scan is None
     sc = step.StepConfig.from_args(args, platform="gpu")
     assert not sc.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
-    quick = cli.parse_args(cli.build_parser("t"), ["--preset", "cpu-quick"])
+    quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"

@@ -1,5 +1,5 @@
-"""The recipe flags: --preset (explicit flags win), --randaugment / --mixup parsing, and
---eval-only reproducing a run's final test metrics from its checkpoint."""
+"""The recipe flags: --recipe (explicit flags win; --preset its old name), --randaugment /
+--mixup parsing, and --eval-only reproducing a run's final test metrics from its checkpoint."""
 import json
 
 import pytest
@@ -17,14 +17,23 @@ def _parse(argv):
     return cli.parse_args(train_shardmap.build_parser(), argv)
 
 
-def test_preset_sets_defaults_and_explicit_flags_win():
-    args = _parse(["--preset", "cpu-quick"])
+def test_recipe_sets_defaults_and_explicit_flags_win():
+    args = _parse(["--recipe", "cpu-quick"])
     for name, value in cli.RECIPES["cpu-quick"].items():
         assert getattr(args, name) == value, name
-    args = _parse(["--preset", "cpu-quick", "--epochs", "3", "--model", "tiny"])
+    args = _parse(["--recipe", "cpu-quick", "--epochs", "3", "--model", "tiny"])
     assert args.epochs == 3 and args.model == "tiny" and args.cfg.name == "tiny"
     assert args.randaugment == cli.RECIPES["cpu-quick"]["randaugment"]
 
+
+
+def test_preset_is_the_old_name_of_recipe_and_says_so(capsys):
+    args = _parse(["--preset", "cpu-quick", "--epochs", "3"])
+    assert args.recipe == "cpu-quick" and args.epochs == 3
+    assert args.batch == cli.RECIPES["cpu-quick"]["batch"]
+    assert "--preset is now --recipe" in capsys.readouterr().err
+    _parse(["--recipe", "cpu-quick"])
+    assert "--preset" not in capsys.readouterr().err
 
 @pytest.mark.parametrize("text, expected", [("2,9", (2, 9)), ("0", (0, 0)), ("1,0", (1, 0))])
 def test_randaugment_flag(text, expected):

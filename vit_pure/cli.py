@@ -16,11 +16,12 @@ from vit_pure.model import REMAT_MODES
 from vit_pure.policy import Policy
 
 
-# Named recipes for --preset. Each maps flag destinations to values; flags given on the
-# command line override them.
+# Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
+# Each maps flag destinations to values; flags given on the command line override them.
 RECIPES: dict[str, dict[str, Any]] = {
     # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
-    # ../shared/data/cifar10-subset); README "Accuracy" has its result and how it was chosen.
+    # ../shared/data/cifar10-subset); docs/training.md "Accuracy" has its result and how it
+    # was chosen.
     # Measured: 50.1% test, 6 min 39 s (vs RandAugment 2x7: 45.8%, none: 48.9%).
     "cpu-quick": dict(model="vit-cifar-quick", dtype="auto", batch=128, epochs=50, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
@@ -53,8 +54,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
       help="linear warm-up steps (default: 5%% of the run)")
     a("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
     a("--grad-clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    a("--preset", default=None, choices=sorted(RECIPES),
-      help="a named recipe (see vit_pure/cli.py RECIPES); flags given explicitly override it")
+    a("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),
+      help="a named training recipe (vit_pure/cli.py RECIPES); flags given explicitly "
+           "override it. --preset is its old name, still accepted until the next release")
 
     g = p.add_argument_group("recipe (the defaults are the full CIFAR-10 recipe; see README)")
     g.add_argument("--label-smoothing", type=float, default=0.1)
@@ -144,9 +146,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    preset = parser.parse_known_args(argv)[0].preset
-    if preset is not None:  # the preset's values become defaults: explicit flags win
-        parser.set_defaults(**RECIPES[preset])
+    recipe = parser.parse_known_args(argv)[0].recipe
+    if recipe is not None:  # the recipe's values become defaults: explicit flags win
+        parser.set_defaults(**RECIPES[recipe])
+    if any(a == "--preset" or a.startswith("--preset=") for a in
+           (sys.argv[1:] if argv is None else argv)):
+        print("note: --preset is now --recipe (a training recipe; --model picks the model "
+              "preset); --preset works until the next release", file=sys.stderr)
     args = parser.parse_args(argv)
     _check_numbers(parser, args)
     _check_checkpoint_flags(parser, args)

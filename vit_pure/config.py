@@ -74,7 +74,7 @@ PRESETS: dict[str, ViTConfig] = {
     "vit-cifar-small": ViTConfig(
         name="vit-cifar-small", image_size=32, patch_size=4, num_classes=10,
         width=192, depth=6, heads=6, mlp_dim=576, dropout=0.1),
-    # The model of `--preset cpu-quick`: 50 epochs of the CIFAR-10 subset in about
+    # The model of `--recipe cpu-quick`: 50 epochs of the CIFAR-10 subset in about
     # 7 minutes on a 2-core CPU (README, "Accuracy").
     "vit-cifar-quick": ViTConfig(
         name="vit-cifar-quick", image_size=32, patch_size=4, num_classes=10,

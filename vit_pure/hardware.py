@@ -15,7 +15,7 @@ Three settings have a right answer that depends on the hardware; each is measure
                    dtype on accelerators (a bf16-output GEMM still accumulates in float32
                    inside; 1.19x faster on an H100 than returning float32) and float32 on
                    CPU (XLA:CPU upcasts a bf16-output dot to float32 entirely).
-  dtype            `--dtype auto` (what `--preset cpu-quick` asks for): bf16 where it is
+  dtype            `--dtype auto` (what `--recipe cpu-quick` asks for): bf16 where it is
                    fast (accelerators; CPUs with bf16 arithmetic, avx512_bf16 or amx_bf16),
                    else fp32. An AVX2-only CPU emulates bf16: vit-cifar at batch 128 ran
                    8.7 img/s in bf16 against 12.3 in fp32 on an AMD EPYC without

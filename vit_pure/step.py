@@ -136,7 +136,10 @@ class StepConfig:
     policy: Policy
     label_smoothing: float = 0.0
     grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
-    scan: bool = True
+    # The layer loop: unrolled (False) is what the training scripts resolve to on CPU and
+    # GPU (hardware.resolve, measured faster there), so a StepConfig built directly runs
+    # the program users run; `from_args` sets it per backend (a scan on TPU).
+    scan: bool = False
     remat: str = "none"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
