@@ -1,4 +1,4 @@
-"""ViT training with `jax.shard_map` over a named Mesh: every collective written in this file.
+"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
 
     python train_shardmap.py --batch 4096 --dtype bf16 --data-dir ./data
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \
@@ -34,8 +34,9 @@ forward gathers once and peak memory holds every layer's whole weights for a mom
 With `--remat block` each block is recomputed in the backward pass, its gather included:
 the weights are gathered a second time there and only one layer's whole weights exist
 at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map`
-the step sees only its device's block of every array, and nothing moves between devices unless a
-collective in this file (or one of the model's two tensor-parallel operators) says so.
+the step sees only its device's block of every array, and nothing moves between devices
+unless a collective says so: the data-parallel and FSDP ones are in this file, the two
+tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline.py.
 
 THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
 vary across each mesh axis. Parameters enter replicated (P() over 'data'): *invariant*.
@@ -393,17 +394,18 @@ class ShardMapStrategy:
 
 def build_parser():
     parser = cli.build_parser(__doc__.splitlines()[0])
-    parser.add_argument("--mesh", default=None,
-                        help="mesh sizes, e.g. data=8 or data=2,model=4 or "
-                             "data=2,model=2,pipe=2 (default: all devices on data); model "
-                             "splits heads and MLP width, pipe the layers into stages")
-    parser.add_argument("--microbatches", type=int, default=None, metavar="K",
-                        help="pipeline (pipe=S > 1): each device's batch slice runs as K "
-                             "micro-batches; bubble fraction (S-1)/(K+S-1) (default: S)")
-    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
-                        help="shard weight matrices and their optimizer state over 'data' "
-                             "(ZeRO-3); the gathered weights are kept for the backward "
-                             "pass, add --remat block to gather them again there instead")
+    g = parser.add_argument_group("parallelism (the mesh)")
+    g.add_argument("--mesh", default=None,
+                   help="mesh sizes, e.g. data=8 or data=2,model=4 or "
+                        "data=2,model=2,pipe=2 (default: all devices on data); model "
+                        "splits heads and MLP width, pipe the layers into stages")
+    g.add_argument("--microbatches", type=int, default=None, metavar="K",
+                   help="pipeline (pipe=S > 1): each device's batch slice runs as K "
+                        "micro-batches; bubble fraction (S-1)/(K+S-1) (default: S)")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                   help="shard weight matrices and their optimizer state over 'data' "
+                        "(ZeRO-3); the gathered weights are kept for the backward "
+                        "pass, add --remat block to gather them again there instead")
     return parser
 
 

@@ -544,7 +544,7 @@ def data_parallel_grads(sc, params, devices: int):
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
 
     def per_device(p, images, labels, ids, key):
-        p = lax.pcast(p, "data", to="varying")  # the gradient pitfall: see DESIGN.md
+        p = lax.pcast(p, "data", to="varying")  # the gradient pitfall: see train_shardmap.py
         grads, metrics = step.local_grads(sc, p, LossScale.create(dynamic=False), images,
                                           labels, ids, key)
         return lax.pmean((grads, metrics["loss"]), "data")

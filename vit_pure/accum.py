@@ -1,7 +1,7 @@
 """How the global batch is cut, and how many micro-batches per optimizer step
 (`--accum-steps K|auto`).
 
-Gradient accumulation itself is a dozen lines in `step.accumulate` (a `lax.scan` over K
+Gradient accumulation itself is `step.accumulate` (a `lax.scan` over K
 micro-batches of each device's slice, the gradients summed, one all-reduce per step
 written by the script). This module decides K and builds the script's strategy with it:
 

@@ -115,6 +115,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from vit_pure.data import _one_line  # one copy: an exception's message as one line
@@ -231,8 +232,6 @@ def _checked_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 def _check_storable(key: str, leaf: Any) -> None:
     """Refuse, before anything is written, a leaf whose dtype has no pickle-free form."""
-    import jax
-
     if not hasattr(leaf, "dtype"):  # a Python scalar (or something stranger)
         leaf = np.asarray(leaf)
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -244,8 +243,6 @@ def _check_storable(key: str, leaf: Any) -> None:
 
 def _to_host(leaf: Any) -> np.ndarray:
     """The whole leaf as a host numpy array (one device fetch; Python scalars too)."""
-    import jax
-
     return np.asarray(jax.device_get(leaf))
 
 
@@ -379,7 +376,8 @@ def verify(path: str | os.PathLike) -> None:
 def load_numpy(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All arrays by key, checksum-verified, in their real dtypes (bfloat16 via ml_dtypes).
 
-    Needs numpy (and ml_dtypes only for the dtypes numpy lacks); no jax, no template.
+    Needs no template and touches no device: the arrays come back as numpy arrays
+    (bfloat16 through ml_dtypes), to inspect a checkpoint or to convert it.
     """
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
@@ -397,8 +395,6 @@ def restore(path: str | os.PathLike, template: Mapping[str, Any]) -> dict[str, A
     ``restore(path, {"params": ...})`` loads just the parameters. Returns numpy arrays,
     checksum-verified. Any mismatch raises CheckpointError naming the key.
     """
-    import jax
-
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
     entries = {e["key"]: e for e in manifest["arrays"]}
@@ -529,8 +525,6 @@ def _decode(entry: dict[str, Any], stored: np.ndarray) -> np.ndarray:
 
 def _flatten(name: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """[(key, leaf)] in pytree order, and the treedef; keys as in the module docstring."""
-    import jax
-
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     keyed = [(_key(name, path), leaf) for path, leaf in paths_and_leaves]
     seen: set[str] = set()

@@ -34,31 +34,43 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     # Long but flat: one add_argument per flag, grouped as `--help` shows them.
     p = OneLineErrorParser(description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
-    a("--batch", type=int, default=128, help="global batch (divisible by the device count)")
-    a("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
-      help="f32 master params computing in this dtype; auto: bf16 where the hardware has "
-           "fast bf16 (accelerators, CPUs with avx512_bf16/amx_bf16), else fp32")
-    a("--policy", default=None,
-      help="full dtype policy, e.g. p=f32,c=bf16,o=f32,m=bf16 (wins over --dtype); m= is "
-           "what matmuls return, chosen per backend when left out (vit_pure/policy.py)")
-    a("--matmul-precision", default="default", choices=["default", "high", "highest"])
-    a("--epochs", type=int, default=200)
-    a("--steps", type=int, default=None, help="stop after this many optimizer steps")
-    a("--dataset", default="cifar10", choices=["cifar10", "synthetic"])
-    a("--data-dir", default="./data")
-    a("--seed", type=int, default=0)
-    a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    a("--warmup-steps", type=int, default=None,
-      help="linear warm-up steps (default: 5%% of the run)")
-    a("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
-    a("--grad-clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    a("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),
-      help="a named training recipe (vit_pure/cli.py RECIPES); flags given explicitly "
-           "override it. --preset is its old name, still accepted until the next release")
+    g = p.add_argument_group("model and precision")
+    g.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="f32 master params computing in this dtype; auto: bf16 where the hardware "
+                        "has fast bf16 (accelerators, CPUs with avx512_bf16/amx_bf16), else fp32")
+    g.add_argument("--policy", default=None,
+                   help="full dtype policy, e.g. p=f32,c=bf16,o=f32,m=bf16 (wins over --dtype); m="
+                        " is what matmuls return, chosen per backend when left out "
+                        "(vit_pure/policy.py)")
+    g.add_argument("--matmul-precision", default="default", choices=["default", "high", "highest"])
+    g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="lax.scan over the encoder layers (faster compile) instead of a Python "
+                        "loop (default: per backend, vit_pure/hardware.py: unrolled on CPU and "
+                        "GPU)")
+    g.add_argument("--remat", default="none", choices=list(REMAT_MODES),
+                   help="recompute in the backward pass: each whole encoder block (block), or all "
+                        "but its matmul outputs (block-save-dots); same results, less memory")
 
-    g = p.add_argument_group("recipe (the defaults are the full CIFAR-10 recipe; see README)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),
+                   help="a named training recipe (vit_pure/cli.py RECIPES); flags given explicitly"
+                        " override it. --preset is its old name, still accepted until the next "
+                        "release")
+    g.add_argument("--batch", type=int, default=128,
+                   help="global batch (divisible by the device count)")
+    g.add_argument("--epochs", type=int, default=200)
+    g.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps (default: 5%% of the run)")
+    g.add_argument("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="global-norm gradient clipping (0: off)")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("recipe: augmentation and regularisation "
+                             "(the defaults are the full CIFAR-10 recipe; docs/training.md)")
     g.add_argument("--label-smoothing", type=float, default=0.1)
     g.add_argument("--randaugment", type=_randaugment, default=(2, 9), metavar="N,M",
                    help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off")
@@ -69,38 +81,44 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
                    help="mixup with Beta(ALPHA, ALPHA) weights (0: off)")
     g.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
-                   help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, "
-                        "each batch uses one of the two")
-    a("--scan", action=argparse.BooleanOptionalAction, default=None,
-      help="lax.scan over the encoder layers (faster compile) instead of a Python loop "
-           "(default: per backend, vit_pure/hardware.py: unrolled on CPU and GPU)")
-    a("--remat", default="none", choices=list(REMAT_MODES),
-      help="recompute in the backward pass: each whole encoder block (block), or all but "
-           "its matmul outputs (block-save-dots); same results, less memory")
-    a("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
-      help="gradient accumulation: run each device's slice of the batch as K micro-batches "
-           "per optimizer step (same results); auto: the smallest K whose compiled step "
-           "fits in device memory")
-    a("--memory-budget", type=float, default=None, metavar="GIB",
-      help="memory --accum-steps auto may plan for, in GiB, all of this process's devices "
-           "together (default: 80%% of the free device memory; on CPU of the available RAM)")
-    a("--eval-every", type=int, default=1,
-      help="evaluate on the validation split every N epochs (0: never)")
-    a("--eval-batch", type=int, default=None, help="evaluation batch (default: --batch)")
-    a("--log-json", default=None, help="append one JSON object per log line to this file")
-    a("--log-every", type=int, default=50,
-      help="log every N steps (every step if the run has <= 100)")
-    a("--cpu-devices", type=int, default=None,
-      help="on a CPU-only machine, run on N fake devices")
-    a("--no-progress", action="store_true", help="no tqdm progress bars")
-    a("--no-final-eval", action="store_true",
-      help="skip the final validation and test evaluation (runs that only time the steps)")
-    a("--synthetic-train", type=int, default=None, metavar="N",
-      help="--dataset synthetic: training images (default 45000)")
-    a("--synthetic-val", type=int, default=None, metavar="N",
-      help="--dataset synthetic: validation images (default 5000)")
-    a("--synthetic-test", type=int, default=None, metavar="N",
-      help="--dataset synthetic: test images (default 10000)")
+                   help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, each "
+                        "batch uses one of the two")
+
+    g = p.add_argument_group("memory")
+    g.add_argument("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
+                   help="gradient accumulation: run each device's slice of the batch as K "
+                        "micro-batches per optimizer step (same results); auto: the smallest K "
+                        "whose compiled step fits in device memory")
+    g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="memory --accum-steps auto may plan for, in GiB, all of this process's "
+                        "devices together (default: 80%% of the free device memory; on CPU of the "
+                        "available RAM)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", choices=["cifar10", "synthetic"])
+    g.add_argument("--data-dir", default="./data")
+    g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: training images (default 45000)")
+    g.add_argument("--synthetic-val", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: validation images (default 5000)")
+    g.add_argument("--synthetic-test", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: test images (default 10000)")
+
+    g = p.add_argument_group("evaluation, logging, devices")
+    g.add_argument("--eval-every", type=int, default=1,
+                   help="evaluate on the validation split every N epochs (0: never)")
+    g.add_argument("--eval-batch", type=int, default=None,
+                   help="evaluation batch (default: --batch)")
+    g.add_argument("--log-json", default=None,
+                   help="append one JSON object per log line to this file")
+    g.add_argument("--log-every", type=int, default=50,
+                   help="log every N steps (every step if the run has <= 100)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--no-final-eval", action="store_true",
+                   help="skip the final validation and test evaluation (runs that only time the "
+                        "steps)")
+    g.add_argument("--cpu-devices", type=int, default=None,
+                   help="on a CPU-only machine, run on N fake devices")
 
     g = p.add_argument_group("checkpoints and preemption")
     g.add_argument("--ckpt-dir", default=None, metavar="DIR",

@@ -75,7 +75,7 @@ PRESETS: dict[str, ViTConfig] = {
         name="vit-cifar-small", image_size=32, patch_size=4, num_classes=10,
         width=192, depth=6, heads=6, mlp_dim=576, dropout=0.1),
     # The model of `--recipe cpu-quick`: 50 epochs of the CIFAR-10 subset in about
-    # 7 minutes on a 2-core CPU (README, "Accuracy").
+    # 7 minutes on a 2-core CPU (docs/training.md, "Accuracy").
     "vit-cifar-quick": ViTConfig(
         name="vit-cifar-quick", image_size=32, patch_size=4, num_classes=10,
         width=128, depth=4, heads=4, mlp_dim=256, dropout=0.0),

@@ -6,15 +6,15 @@ blocks that large with fresh mmap'ed memory that it returns on free. So every st
 touches over a gigabyte of new 4 KiB pages: about 300,000 page faults per step, each a
 trip into the kernel that zeroes a page. glibc 2.35+ can back its memory with
 transparent huge pages (2 MiB; the `glibc.malloc.hugetlb=1` tunable), 512x fewer faults.
-Measured for vit-cifar, batch 128, one CPU device (README, "Performance"): minor page
-faults 11.8 M -> 0.47 M over a bench.py run, 28.5 -> 31.4 img/s fp32, 33.9 -> 35.0 bf16.
+Measured for vit-cifar, batch 128, one CPU device (docs/performance.md): minor page
+faults 11.8 M -> 0.47 M over a benchmarks.bench run, 28.5 -> 31.4 img/s fp32, 33.9 -> 35.0 bf16.
 
 glibc reads its tunables once, when the process starts, so `use_huge_pages()` restarts
 the running script once (os.execve: same PID, same arguments) with the tunable added to
 GLIBC_TUNABLES. It does nothing when not on Linux/glibc >= 2.35, when the kernel has
 transparent huge pages off, when the tunable is already set, or when
-VIT_PURE_HUGEPAGES=0. The training scripts, bench.py and study.py call it first thing in
-their `__main__` block; importing them (as the tests do) changes nothing.
+VIT_PURE_HUGEPAGES=0. The training scripts, benchmarks.bench and benchmarks.study call it
+first thing in their `__main__` block; importing them (as the tests do) changes nothing.
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def run(args, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
 
 def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
          stop: "StopRequest", profiler: Profiler) -> dict:
-    # One function on purpose (81 lines): the whole loop reads top to bottom, like
+    # One function on purpose: the whole loop reads top to bottom, like
     # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
     splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)

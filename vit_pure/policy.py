@@ -11,11 +11,11 @@ One frozen dataclass decides every cast in the kit:
 String form (the command line's `--policy`): ``p=f32,c=bf16,o=f32,m=bf16``. The short forms
 ``fp32`` / ``bf16`` / ``fp16`` mean float32 master params computing in that dtype with
 float32 outputs (the usual mixed-precision recipe). Parameters themselves may also be
-stored in low precision (``p=bf16,c=bf16``); that runs, but see README for why it trains
-worse.
+stored in low precision (``p=bf16,c=bf16``); that runs, but see docs/precision.md for why
+it trains worse.
 
 The matmul output dtype is a speed choice with two right answers, one per backend
-(measured, README "Performance"):
+(measured, docs/performance.md):
 
   * ``m=`` the compute dtype (bf16 out): the GEMM accumulates in float32 internally and
     rounds once on the way out; the bias add then runs in bf16. On an H100 this was
