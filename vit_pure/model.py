@@ -43,6 +43,13 @@ units may be split over a mesh axis. The block then reads its local head count f
 kernel shapes, and the two Megatron operators appear in `_block`: `_copy_to_tp` (identity
 forward, all-reduce of the gradient backward: "f") before each column-parallel matmul and
 `_reduce_from_tp` (all-reduce forward, identity backward: "g") after each row-parallel one.
+
+Attention (`attention`, the --attention flag; `_attention_einsum`, `_attention_fused`):
+"einsum" (the default) writes the attention as two `policy.einsum` products on
+(B, H, T, D), with the head transposes that layout needs; "xla" and "cudnn" call
+`jax.nn.dot_product_attention` on (B, T, H, D), straight from the qkv matmul's layout,
+with the token axis padded to a multiple of 8 around the call and the padded keys masked.
+All three compute the same function of the same parameters (tests/test_attention.py).
 """
 from __future__ import annotations
 
@@ -63,6 +70,9 @@ _INIT_STD = 0.02
 _SITE_EMBED, _SITE_ATTN, _SITE_MLP, _SITE_PATH_ATTN, _SITE_PATH_MLP = range(5)
 # Rematerialisation modes of `encoder` (the --remat flag).
 REMAT_MODES = ("none", "block", "block-save-dots")
+# Attention implementations of `encoder` (the --attention flag): see `_attention_fused`.
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+_TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
 _DOT = "dot"  # the checkpoint name of every matmul / attention-einsum output in `_block`
 
 
@@ -197,6 +207,82 @@ def _reduce_from_tp(y, tp_axis):
     return y if tp_axis is None else jax.lax.psum(y, tp_axis)
 
 
+# ----------------------------------------------------------------------------- attention
+def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy):
+    """The reference attention: qkv (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute
+    dtype, over this device's Hl heads.
+
+    Both products go through `policy.einsum` (compute-dtype inputs, float32 accumulation,
+    `policy.matmul_dtype` out, the policy's matmul precision; under ``m=f32`` its custom
+    VJP runs the backward products with compute-dtype inputs too). The scores are scaled
+    and the softmax taken in float32; the probabilities enter the second product in the
+    compute dtype. The (B, H, T, D) layout costs a transpose of q, k, v and of the
+    context (and their transposes again in the backward pass).
+    """
+    cd = policy.compute_dtype
+    q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=cfg.head_dim)
+    scores = _dot_out(einsum("bhqd,bhkd->bhqk", q, k, policy))
+    probs = jax.nn.softmax(scores.astype(F32) / math.sqrt(cfg.head_dim), axis=-1)  # f32
+    ctx = _dot_out(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
+    return rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
+
+
+def _padded_length(tokens: int) -> int:
+    """The token count the fused attention pads to: the next multiple of 8 (65 -> 72)."""
+    return -(-tokens // _TOKEN_MULTIPLE) * _TOKEN_MULTIPLE
+
+
+def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
+    """`jax.nn.dot_product_attention(..., implementation=)` on (B, T, H, D): qkv
+    (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute dtype, over this device's Hl
+    heads, with no head transposes (q, k, v are slices of the qkv matmul's output, the
+    context reshapes straight into the output projection's input).
+
+    Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v are padded with
+    zeros on the token axis to the next multiple of 8 (65 -> 72) for this call only, with
+    ``key_value_seq_lengths = T``: the padded keys get zero weight (a -0.7*f32max score in
+    "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after,
+    so their gradient is zero. Padding only here, not the whole token axis, measured
+    faster on an H100 (docs/performance.md, "Attention implementations").
+
+    Precision, against `_attention_einsum`:
+      * "xla" (JAX's reference implementation, any backend): the scores in float32
+        (``preferred_element_type``; for bf16 inputs the BF16_BF16_F32 dot algorithm),
+        scaled, masked and put through the softmax in float32, the probabilities cast to
+        the compute dtype, the context returned in the compute dtype (float32
+        accumulation inside the GEMM). `policy.matmul_dtype` is not consulted and the
+        backward products come from plain autodiff (under ``m=f32`` their cotangents
+        are float32, not cast to the compute dtype as `policy.einsum` does), so low-
+        precision results differ from the einsum path by bf16 rounding, float32 results
+        by float32 rounding. The policy's matmul precision applies to the float32 case
+        (``jax.default_matmul_precision``).
+      * "cudnn" (NVIDIA GPUs, bf16 / fp16 inputs only): cuDNN's flash attention, both
+        products accumulating in float32 and the softmax computed online in float32; the
+        probabilities are rounded to the input dtype before the second product, as in the
+        einsum path; the context comes back in the compute dtype. The backward pass
+        recomputes the probabilities from the saved softmax statistics instead of
+        keeping the (T, T) matrix. Checked against the einsum path's gradients within
+        bf16 rounding by benchmarks/attention_check.py on a GPU.
+    The kit has no dropout on the attention probabilities (its dropout sits on full-width
+    activations), so the fused call needs none.
+
+    Under remat="block-save-dots" the context is the saved output; the products inside
+    the fused call are recomputed in the backward pass.
+    """
+    B, T = qkv.shape[:2]
+    q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
+                         d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
+    Tp = _padded_length(T)
+    q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
+    precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
+    with jax.default_matmul_precision(precision):
+        ctx = jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=jnp.full((B,), T, jnp.int32),
+            implementation=implementation)  # (B, Tp, Hl, D), the compute dtype
+    ctx = _dot_out(ctx[:, :T].astype(policy.compute_dtype))
+    return rearrange(ctx, "b t h d -> b t (h d)")
+
+
 # --------------------------------------------------------------------------- the network
 def compute_params(tree, policy: Policy, gather: Callable | None = None, path: str = ""):
     """Parameters as a layer uses them: gathered by the FSDP hook (if any), then cast to
@@ -225,7 +311,8 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
     return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED)
 
 
-def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
+def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
+           attention="einsum"):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
     # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
@@ -240,12 +327,10 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
     h = _copy_to_tp(_layer_norm(x, p["ln1"], cfg.ln_eps), tp_axis)
     qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
     qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
-    q, k, v = rearrange(qkv.astype(cd), "b t (three h d) -> three b h t d",
-                        three=3, d=cfg.head_dim)
-    scores = _dot_out(einsum("bhqd,bhkd->bhqk", q, k, policy))
-    probs = jax.nn.softmax(scores.astype(F32) / math.sqrt(cfg.head_dim), axis=-1)  # f32
-    ctx = _dot_out(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
-    ctx = rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
+    if attention == "einsum":
+        ctx = _attention_einsum(qkv.astype(cd), cfg, policy)  # (B, T, Hl*D) cd
+    else:
+        ctx = _attention_fused(qkv.astype(cd), cfg, policy, attention)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
     y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN)
@@ -263,7 +348,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis):
 
 
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=False,
-            remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None):
+            remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None,
+            attention="einsum"):
     """Run the stacked blocks (leading axis = layers) over x (B, T, E).
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
@@ -281,15 +367,21 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
     Under tensor parallelism "block" also repeats a forward all-reduce in the backward
     pass (the attention output's, which the MLP's input is recomputed from);
     "block-save-dots" keeps its result (the name sits after the psum) and repeats none.
+
+    `attention`: "einsum" (default), "xla" or "cudnn", see `_attention_fused`; the same
+    results either way, within the rounding of the compute dtype.
     """
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
+                         f"got {attention!r}")
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
         p = compute_params(p, policy, gather, "blocks")
-        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis)
+        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis, attention)
 
     if remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
@@ -328,16 +420,17 @@ def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int)
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
           scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-          gather: Callable | None = None) -> jax.Array:
+          gather: Callable | None = None, attention: str = "einsum") -> jax.Array:
     """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
 
     train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
-    so a batch split over devices gives the same masks as one device.
+    so a batch split over devices gives the same masks as one device. `scan`, `remat`,
+    `tp_axis`, `gather` and `attention`: see `encoder`.
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
     x = embed(top, images, cfg, policy, ex_keys)
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
-                tp_axis=tp_axis, gather=gather)
+                tp_axis=tp_axis, gather=gather, attention=attention)
     return head(top, x, cfg, policy)
