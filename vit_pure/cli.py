@@ -12,7 +12,7 @@ from vit_pure import distributed
 from vit_pure import plan
 from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.model import REMAT_MODES
+from vit_pure.model import ATTENTION_IMPLS, REMAT_MODES
 from vit_pure.policy import Policy
 
 
@@ -51,6 +51,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--remat", default="none", choices=list(REMAT_MODES),
                    help="recompute in the backward pass: each whole encoder block (block), or all "
                         "but its matmul outputs (block-save-dots); same results, less memory")
+    g.add_argument("--attention", default="einsum", choices=list(ATTENTION_IMPLS),
+                   help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
+                        "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
+                        "GPUs, bf16/fp16); same results (docs/performance.md)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),

@@ -98,7 +98,7 @@ def _micro(x, k: int):
 # ------------------------------------------------------------------------- the schedule
 def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
                       pipe_axis: str, scan: bool = False, remat: str = "none",
-                      tp_axis: str | None = None):
+                      tp_axis: str | None = None, attention: str = "einsum"):
     """GPipe over this stage's blocks (L/S layers, leading axis).
 
     x_micro (K, m, T, E): the embedded micro-batches (only stage 0's copy is read).
@@ -128,7 +128,7 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
         keys = None if ex_keys_micro is None else \
             ex_keys_micro[jnp.clip(t - stage, 0, K - 1)]
         y = encoder(blocks, x, cfg, policy, keys, scan=scan, remat=remat, tp_axis=tp_axis,
-                    layer_offset=stage * per_stage)
+                    layer_offset=stage * per_stage, attention=attention)
         if t >= S - 1:  # on the last stage, the output of micro-batch t - (S - 1)
             outputs.append(y)
         if t < K + S - 2 and S > 1:
@@ -142,7 +142,7 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
 def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = False,
                      rng=None, example_ids=None, pipe_axis: str, microbatches: int,
                      scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-                     gather=None):
+                     gather=None, attention: str = "einsum"):
     """`model.apply`, pipelined: images (b, h, w, C) -> logits (b, classes), valid on the
     last stage. params: this stage's blocks (L/S layers), every other parameter whole;
     `train`, `rng` and `example_ids` as in `apply`.
@@ -170,7 +170,8 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = Fa
     x = embed(top, images, cfg, policy, ex_keys)  # (b, T, E)
     y = pipelined_encoder(blocks, _micro(x, K), cfg, policy,
                           None if ex_keys is None else _micro(ex_keys, K),
-                          pipe_axis=pipe_axis, scan=scan, remat=remat, tp_axis=tp_axis)
+                          pipe_axis=pipe_axis, scan=scan, remat=remat, tp_axis=tp_axis,
+                          attention=attention)
     y = y.reshape(x.shape)  # (K, m, T, E) -> (b, T, E), the examples back in order
     return head(top, y, cfg, policy)  # meaningful on the last stage only
 
@@ -209,7 +210,7 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
         logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
                                   example_ids=example_ids, pipe_axis=pipe_axis,
                                   microbatches=microbatches, scan=sc.scan, remat=sc.remat,
-                                  tp_axis=tp_axis, gather=gather)
+                                  tp_axis=tp_axis, gather=gather, attention=sc.attention)
         # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
         # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
         # mask turns into 0 on all but the last stage.
@@ -245,6 +246,6 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis:
     k = math.gcd(labels.shape[0], microbatches)
     sums = eval_sums(sc, lambda images: pipelined_logits(
         params, images, sc.cfg, sc.policy, pipe_axis=pipe_axis, microbatches=k, scan=sc.scan,
-        tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
+        tp_axis=tp_axis, gather=gather, attention=sc.attention), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

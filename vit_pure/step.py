@@ -141,6 +141,8 @@ class StepConfig:
     # the program users run; `from_args` sets it per backend (a scan on TPU).
     scan: bool = False
     remat: str = "none"
+    # The attention implementation (--attention; model.ATTENTION_IMPLS, see model.encoder).
+    attention: str = "einsum"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
     # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (augment.mix_batch),
@@ -163,13 +165,29 @@ class StepConfig:
         jax.distributed is started). `notes` says what the hardware decided."""
         # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
         # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
+        platform = platform or jax.default_backend()
         choices = hardware.resolve(args.policy or args.dtype, args.matmul_precision, args.scan,
-                                   platform or jax.default_backend())
+                                   platform)
+        attention = getattr(args, "attention", "einsum")
+        _check_attention(attention, choices.policy, platform)
         return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
-                   args.remat, randaugment=tuple(getattr(args, "randaugment", (0, 0))),
+                   args.remat, attention=attention,
+                   randaugment=tuple(getattr(args, "randaugment", (0, 0))),
                    mixup_alpha=getattr(args, "mixup", 0.0),
                    cutmix_alpha=getattr(args, "cutmix", 0.0),
                    notes=choices.notes)
+
+
+def _check_attention(attention: str, policy: Policy, platform: str) -> None:
+    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs."""
+    if attention != "cudnn":
+        return
+    if platform != "gpu":
+        raise UsageError(f"--attention cudnn needs an NVIDIA GPU (cuDNN); this run is on "
+                         f"{platform}: use --attention xla (or einsum)")
+    if policy.compute_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise UsageError(f"--attention cudnn needs a 16-bit compute dtype (--dtype bf16 or "
+                         f"fp16); the policy {policy} computes in float32")
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
@@ -186,7 +204,7 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
                        example_ids=example_ids, scan=sc.scan, remat=sc.remat,
-                       tp_axis=tp_axis, gather=gather)
+                       tp_axis=tp_axis, gather=gather, attention=sc.attention)
         return train_metrics(sc, logits, labels, targets)
 
     return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
@@ -295,7 +313,8 @@ def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
 def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
     """Sums over this device's slice (padding masked out): loss, correct, count."""
     return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy, scan=sc.scan,
-                                              tp_axis=tp_axis, gather=gather),
+                                              tp_axis=tp_axis, gather=gather,
+                                              attention=sc.attention),
                      images_u8, labels, mask)
 
 

@@ -1,0 +1,166 @@
+"""The attention implementations (`--attention`, model.ATTENTION_IMPLS) compute one function.
+
+"xla" calls `jax.nn.dot_product_attention` on (B, T, H, D) with the token axis padded to a
+multiple of 8 around the call and the padded keys masked (model._attention_fused); it must
+give the einsum path's logits and gradients: to float32 rounding under fp32, to bf16
+rounding under bf16. The tiny model has 17 tokens, padded to 24, so the padding and its
+mask are really exercised (and dropping the mask is a difference the checks see). Under
+tensor parallelism (local heads) and a pipeline, the "xla" path matches data parallel
+within tests/test_layout_matrix.py's tolerances. "cudnn" needs an NVIDIA GPU: on CPU it is
+a one-line usage error; its check against the einsum path is benchmarks/attention_check.py
+(a GPU script, not a test).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_cli_errors as cli_errors
+import test_layout_matrix as matrix
+
+import train_shardmap as ts
+from vit_pure import cli, model, step
+from vit_pure.cli import UsageError
+from vit_pure.model import apply, init_params
+from vit_pure.policy import Policy
+
+CFG = matrix.CFG  # tiny, depth 2: 4 heads of 6, 17 tokens; dropout and drop path on
+EPS32 = float(jnp.finfo(jnp.float32).eps)
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+# (policy, relative tolerance): the largest difference of each array (logits, each
+# gradient leaf) over that array's largest entry. Float32: a few float32 roundings (the
+# two paths scale the scores in a different order); bf16: one bf16 rounding.
+POLICIES = [("fp32", 32 * EPS32), ("p=f32,c=bf16,o=f32,m=f32", EPS_BF16),
+            ("p=f32,c=bf16,o=f32,m=bf16", EPS_BF16)]
+
+
+def _worst(a, b) -> float:
+    """Largest |a - b| over the largest |a|, over the leaves of two trees."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.all(np.isfinite(y))
+        worst = max(worst, float(np.max(np.abs(x - y)) / np.max(np.abs(x))))
+    return worst
+
+
+@functools.cache
+def _params():
+    return init_params(jax.random.key(0), CFG)
+
+
+@functools.cache
+def _logits_and_grads(policy_text: str, attention: str):
+    """Training-mode logits (dropout, drop path on) and the gradients of a random linear
+    function of them, for 6 images."""
+    images = jax.random.normal(jax.random.key(1), (6, 32, 32, 3), jnp.float32)
+    weights = jax.random.normal(jax.random.key(2), (6, CFG.num_classes), jnp.float32)
+    policy = Policy.parse(policy_text)
+
+    def f(params):
+        logits = apply(params, images, CFG, policy, train=True, rng=jax.random.key(3),
+                       attention=attention).astype(jnp.float32)
+        return jnp.sum(logits * weights), logits
+
+    compiled = jax.jit(jax.grad(f, has_aux=True)).lower(_params()).compile(matrix.FAST)
+    grads, logits = compiled(_params())
+    return jax.device_get(logits), jax.device_get(grads)
+
+
+def test_the_token_axis_is_padded():
+    assert CFG.seq_len == 17 and model._padded_length(CFG.seq_len) == 24
+    assert model._padded_length(65) == 72  # vit-cifar
+    assert model._padded_length(64) == 64
+
+
+@pytest.mark.parametrize("policy, tol", POLICIES, ids=[p for p, _ in POLICIES])
+def test_xla_attention_matches_einsum(policy, tol):
+    ref_logits, ref_grads = _logits_and_grads(policy, "einsum")
+    logits, grads = _logits_and_grads(policy, "xla")
+    print(policy, "logits", _worst(ref_logits, logits), "grads", _worst(ref_grads, grads),
+          "tolerance", tol)
+    assert _worst(ref_logits, logits) <= tol
+    assert _worst(ref_grads, grads) <= tol
+
+
+def test_the_mask_matters():
+    """The check can fail: the same padded call without the key mask lets the 7 zero keys
+    into every softmax, a difference far outside the bf16 tolerance."""
+    B, T, H, D = 3, CFG.seq_len, CFG.heads, CFG.head_dim
+    Tp = model._padded_length(T)
+
+    @jax.jit
+    def three_ways(qkv):
+        policy = Policy()
+        q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in
+                   jnp.moveaxis(qkv.reshape(B, T, 3, H, D), 2, 0))
+        unmasked = jax.nn.dot_product_attention(q, k, v, implementation="xla")[:, :T]
+        return (model._attention_einsum(qkv, CFG, policy),
+                model._attention_fused(qkv, CFG, policy, "xla"), unmasked.reshape(B, T, H * D))
+
+    ref, got, unmasked = three_ways(jax.random.normal(jax.random.key(4), (B, T, 3 * H * D)))
+    assert _worst(ref, got) <= 32 * EPS32
+    assert _worst(ref, unmasked) > 10 * EPS_BF16
+
+
+@functools.cache
+def _run(layout: str, policy_text: str, attention: str) -> dict:
+    """tests/test_layout_matrix.py's `run` (two training steps from the same state and
+    batches), with the attention implementation set."""
+    sc = step.StepConfig(CFG, Policy.parse(policy_text), attention=attention)
+    mesh, fsdp = matrix.LAYOUTS.get(layout) or ("data=8", False)
+    strategy = ts.ShardMapStrategy(sc, matrix._optimizer(), mesh, fsdp=fsdp)
+    state = strategy.put_state(matrix._initial_state(policy_text))
+    compiled, metrics = None, []
+    for images, labels, ids, key in matrix._batches():
+        args = (state, *strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
+        compiled = compiled or strategy.train_step.lower(*args).compile(matrix.FAST)
+        state, m = compiled(*args)
+        metrics.append(strategy.metrics_to_host(m))
+    return {"metrics": metrics, "params": strategy.host_state(state)["params"]}
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_xla_attention_under_model_parallelism_matches_data_parallel(layout):
+    """TP runs the fused call on each device's 2 of the 4 heads; the pipeline on each
+    stage's layer. Same checks and tolerances as the layout matrix, against the
+    data-parallel step with the same attention (which `test_xla_attention_matches_einsum`
+    ties to the einsum path)."""
+    text = "fp32"
+    tol_metrics, tol_params = matrix.tolerances(Policy.parse(text))
+    ref, got = _run("dp", text, "xla"), _run(layout, text, "xla")
+    for i, (r, g) in enumerate(zip(ref["metrics"], got["metrics"], strict=True)):
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert g["loss"] == pytest.approx(r["loss"], rel=tol_metrics), f"step {i + 1} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=tol_metrics), \
+            f"step {i + 1} gradient norm"
+    moved = matrix._distance(ref["params"], matrix._initial_state(text)["params"])
+    assert moved > 0
+    assert matrix._distance(got["params"], ref["params"]) <= tol_params * moved
+
+
+def test_cudnn_on_cpu_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", "cudnn"])
+    cli_errors._assert_one_line(code, capsys.readouterr().err,
+                                "--attention cudnn needs an NVIDIA GPU (cuDNN); this run is on "
+                                "cpu")
+
+
+def test_cudnn_needs_a_16_bit_compute_dtype():
+    """On a GPU, cuDNN's kernel takes bf16 / fp16 only: float32 is refused before any
+    compile (checked here by naming the platform)."""
+    parser = cli.build_parser("test")
+    args = cli.parse_args(parser, ["--model", "tiny", "--attention", "cudnn",
+                                   "--dtype", "fp32"])
+    with pytest.raises(UsageError, match="--attention cudnn needs a 16-bit compute dtype"):
+        step.StepConfig.from_args(args, platform="gpu")
+    args.dtype = "bf16"
+    sc = step.StepConfig.from_args(args, platform="gpu")
+    assert sc.attention == "cudnn" and dataclasses.replace(sc, attention="einsum") != sc
