@@ -248,6 +248,8 @@ class ShardMapStrategy:
             transform_non_params=lambda _: P(), is_leaf=_is_spec)
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
                             "loss_scale": P(), "step": P()}
+        if sc.ema_decay > 0:  # --ema: the weights' moving average, sharded like the weights
+            self.state_specs["ema"] = self.param_specs
         self._measured_line = None
         self.layout = layout.format_table(self.param_specs, self.params_shapes,
                                           self.opt_state_shapes, self.opt_specs, optimizer,

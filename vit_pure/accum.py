@@ -159,7 +159,8 @@ def train_step_inputs(strategy, sc, optimizer, global_batch: int,
     which needs arrays (a stand-in without data fails inside jax). They take the bytes
     the real state will take; `free` them once the compiles are done.
     """
-    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
+    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
+                                               ema=sc.ema_decay > 0))
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     batch = (np.zeros((global_batch, *image_shape), np.uint8),
              np.zeros((global_batch,), np.int32), np.zeros((global_batch,), np.int32))

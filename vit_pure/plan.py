@@ -718,7 +718,8 @@ def abstract_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
 
     from vit_pure.step import init_state
 
-    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
+    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
+                                               ema=sc.ema_decay > 0))
     key = jax.eval_shape(lambda: jax.random.key(0))
     batch = [((global_batch, *DATASET_IMAGE_SHAPE), jnp.uint8),
              ((global_batch,), jnp.int32), ((global_batch,), jnp.int32)]
