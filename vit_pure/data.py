@@ -307,26 +307,39 @@ def epoch_permutation(n: int, *, seed: int, epoch: int) -> np.ndarray:
 
 
 def train_batches(split: Split, global_batch: int, *, seed: int, epoch: int,
-                  start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                  start: int = 0, repeat: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Shuffled global batches (images uint8 NHWC, labels int32); last partial batch dropped.
 
     `start` skips the epoch's first `start` batches without gathering them: a run resumed
     mid-epoch gets exactly the batches the uninterrupted run would have had.
+
+    `repeat` = R > 1 (`--repeat-aug R`, repeated augmentation): each batch holds m =
+    global_batch / R distinct images, R times over, as R consecutive blocks [x_1..x_m,
+    x_1..x_m, ...]; every row keeps its own position in the batch (its global example id),
+    so each copy draws its own augmentation. The blocks, not adjacent copies, keep the
+    mixup / CutMix partners (positions 2k, 2k+1) different images. An epoch keeps its
+    number of steps (N // global_batch, the compute of R = 1) and so takes the first
+    steps * m images of its permutation: about N/R distinct images, each seen R times (a
+    fresh random subset every epoch, as DeiT's RASampler does).
     """
     n = len(split)
     steps = steps_per_epoch(n, global_batch)
     if steps == 0:
         raise DataError(f"global batch {global_batch} is larger than the {n} training "
                         f"images; lower --batch")
+    if repeat < 1 or global_batch % repeat:
+        raise DataError(f"repeated augmentation: {repeat} copies do not divide the global "
+                        f"batch {global_batch}")
     if not 0 <= start <= steps:
         raise DataError(f"start batch {start} is outside the epoch's {steps} batches")
     perm = epoch_permutation(n, seed=seed, epoch=epoch)
-    return _gather(split, perm, global_batch, steps, start)
+    return _gather(split, perm, global_batch, steps, start, repeat)
 
 
-def _gather(split, perm, b, steps, start=0):
+def _gather(split, perm, b, steps, start=0, repeat=1):
+    m = b // repeat  # distinct images per batch
     for s in range(start, steps):
-        idx = perm[s * b:(s + 1) * b]
+        idx = np.tile(perm[s * m:(s + 1) * m], repeat)
         yield split.images[idx], split.labels[idx]
 
 
