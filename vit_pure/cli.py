@@ -87,6 +87,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
                    help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, each "
                         "batch uses one of the two")
+    g.add_argument("--mix-off-epochs", type=int, default=0, metavar="N",
+                   help="turn mixup / cutmix off for the last N epochs of the run (0: mix to "
+                        "the end); the step is compiled once per variant")
+    g.add_argument("--repeat-aug", type=int, default=1, metavar="R",
+                   help="repeated augmentation: each batch holds batch/R images R times, each "
+                        "copy augmented differently; an epoch keeps its step count (about N/R "
+                        "distinct images per epoch; docs/training.md)")
+    g.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="keep an exponential moving average of the weights with this decay "
+                        "(warm-up min(DECAY, (1+t)/(10+t))), checkpointed, and evaluate it "
+                        "(0: off)")
 
     g = p.add_argument_group("memory")
     g.add_argument("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
@@ -268,6 +279,7 @@ def _check_numbers(parser, args) -> None:
         at_least(name, 1, "positive")
     for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix"):
         at_least(name, 0, ">= 0")
+    _check_levers(parser, args)
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a positive number, got {args.lr}")
     if not 0.0 <= args.label_smoothing < 1.0:
@@ -280,6 +292,24 @@ def _check_numbers(parser, args) -> None:
         if args.accum_steps != "auto":
             parser.error(f"--memory-budget is the budget of --accum-steps auto; with "
                          f"--accum-steps {args.accum_steps} nothing reads it")
+
+
+def _check_levers(parser, args) -> None:
+    """--ema, --mix-off-epochs, --repeat-aug: the small-data levers (docs/training.md)."""
+    if not (math.isfinite(args.ema) and 0.0 <= args.ema < 1.0):
+        parser.error(f"--ema must be a decay in [0, 1) (0: off), got {args.ema}")
+    if args.mix_off_epochs < 0:
+        parser.error(f"--mix-off-epochs must be >= 0, got {args.mix_off_epochs}")
+    if args.mix_off_epochs and not (args.mixup or args.cutmix):
+        parser.error(f"--mix-off-epochs {args.mix_off_epochs}: there is no mixing to turn "
+                     f"off (add --mixup or --cutmix)")
+    if args.mix_off_epochs and args.mix_off_epochs >= args.epochs:
+        parser.error(f"--mix-off-epochs {args.mix_off_epochs} must be less than --epochs "
+                     f"{args.epochs} (or mixing never runs)")
+    if args.repeat_aug < 1:
+        parser.error(f"--repeat-aug must be >= 1, got {args.repeat_aug}")
+    if args.batch % args.repeat_aug:
+        parser.error(f"--repeat-aug {args.repeat_aug} does not divide --batch {args.batch}")
 
 
 def _check_paths(parser, args) -> None:

@@ -125,6 +125,7 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
     speed = Throughput()
     first_step, memory_step = step, None
     last, metrics, batches, bar = {}, None, None, NoBar()
+    mixing = MixSchedule(args, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
 
     # ---- The step loop.
     while step < plan.total_steps and _stop_reason(stop, args, step) is None:
@@ -132,7 +133,7 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         epoch, index = divmod(step, plan.steps_per_epoch)
         if batches is None or index == 0:
             batches = data_lib.train_batches(train, args.batch, seed=args.seed, epoch=epoch,
-                                             start=index)
+                                             start=index, repeat=getattr(args, "repeat_aug", 1))
             bar = plan.progress_bar(step, epoch, is_main and not args.no_progress)
         images, labels = next(batches)
         profiler.before_step(step + 1, state)
@@ -140,7 +141,8 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         previous = metrics
         # Every process built the same global batch; each feeds only its own rows.
         local = distributed.local_rows(images, labels, example_ids)
-        state, metrics = strategy.train_step(state, *strategy.put_batch(*local), key)
+        train_step = mixing.train_step(strategy, step)  # --mix-off-epochs: the unmixed one
+        state, metrics = train_step(state, *strategy.put_batch(*local), key)
         # At most two steps in flight: XLA:CPU's collectives can deadlock when many are
         # queued, and on accelerators one step of look-ahead is all the overlap to gain.
         if previous is not None:
@@ -210,16 +212,55 @@ def plan_steps(args, n_train: int) -> StepPlan:
                     log_every=1 if total_steps <= 100 else args.log_every)
 
 
+class MixSchedule:
+    """--mix-off-epochs N: mixup / CutMix for all but the last N epochs of the run.
+
+    Two variants of the train step, each compiled once: the run's own (`strategy`), and,
+    from the first step of the last N epochs on, a second strategy built by
+    `make_strategy(sc without mixing)`. Both lay the state out the same way (the mixing
+    is no part of it), so the state passes from one to the other as it is. (A traced
+    on/off argument would avoid the second compile but change every strategy's step
+    signature; a second compile of the same step costs what the first did, once.)
+    The first unmixed step is a pure function of the plan: (epochs - N) * steps per
+    epoch, so a resumed run switches at the same step.
+    """
+
+    def __init__(self, args, sc: StepConfig, plan: StepPlan, make_strategy, log: Logger):
+        n = getattr(args, "mix_off_epochs", 0)
+        mixes = sc.augment and (sc.mixup_alpha > 0 or sc.cutmix_alpha > 0)
+        self.off_from = (max(plan.epochs - n, 0) * plan.steps_per_epoch if n and mixes
+                         else None)
+        self.epochs, self.make_strategy, self.log = n, make_strategy, log
+        self.unmixed = None
+
+    def mixes_at(self, step: int) -> bool:
+        """Does the step after `step` steps done mix (given mixing is configured)?"""
+        return self.off_from is None or step < self.off_from
+
+    def train_step(self, strategy: Strategy, step: int):
+        """The train step to run after `step` steps done."""
+        if self.mixes_at(step):
+            return strategy.train_step
+        if self.unmixed is None:
+            self.unmixed = self.make_strategy(
+                dataclasses.replace(strategy.sc, mixup_alpha=0.0, cutmix_alpha=0.0))
+            self.log(f"mixup / cutmix off from step {step + 1} on, for the last "
+                     f"{self.epochs} epochs (--mix-off-epochs)", event="mix_off", step=step)
+        return self.unmixed.train_step
+
+
 def _start_state(args, sc: StepConfig, optimizer, ckpts: Checkpoints,
                  resume_from: pathlib.Path | None) -> tuple[dict, int]:
     """(host state, step): from the checkpoint, or a fresh initialisation at step 0."""
     if resume_from is None:
-        host_state = init_state(jax.random.key(args.seed), sc.cfg, sc.policy, optimizer)
+        host_state = init_state(jax.random.key(args.seed), sc.cfg, sc.policy, optimizer,
+                                ema=sc.ema_decay > 0)
         step = 0
     else:
         # Only shapes and dtypes are needed to read the checkpoint back: no initialisation.
         template = jax.eval_shape(
-            lambda: init_state(jax.random.key(args.seed), sc.cfg, sc.policy, optimizer))
+            lambda: init_state(jax.random.key(args.seed), sc.cfg, sc.policy, optimizer,
+                               ema=sc.ema_decay > 0))
         host_state, step = ckpts.load(resume_from, template)
     # Several processes must start from the same step: the same checkpoint, read by each.
     lowest, highest = -distributed.agree_max(-step), distributed.agree_max(step)
@@ -299,6 +340,8 @@ def _final(args, strategy: Strategy, state, splits: dict, eval_batch: int, log: 
                              step=step)
         if res is not None:
             final[split] = res
+            if "raw" in res:  # --ema: val also with the raw weights (see evaluate_split)
+                final[f"{split}_raw"] = res.pop("raw")
     final["state"] = strategy.host_state(state)
     return final
 
@@ -347,15 +390,43 @@ def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> di
 
 def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: int,
                    log: Logger, prefix: str, **record) -> dict | None:
-    """Evaluate one split and log it; an empty split is skipped with one log line (None)."""
+    """Evaluate one split and log it; an empty split is skipped with one log line (None).
+
+    With an EMA of the weights in the state (--ema), the split is evaluated with the EMA
+    weights: that is the run's result, logged as "<split> (EMA weights)" (JSON: split,
+    weights "ema"). The validation split is evaluated with the raw weights too, logged on
+    a second line (JSON: split "val-raw", weights "raw") and returned under "raw", so a
+    run shows whether the EMA helps; the test split only with the EMA weights, once.
+    """
     if len(splits[name]) == 0:
         log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
             **record)
         return None
-    res = evaluate(strategy, state, splits[name], batch)
-    log(f"{prefix}{name}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-        f"({res['count']} images)", split=name, **record, **res)
+    if "ema" not in state:
+        res = evaluate(strategy, state, splits[name], batch)
+        log(f"{prefix}{name}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
+            f"({res['count']} images)", split=name, **record, **res)
+        return res
+    res = evaluate(strategy, ema_weights(state), splits[name], batch)
+    log(f"{prefix}{name} (EMA weights): loss {res['loss']:.4f}  accuracy "
+        f"{res['accuracy']:.4f} ({res['count']} images)", split=name, weights="ema",
+        **record, **res)
+    if name == "val":
+        raw = evaluate(strategy, state, splits[name], batch)
+        log(f"{prefix}{name} (raw weights): loss {raw['loss']:.4f}  accuracy "
+            f"{raw['accuracy']:.4f} ({raw['count']} images)", split=f"{name}-raw",
+            weights="raw", **record, **raw)
+        res = {**res, "raw": raw}
     return res
+
+
+def ema_weights(state) -> dict:
+    """The state with its EMA (--ema) in place of the params, for evaluation: the same
+    pytree and layout (the EMA is laid out like the params), so the same eval step runs.
+    The EMA is float32; params of another dtype (a p=bf16 policy) get it cast to theirs."""
+    ema = jax.tree.map(lambda e, p: e if e.dtype == p.dtype else e.astype(p.dtype),
+                       state["ema"], state["params"])
+    return {**state, "params": ema}
 
 
 def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dict:
@@ -374,27 +445,35 @@ def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dic
     optimizer, _ = make_optimizer(args, 1)
     # A full state for the strategy's placement; only the params are read back.
     host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
-    host_state["params"] = checkpoint.restore(path, {"params": host_state["params"]})["params"]
+    # A run trained with --ema is evaluated with its EMA weights, as its final test was.
+    name = "ema" if checkpoint.read_meta(path).get("config", {}).get("ema") else "params"
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+        p.shape, np.float32 if name == "ema" else p.dtype), host_state["params"])
+    host_state["params"] = jax.tree.map(lambda w, p: w.astype(p.dtype),
+                                        checkpoint.restore(path, {name: shapes})[name],
+                                        host_state["params"])
     strategy = make_strategy(sc, optimizer)
     eval_batch = args.eval_batch or args.batch
     strategy.check_batch(eval_batch, "--eval-batch")
     splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)
     step = int(checkpoint.restore(path, {"step": 0})["step"])
-    log(f"evaluating {path} ({sc.cfg.name}, policy {sc.policy}) on the test split")
+    log(f"evaluating {path} ({sc.cfg.name}, policy {sc.policy}"
+        f"{', EMA weights' if name == 'ema' else ''}) on the test split")
     res = evaluate_split(strategy, strategy.put_state(host_state), splits, "test", eval_batch,
                          log, "", step=step, checkpoint=str(path))
     return {} if res is None else {"test": res}
 
 
 def saved_step_config(meta: dict, sc: StepConfig) -> StepConfig:
-    """`sc` with the model and dtype policy a checkpoint was trained with (its meta), and
-    no accumulation (evaluation does not accumulate)."""
+    """`sc` with the model and dtype policy a checkpoint was trained with (its meta), no
+    accumulation (evaluation does not accumulate) and no EMA in the state (an --ema run's
+    EMA is evaluated in place of the params, see `evaluate_checkpoint`)."""
     cfg = ViTConfig(**meta["model_config"]) if "model_config" in meta else sc.cfg
     saved = meta.get("config", {})  # the flags; older checkpoints record no "policy"
     text = meta.get("policy") or saved.get("policy") or saved.get("dtype", "fp32")
     policy = Policy.parse(text, meta.get("matmul_precision",
                                          saved.get("matmul_precision", "default")))
-    return dataclasses.replace(sc, cfg=cfg, policy=policy, accum_steps=1)
+    return dataclasses.replace(sc, cfg=cfg, policy=policy, accum_steps=1, ema_decay=0.0)
 
 
 # --------------------------------------------------------------------------- preemption
