@@ -31,6 +31,7 @@ from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 
 CFG = matrix.CFG  # tiny, depth 2: 4 heads of 6, 17 tokens; dropout and drop path on
+ONE_LAYER = CFG.replace(depth=1)  # for the model-level checks: half the compile time
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
 # (policy, relative tolerance): the largest difference of each array (logits, each
@@ -52,19 +53,20 @@ def _worst(a, b) -> float:
 
 @functools.cache
 def _params():
-    return init_params(jax.random.key(0), CFG)
+    return jax.jit(lambda key: init_params(key, ONE_LAYER))(jax.random.key(0))  # one compile
 
 
 @functools.cache
 def _logits_and_grads(policy_text: str, attention: str):
     """Training-mode logits (dropout, drop path on) and the gradients of a random linear
     function of them, for 6 images."""
-    images = jax.random.normal(jax.random.key(1), (6, 32, 32, 3), jnp.float32)
-    weights = jax.random.normal(jax.random.key(2), (6, CFG.num_classes), jnp.float32)
+    rng = np.random.default_rng(1)
+    images = rng.standard_normal((6, 32, 32, 3), np.float32)
+    weights = rng.standard_normal((6, ONE_LAYER.num_classes), np.float32)
     policy = Policy.parse(policy_text)
 
     def f(params):
-        logits = apply(params, images, CFG, policy, train=True, rng=jax.random.key(3),
+        logits = apply(params, images, ONE_LAYER, policy, train=True, rng=jax.random.key(3),
                        attention=attention).astype(jnp.float32)
         return jnp.sum(logits * weights), logits
 
@@ -104,9 +106,19 @@ def test_the_mask_matters():
         return (model._attention_einsum(qkv, CFG, policy),
                 model._attention_fused(qkv, CFG, policy, "xla"), unmasked.reshape(B, T, H * D))
 
-    ref, got, unmasked = three_ways(jax.random.normal(jax.random.key(4), (B, T, 3 * H * D)))
+    qkv = np.random.default_rng(4).standard_normal((B, T, 3 * H * D), np.float32)
+    ref, got, unmasked = three_ways(qkv)
     assert _worst(ref, got) <= 32 * EPS32
     assert _worst(ref, unmasked) > 10 * EPS_BF16
+
+
+@functools.cache
+def _initial_state(policy_text: str) -> dict:
+    """tests/test_layout_matrix.py's initial state (fp32, so no loss scale to adjust),
+    built in one compile instead of op by op."""
+    policy = Policy.parse(policy_text)
+    init = jax.jit(lambda key: step.init_state(key, CFG, policy, matrix._optimizer()))
+    return jax.device_get(init(jax.random.key(0)))
 
 
 @functools.cache
@@ -116,7 +128,7 @@ def _run(layout: str, policy_text: str, attention: str) -> dict:
     sc = step.StepConfig(CFG, Policy.parse(policy_text), attention=attention)
     mesh, fsdp = matrix.LAYOUTS.get(layout) or ("data=8", False)
     strategy = ts.ShardMapStrategy(sc, matrix._optimizer(), mesh, fsdp=fsdp)
-    state = strategy.put_state(matrix._initial_state(policy_text))
+    state = strategy.put_state(_initial_state(policy_text))
     compiled, metrics = None, []
     for images, labels, ids, key in matrix._batches():
         args = (state, *strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
@@ -140,7 +152,7 @@ def test_xla_attention_under_model_parallelism_matches_data_parallel(layout):
         assert g["loss"] == pytest.approx(r["loss"], rel=tol_metrics), f"step {i + 1} loss"
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=tol_metrics), \
             f"step {i + 1} gradient norm"
-    moved = matrix._distance(ref["params"], matrix._initial_state(text)["params"])
+    moved = matrix._distance(ref["params"], _initial_state(text)["params"])
     assert moved > 0
     assert matrix._distance(got["params"], ref["params"]) <= tol_params * moved
 

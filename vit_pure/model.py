@@ -261,8 +261,8 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
         probabilities are rounded to the input dtype before the second product, as in the
         einsum path; the context comes back in the compute dtype. The backward pass
         recomputes the probabilities from the saved softmax statistics instead of
-        keeping the (T, T) matrix. Checked against the einsum path's gradients within
-        bf16 rounding by benchmarks/attention_check.py on a GPU.
+        keeping the (T, T) matrix. benchmarks/attention_check.py compares its gradients
+        with the einsum path's on a GPU.
     The kit has no dropout on the attention probabilities (its dropout sits on full-width
     activations), so the fused call needs none.
 
@@ -274,11 +274,11 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
                          d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
     Tp = _padded_length(T)
     q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
+    lengths = None if Tp == T else jnp.full((B,), T, jnp.int32)  # no mask where no padding
     precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
     with jax.default_matmul_precision(precision):
-        ctx = jax.nn.dot_product_attention(
-            q, k, v, key_value_seq_lengths=jnp.full((B,), T, jnp.int32),
-            implementation=implementation)  # (B, Tp, Hl, D), the compute dtype
+        ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                           implementation=implementation)  # (B, Tp, Hl, D)
     ctx = _dot_out(ctx[:, :T].astype(policy.compute_dtype))
     return rearrange(ctx, "b t h d -> b t (h d)")
 
