@@ -1,7 +1,7 @@
 """The small-data levers do what their flags say (docs/training.md, "Levers for small data").
 
 * `--ema DECAY`: after K steps the EMA is the closed-form weighted average of the params
-  trajectory; it is the same under every layout (data parallel, tensor parallel, FSDP);
+  trajectory; it is the same under data parallel, tensor parallel, FSDP and a pipeline;
   evaluation reports it; it is checkpointed, and a resumed run continues it bitwise;
   `--eval-only` evaluates it.
 * `--mix-off-epochs N`: the steps of the last N epochs run the unmixed train step (one-hot
@@ -99,10 +99,10 @@ def test_ema_is_the_closed_form_average_of_the_params_trajectory():
                                                    _leaves(got.params[-1]))) > 1e-5
 
 
-@pytest.mark.parametrize("mesh, fsdp", [("data=4,model=2", False), ("data=8", True)],
-                         ids=["tp", "fsdp"])
-def test_ema_under_tensor_parallel_and_fsdp_equals_data_parallel(mesh, fsdp):
-    """The EMA is laid out like the params (sharded over 'model' / 'data' like them) and
+@pytest.mark.parametrize("mesh, fsdp", [("data=4,model=2", False), ("data=8", True),
+                                        ("data=4,pipe=2", False)], ids=["tp", "fsdp", "pp"])
+def test_ema_under_tensor_parallel_fsdp_and_pipeline_equals_data_parallel(mesh, fsdp):
+    """The EMA is laid out like the params (split over 'model' / 'data' / 'pipe' like them) and
     updated elementwise; it matches data parallel as the params do (test_layout_matrix's
     tolerance, relative to how far the params moved)."""
     ref, got = run("data=8"), run(mesh, fsdp)
