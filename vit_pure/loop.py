@@ -18,8 +18,10 @@ finite (vit_pure/step.py) and the run goes on (see monitor.LossWatch).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import itertools
 import pathlib
 import signal
 import threading
@@ -120,29 +122,27 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         _log_setup(log, args, sc, strategy, ckpts, plan, host_state, step)
     state = strategy.put_state(host_state)
     del host_state
-    example_ids = np.arange(args.batch, dtype=np.int32)
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling)
     speed = Throughput()
     first_step, memory_step = step, None
-    last, metrics, batches, bar = {}, None, None, NoBar()
+    metrics, bar = None, NoBar()
+    # Each step's inputs, placed on the devices two steps ahead of the step that runs.
+    inputs = _device_inputs(args, strategy, train, plan, step, depth=2)
+    points = LogPoints(log, strategy, losses)
     mixing = MixSchedule(args, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
 
-    # ---- The step loop.
+    # ---- The step loop. The host never waits for the step it has just dispatched: it
+    # reads a step's metrics (log points, the NaN check) once the next step is queued
+    # behind it, and waits only where it must read the state (checkpoints, evaluation).
     while step < plan.total_steps and _stop_reason(stop, args, step) is None:
-        # The data position is a pure function of the step: epoch, and batch within it.
-        epoch, index = divmod(step, plan.steps_per_epoch)
-        if batches is None or index == 0:
-            batches = data_lib.train_batches(train, args.batch, seed=args.seed, epoch=epoch,
-                                             start=index, repeat=getattr(args, "repeat_aug", 1))
+        epoch = step // plan.steps_per_epoch
+        if step == first_step or step % plan.steps_per_epoch == 0:
             bar = plan.progress_bar(step, epoch, is_main and not args.no_progress)
-        images, labels = next(batches)
         profiler.before_step(step + 1, state)
-        key = strategy.put_replicated(step_key(args.seed, epoch, step))
         previous = metrics
-        # Every process built the same global batch; each feeds only its own rows.
-        local = distributed.local_rows(images, labels, example_ids)
         train_step = mixing.train_step(strategy, step)  # --mix-off-epochs: the unmixed one
-        state, metrics = train_step(state, *strategy.put_batch(*local), key)
+        state, metrics = train_step(state, *next(inputs))
+        points.read(ckpts.last)  # the last log point's metrics, while this step runs
         # At most two steps in flight: XLA:CPU's collectives can deadlock when many are
         # queued, and on accelerators one step of look-ahead is all the overlap to gain.
         if previous is not None:
@@ -153,9 +153,10 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         bar.update(1)
 
         if step % plan.log_every == 0 or step == plan.total_steps:
-            last = _log_point(log, strategy, state, metrics, losses, bar, ckpts.last,
-                              step=step, epoch=epoch, lr=float(schedule(step - 1)),
-                              rate=speed.rate())
+            # Read after the next step is dispatched; the learning rate is computed on the
+            # device now, between the steps, and read with them.
+            points.mark(metrics, state, bar, ckpts.last, step=step, epoch=epoch,
+                        lr=schedule(step - 1), rate=speed.rate())
             if memory_step is None:  # the first log point: the peak includes compiling
                 log_memory(log, step)
                 memory_step = step
@@ -165,14 +166,20 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
             bar.close()
         why = _checkpoint_reason(args, plan, step, end_of_epoch) if ckpts.dir else None
         if why:
-            losses.check(ckpts.last)  # never save a state that came from a NaN
-            ckpts.save(strategy, state, step, why, last)
+            with speed.paused(metrics):  # the logged img/s counts training steps only
+                points.read(ckpts.last)
+                losses.check(ckpts.last)  # never save a state that came from a NaN
+                ckpts.save(strategy, state, step, why, points.last)
         if (end_of_epoch and args.eval_every and (epoch + 1) % args.eval_every == 0
                 and step < plan.total_steps and _stop_reason(stop, args, step) is None):
-            evaluate_split(strategy, state, splits, "val", eval_batch, log,
-                           f"epoch {epoch + 1}: ", step=step, epoch=epoch)
+            with speed.paused(metrics):
+                points.read(ckpts.last)
+                evaluate_split(strategy, state, splits, "val", eval_batch, log,
+                               f"epoch {epoch + 1}: ", step=step, epoch=epoch)
 
     # ---- The end: the last checks, then stopped early (saved), or the final evaluation.
+    del inputs  # the batches placed ahead of a run that stopped early
+    points.read(ckpts.last)
     bar.close()
     losses.check(ckpts.last)
     profiler.finish(step, state)
@@ -180,8 +187,8 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         log_memory(log, step)
     reason = _stop_reason(stop, args, step) if step < plan.total_steps else None
     if reason is not None:
-        return _stopped(strategy, state, step, reason, ckpts, log, last)
-    return _final(args, strategy, state, splits, eval_batch, log, step, last)
+        return _stopped(strategy, state, step, reason, ckpts, log, points.last)
+    return _final(args, strategy, state, splits, eval_batch, log, step, points.last)
 
 
 # --------------------------------------------------------------------------- the helpers
@@ -210,6 +217,69 @@ def plan_steps(args, n_train: int) -> StepPlan:
         total_steps = min(total_steps, args.steps)
     return StepPlan(steps_per_epoch, total_steps, epochs=-(-total_steps // steps_per_epoch),
                     log_every=1 if total_steps <= 100 else args.log_every)
+
+
+def _device_inputs(args, strategy: Strategy, train: data_lib.Split, plan: StepPlan,
+                   start: int, depth: int):
+    """The inputs of every step from `start` on, placed on the devices `depth` steps ahead.
+
+    Each item is (images, labels, example ids, key) as the strategy's train step takes
+    them. The data position is a pure function of the step (epoch, and batch within it),
+    so a resumed run gets the batches the uninterrupted one had. Every process builds the
+    same global batch and feeds only its own rows. Placing a batch while the steps before
+    it run keeps the host-to-device copy off the device's critical path.
+    """
+    example_ids = np.arange(args.batch, dtype=np.int32)
+
+    def placed():
+        step = start
+        while step < plan.total_steps:
+            epoch, index = divmod(step, plan.steps_per_epoch)
+            for images, labels in data_lib.train_batches(
+                    train, args.batch, seed=args.seed, epoch=epoch, start=index,
+                    repeat=getattr(args, "repeat_aug", 1)):
+                if step == plan.total_steps:
+                    return
+                local = distributed.local_rows(images, labels, example_ids)
+                yield (*strategy.put_batch(*local),
+                       strategy.put_replicated(step_key(args.seed, epoch, step)))
+                step += 1
+
+    steps = placed()
+    queue = collections.deque(itertools.islice(steps, depth))
+    while queue:
+        yield queue.popleft()
+        queue.extend(itertools.islice(steps, 1))
+
+
+class LogPoints:
+    """The loop's log points, read one step late.
+
+    At a log point (`mark`) the step's metrics stay on the device; `read`, which the loop
+    calls once the next step is dispatched (or before it reads the state anyway: a
+    checkpoint, an evaluation, the end), fetches them, checks every loss since the last
+    log point for NaN / inf (monitor.LossWatch) and logs the line. So the device never
+    idles while the host logs, and a bad loss still stops the run naming its step,
+    before a checkpoint could save it. fp16: the loss scale lives in the state, which the
+    next step consumes (donation), so a loss-scaled run reads its log point at once.
+    """
+
+    def __init__(self, log: Logger, strategy: Strategy, losses: LossWatch):
+        self.log, self.strategy, self.losses = log, strategy, losses
+        self.pending: dict | None = None
+        self.last: dict = {}  # the last log point read: checkpoints and the result keep it
+
+    def mark(self, metrics, state, bar, last_checkpoint, **point) -> None:
+        self.pending = {"metrics": metrics, "bar": bar, **point}
+        if self.losses.loss_scaled:
+            self.read(last_checkpoint, state)
+
+    def read(self, last_checkpoint, state=None) -> None:
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            self.last = _log_point(self.log, self.strategy, state, p.pop("metrics"),
+                                   self.losses, p.pop("bar"), last_checkpoint,
+                                   **{**p, "lr": float(p["lr"])})
 
 
 class MixSchedule:
@@ -289,8 +359,9 @@ def _log_setup(log: Logger, args, sc: StepConfig, strategy: Strategy, ckpts: Che
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,
                last_checkpoint, *, step: int, epoch: int, lr: float, rate: float) -> dict:
-    """The loop's host sync: every loss since the last log point checked for NaN / inf
-    (monitor.LossWatch), then this step's metrics fetched and logged (line and JSON)."""
+    """A log point's host sync (LogPoints.read): every loss since the last log point
+    checked for NaN / inf (monitor.LossWatch), then the step's metrics fetched and logged
+    (line and JSON). `state` is read only for the loss scale (fp16)."""
     losses.check(last_checkpoint)
     m = strategy.metrics_to_host(metrics)
     last = {"step": step, "epoch": epoch, "loss": m["loss"], "accuracy": m["accuracy"],
@@ -301,7 +372,8 @@ def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatc
         last["loss_scale"] = strategy.metrics_to_host({"s": state["loss_scale"].scale})["s"]
         last["skipped_steps"] = losses.skipped
         text += f"  loss scale {last['loss_scale']:g} ({losses.skipped} steps skipped)"
-    if bar.shown:  # the bar shows it; the JSON record still gets it
+    if bar.shown and not getattr(bar, "disable", False):  # an open bar shows it (not the
+        # line); the JSON record still gets it
         bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:.1f}")
         text = ""
     log(text, **last)
@@ -321,8 +393,8 @@ def _checkpoint_reason(args, plan: StepPlan, step: int, end_of_epoch: bool) -> s
 
 def _stop_reason(stop: "StopRequest", args, step: int) -> str | None:
     """Why to stop before the next step (None: go on). Every process calls it at the same
-    points (a signal is agreed between them)."""
-    signum = stop.agreed()
+    points (a signal is agreed between them: see StopRequest.agreed)."""
+    signum = stop.agreed(step)
     if signum is not None:
         return signal.Signals(signum).name
     if args.stop_after is not None and step >= args.stop_after:
@@ -485,8 +557,13 @@ class StopRequest:
     """
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+    # With several processes, agree every this many steps: a signal stops the run at most
+    # AGREE_EVERY - 1 steps later than with one process.
+    AGREE_EVERY = 10
+
     def __init__(self):
         self.signum: int | None = None
+        self._agreed: tuple[int, int | None] | None = None  # (step, what was agreed there)
 
     @contextlib.contextmanager
     def handling_signals(self):
@@ -503,16 +580,25 @@ class StopRequest:
                 if handler is not None:
                     signal.signal(s, handler)
 
-    def agreed(self) -> int | None:
-        """The signal to stop for, the same on every process (None: go on).
+    def agreed(self, step: int) -> int | None:
+        """The signal to stop for after `step` steps, the same on every process (None: go on).
 
         A SIGTERM may reach the processes of a job at different times, but they must all
         stop after the same step (each step is a collective program all of them run), so
         with several processes each process's signal number is all-gathered and the
-        largest wins. Every process calls this between the same steps; it costs one tiny
-        collective, which also waits for the step in flight (one step less of overlap).
+        largest wins. That is a tiny collective, and it waits for the step in flight, so
+        the processes agree only after every AGREE_EVERY-th step (between the others,
+        every process goes on): the same steps on every process, as the collectives need.
+        A step is agreed once; asked again, the answer is the same. One process: no
+        collective, every step.
         """
-        return distributed.agree_max(self.signum or 0) or None
+        if jax.process_count() == 1:
+            return self.signum
+        if step % self.AGREE_EVERY:
+            return None
+        if self._agreed is None or self._agreed[0] != step:
+            self._agreed = (step, distributed.agree_max(self.signum or 0) or None)
+        return self._agreed[1]
 
     def _handle(self, signum, frame):
         if self.signum is not None:

@@ -6,12 +6,14 @@
   host syncs, without adding one.
 * `Profiler`: a `jax.profiler` trace of the steps `--profile-steps` names.
 * `log_memory`: device memory (where the backend reports it) and the host's peak RSS.
-* `Throughput` and `progress_bar`: images per second between log points, and the bar.
+* `Throughput` and `progress_bar`: training images per second between log points, and
+  the bar.
 
 Nothing here decides what the run does, except that `LossWatch` stops it on a bad loss.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -164,13 +166,26 @@ def log_memory(log: Logger, step: int) -> None:
 
 # --------------------------------------------------------------------------- progress
 class Throughput:
-    """Images per second between two log points."""
+    """Images per second of training between two log points: the time spent `paused`
+    (evaluation, checkpoints) is left out, so the figure is the training steps' own."""
 
     def __init__(self):
         self.since, self.images = time.perf_counter(), 0
 
     def add(self, images: int) -> None:
         self.images += images
+
+    @contextlib.contextmanager
+    def paused(self, in_flight=None):
+        """Leave the block's time out (an evaluation, a checkpoint). It starts once
+        `in_flight` (the step the device runs) is done: that step's time still counts."""
+        if in_flight is not None:
+            jax.block_until_ready(in_flight)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.since += time.perf_counter() - start
 
     def rate(self) -> float:
         """Images per second since the last call (or the start), and start counting anew."""
