@@ -297,3 +297,22 @@ def test_ema_is_checkpointed_and_resumes_bitwise(straight, tmp_path):
 def test_eval_only_evaluates_the_ema(straight):
     got = ts.main(BASE + ["--ckpt-dir", str(straight["root"] / "ckpt"), "--eval-only"])
     assert got["test"]["loss"] == pytest.approx(straight["result"]["test"]["loss"], rel=1e-6)
+
+
+def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
+    """A checkpoint written before --ema / --mix-off-epochs / --repeat-aug / --attention
+    existed records none of them: a run that leaves them at their defaults continues it,
+    a run that sets one is refused naming it."""
+    from vit_pure import resume
+    args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])
+    sc = step.StepConfig.from_args(args)
+    train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
+    now = resume.trajectory(args, sc, train, 10)
+    old = {k: v for k, v in now.items() if k not in resume.ADDED_FLAG_DEFAULTS}
+    assert set(resume.ADDED_FLAG_DEFAULTS) <= set(now)  # each is recorded today
+    assert resume.first_difference(old, now) is None
+    with_ema = resume.trajectory(
+        ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic",
+                                              "--ema", "0.9"]), sc, train, 10)
+    assert "--ema differs" in resume.first_difference(old, with_ema)
+    assert "--lr differs" in resume.first_difference({**old, "--lr": 0.5}, now)

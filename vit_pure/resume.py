@@ -48,6 +48,13 @@ RESUMABLE_ACROSS = frozenset({
 })
 
 
+# Flags added after checkpoints were first written, with the value that runs what a
+# checkpoint without them ran: a checkpoint that does not record one of these continues in
+# a run that leaves it at this value (a run that sets another value is refused as usual).
+ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1,
+                       "--attention": "einsum"}
+
+
 def run_config(args) -> dict:
     """Every flag's value (JSON), as recorded in each checkpoint's meta."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
@@ -116,10 +123,9 @@ class Checkpoints:
             self.log(f"--resume: no checkpoint in {self.dir} yet; starting from step 0")
             return None
         saved = checkpoint.read_meta(path).get("trajectory", {})
-        for name in [*self.trajectory, *(k for k in saved if k not in self.trajectory)]:
-            if saved.get(name, "<absent>") != self.trajectory.get(name, "<absent>"):
-                raise UsageError(
-                    f"cannot resume from {path}: {_difference(name, saved, self.trajectory)}")
+        difference = first_difference(saved, self.trajectory)
+        if difference is not None:
+            raise UsageError(f"cannot resume from {path}: {difference}")
         # Corrupt checkpoints newer than the one resumed would shadow the ones this run
         # writes (retention counts them); move them aside, kept for inspection.
         for newer in existing[existing.index(path) + 1:]:
@@ -180,6 +186,20 @@ class Checkpoints:
                      path=str(path), reason=why)
         self.last, self.saved_step = path, step
         return path
+
+
+def first_difference(saved: dict, current: dict) -> str | None:
+    """None if a checkpoint's trajectory `saved` may be continued by a run with trajectory
+    `current`, else one line naming the first difference. A flag that the checkpoint does
+    not record (it predates the flag) matches when this run leaves it at the value in
+    ADDED_FLAG_DEFAULTS."""
+    for name in [*current, *(k for k in saved if k not in current)]:
+        if (name not in saved and name in ADDED_FLAG_DEFAULTS
+                and current.get(name) == ADDED_FLAG_DEFAULTS[name]):
+            continue
+        if saved.get(name, "<absent>") != current.get(name, "<absent>"):
+            return _difference(name, saved, current)
+    return None
 
 
 def _difference(name: str, saved: dict, current: dict) -> str:
