@@ -3,6 +3,9 @@
 Every run here is the tiny model on 80 synthetic training images with a global batch of 16:
 5 steps per epoch, 6 steps in all, so a resume from step 1..3 crosses an epoch boundary.
 Two straight runs (one per script, a checkpoint after every step) are the references.
+Flip + crop, dropout and stochastic depth are on (keyed by step and example id, as
+RandAugment is); RandAugment itself is off, to compile in about half the time
+(tests/test_randaugment.py covers it).
 """
 import dataclasses
 import json
@@ -26,7 +29,7 @@ from vit_pure.model import init_params
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",
         "--synthetic-val", "16", "--synthetic-test", "16", "--steps", "6", "--batch", "16",
-        "--no-progress", "--eval-every", "0",
+        "--no-progress", "--eval-every", "0", "--randaugment", "0",
         "--accum-steps", "1"]  # not auto: its choice depends on the free memory
 MESH = ["--mesh", "data=4,model=2"]  # tensor parallel: a different layout from pmap's
 SUBPROCESS_TIMEOUT_S = 300
