@@ -1,17 +1,74 @@
-"""Test set-up: eight fake CPU devices, configured before jax is imported."""
+"""Test set-up: eight fake CPU devices and cheaper XLA:CPU code generation, configured
+before jax is imported."""
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# Cheaper code generation for every program the tests compile, the scripts they start
+# as subprocesses included (`FAST_XLA_FLAGS` below): LLVM at -O0 and XLA:CPU's loop
+# emitters instead of its fusion emitters. XLA's HLO passes (fusion decisions, the
+# collective combiners, buffer assignment) are the same, so every test sees the programs
+# users run, their collectives and memory figures; only the machine code is less
+# optimised. A tiny model's train step compiles about 3x faster. Tests that time steps
+# assert nothing about their speed.
+FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), FAST_XLA_FLAGS, DEVICES_FLAG]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SUBSET_DIR = REPO.parent / "shared" / "data" / "cifar10-subset"
+
+
+def subprocess_env(**extra) -> dict:
+    """This environment for a subprocess that picks its own device count: XLA_FLAGS
+    without the 8 fake devices (the fast code generation stays), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = FAST_XLA_FLAGS
+    env.update(extra)
+    return env
+
+
+def pytest_configure(config):
+    """A compilation cache for this test process only: many tests run the scripts' `main`
+    with the same flags (a run and its resume, one script on two datasets), and the second
+    run of a program loads the executable the first compiled. Each process (each xdist
+    worker) starts with an empty directory of its own, removed at the end, so nothing
+    carries over between runs or is shared between processes (subprocesses compile
+    their own)."""
+    import jax
+
+    config._xla_cache_dir = tempfile.mkdtemp(prefix="vit-pure-test-xla-cache-")
+    jax.config.update("jax_compilation_cache_dir", config._xla_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_xla_cache_dir", None):
+        shutil.rmtree(config._xla_cache_dir, ignore_errors=True)
+
+
+# The files that take longest, longest first; the rest follow in their usual order. The
+# suite runs on two workers that each take whole files (pyproject.toml: `-n 2 --dist
+# loadfile --no-loadscope-reorder`) in collection order, so starting the long files first
+# lets the short ones fill in at the end and both workers finish at about the same time.
+LONGEST_FIRST = [
+    "test_layout_matrix.py", "test_accum.py", "test_train.py", "test_model_parallel.py",
+    "test_resume.py", "test_bench_study.py", "test_randaugment.py", "test_levers.py",
+    "test_model.py", "test_plan.py", "test_attention.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ import pytest
 
 import train_pmap
 import train_shardmap as ts
+from conftest import FAST
 from vit_pure import step
 from vit_pure.config import PRESETS
 from vit_pure.policy import Policy
@@ -56,9 +57,6 @@ POLICIES = {
 }
 LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
          (True, "none")]  # (scan, remat)
-# XLA:CPU options that compile these programs over 2x faster (same HLO passes up to code
-# generation, so the same collectives and the same arithmetic).
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 def _cells():

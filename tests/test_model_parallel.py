@@ -32,7 +32,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from conftest import grads_step
+from conftest import FAST, grads_step
 import train_shardmap as ts
 from vit_pure import cli, step
 from vit_pure.config import PRESETS
@@ -43,9 +43,6 @@ SC = step.StepConfig(CFG, Policy())
 BATCH, STEPS = 16, 5
 MESHES = ["data=8", "data=4,model=2", "data=2,model=4", "data=1,model=8"]
 LAYOUTS = [(mesh, fsdp) for mesh in MESHES for fsdp in (False, True)]
-# XLA:CPU compile options for the tests' programs (over 2x faster to compile, same HLO
-# passes up to code generation, so the same collectives).
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 def make_optimizer(total_steps: int = STEPS):

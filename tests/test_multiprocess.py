@@ -36,6 +36,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
+from conftest import subprocess_env
 from vit_pure import checkpoint, cli, loop, step
 
 # Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
@@ -98,10 +99,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    # Not this process's 8-device XLA_FLAGS: each process asks for 2 with --cpu-devices.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    # Not this process's 8 devices: each process asks for 2 with --cpu-devices.
+    return subprocess_env(JAX_PLATFORMS="cpu")
 
 
 def _records(path: pathlib.Path) -> list[dict]:

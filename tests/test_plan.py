@@ -22,7 +22,6 @@ import glob
 import gzip
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench
+from conftest import subprocess_env
 import train_pmap
 import train_shardmap as ts
 from vit_pure import cli, plan, step
@@ -310,7 +310,7 @@ def test_bad_plan_input_is_a_usage_error():
         train_pmap.main(base + ["--plan", "64"])
     run = subprocess.run([sys.executable, "train_shardmap.py", *base, "--plan", "8",
                           "--mesh", "data=3"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+                         timeout=120, env=subprocess_env())
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().count("\n") == 0 and run.stderr.startswith("error: --mesh")
 
@@ -324,7 +324,7 @@ def test_plan_for_64_devices_from_the_command_line(tmp_path):
          "bf16", "--mesh", "data=16,model=4", "--plan", "64", "--plan-json", str(out),
          "--randaugment", "0", "--dropout", "0", "--drop-path", "0", "--accum-steps", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "XLA_FLAGS": ""})
+        env=subprocess_env())
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["devices"] == 64 and record["mesh"] == {"data": 16, "pipe": 1, "model": 4}
