@@ -6,7 +6,8 @@ results.
   and stochastic depth on, so a micro-batch that lost track of its examples' global ids
   would draw other masks and fail.
 * The scripts' real train steps, 3 optimizer steps with K micro-batches (pmap, shard_map
-  data=8, shard_map data=4,model=2), end at the reference's parameters.
+  data=8, shard_map data=4,model=2), end at the reference's parameters (the tiny model two
+  blocks deep: remat and the micro-batch loop work per block, and it compiles faster).
 * One gradient reduction over 'data' per optimizer step whatever K is: counted in the
   jaxpr (which says where each collective sits, inside a loop or not) and in the lowered
   StableHLO (see `test_one_gradient_all_reduce_per_step`).
@@ -29,7 +30,8 @@ import train_shardmap
 from vit_pure import PRESETS, Policy, accum, cli, step
 from vit_pure.policy import LossScale
 
-CFG = PRESETS["tiny"]  # dropout 0.1 and drop path 0.1: per-example randomness is on
+# dropout 0.1 and drop path 0.1: per-example randomness is on; two blocks, not four.
+CFG = PRESETS["tiny"].replace(name="accum-test", depth=2)
 BATCH = 32  # 8 devices x 4 examples: K in {1, 2, 4}
 IMAGE_SHAPE = (32, 32, 3)  # what the loop feeds: CIFAR-10's images
 
@@ -53,7 +55,8 @@ def _max_rel_diff(a, b):
 LOCAL_BATCH = 16
 # Stochastic depth only: its per-example masks come from the same per-example keys as
 # dropout's, and the model compiles in about half the time without dropout's masks.
-LOCAL_CFG = CFG.replace(dropout=0.0, drop_path=0.2)
+# Four blocks, for test_remat_saves_memory.
+LOCAL_CFG = PRESETS["tiny"].replace(dropout=0.0, drop_path=0.2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,7 +202,7 @@ def test_one_gradient_all_reduce_per_step(kind, mesh):
     (Tensor parallelism adds 'model' all-reduces inside the loops: one forward and one
     backward per row/column-parallel pair, per layer, per micro-batch, as it must.)
     """
-    n_grad_arrays = len(jax.tree.leaves(step.init_params(jax.random.key(0), CFG)))
+    n_grad_arrays = len(jax.tree.leaves(step.init_params(jax.random.key(0), PRESETS["tiny"])))
     programs = {k: _train_step_program(kind, mesh, k) for k in (1, 4)}
     for k, (reductions, stablehlo) in programs.items():
         over_data = [r for r in reductions if "data" in r[1]]
