@@ -62,7 +62,9 @@ LOCAL_CFG = PRESETS["tiny"].replace(dropout=0.0, drop_path=0.2)
 @functools.lru_cache(maxsize=None)
 def _compiled_local_grads(accum_steps: int, remat: str):
     """jit(local_grads) for one (K, remat), compiled once and shared by the tests."""
-    sc = step.StepConfig(LOCAL_CFG, Policy(), remat=remat, accum_steps=accum_steps)
+    # The layer scan: remat's saving shows in the stacked per-layer residuals (unrolled,
+    # XLA:CPU's scheduler may keep them alive anyway); results are the same either way.
+    sc = step.StepConfig(LOCAL_CFG, Policy(), remat=remat, accum_steps=accum_steps, scan=True)
     images, labels, ids = _batch(seed=1, n=LOCAL_BATCH)
     params = step.init_params(jax.random.key(0), LOCAL_CFG)
     args = (params, LossScale.create(dynamic=False), images, labels, ids + 100,

@@ -35,11 +35,14 @@ from jax.sharding import PartitionSpec as P
 from conftest import FAST, grads_step
 import train_shardmap as ts
 from vit_pure import cli, step
+from vit_pure import layout as layout_lib
 from vit_pure.config import PRESETS
 from vit_pure.policy import LossScale, Policy
 
 CFG = PRESETS["tiny"].replace(name="mp-test", width=40, heads=8, mlp_dim=56, depth=3)
-SC = step.StepConfig(CFG, Policy())
+# The layer scan: the collective counts below are per loop body (one layer's collectives,
+# run depth times); the unrolled loop computes the same numbers (test_model.py).
+SC = step.StepConfig(CFG, Policy(), scan=True)
 BATCH, STEPS = 16, 5
 MESHES = ["data=8", "data=4,model=2", "data=2,model=4", "data=1,model=8"]
 LAYOUTS = [(mesh, fsdp) for mesh in MESHES for fsdp in (False, True)]
@@ -322,7 +325,7 @@ def test_compiled_step_all_reduces_only_data_replicated_gradients_over_data(mesh
     got = layout(mesh, fsdp)
     strategy = got["strategy"]
     mesh_shape = dict(strategy.mesh.shape)
-    replicated = sum(ts._bytes(x, spec, mesh_shape) for x, spec in zip(
+    replicated = sum(layout_lib._bytes(x, spec, mesh_shape) for x, spec in zip(
         jax.tree.leaves(strategy.params_shapes),
         jax.tree.leaves(strategy.param_specs, is_leaf=lambda s: isinstance(s, P)))
         if "data" not in ts.mesh_axes(spec))
@@ -366,7 +369,7 @@ def test_measured_bytes_per_device_drop_by_the_sharding_factor(vit_cifar_state, 
     printed = strategy.measure_layout()
     for device in strategy.mesh.devices.flat:
         for k in ("params", "opt_state"):
-            measured = ts.bytes_per_device(placed[k], device)
+            measured = layout_lib.bytes_per_device(placed[k], device)
             assert full[k] / factor <= measured <= 1.05 * full[k] / factor, (k, device)
             assert f"{measured:,}" in printed
     jax.tree.map(lambda x: x.delete(), placed)

@@ -34,7 +34,7 @@ from benchmarks import bench
 from conftest import subprocess_env
 import train_pmap
 import train_shardmap as ts
-from vit_pure import cli, plan, step
+from vit_pure import cli, layout, plan, step
 from vit_pure import interconnect as ic
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
@@ -215,7 +215,7 @@ def test_measured_run_executes_each_collective_count_times(loops, tmp_path):
     p, strategy = loops
     sc, opt = strategy.sc, _setup()[1]
     inputs = _zero_inputs(strategy, sc, opt)
-    placed = ts.bytes_per_device(inputs[0]["params"], strategy.mesh.devices.flat[0])
+    placed = layout.bytes_per_device(inputs[0]["params"], strategy.mesh.devices.flat[0])
     with jax.profiler.trace(str(tmp_path)):
         jax.block_until_ready(p.compiled(*inputs))
     (trace,) = glob.glob(str(tmp_path / "plugins/profile/*/*.trace.json.gz"))
