@@ -26,6 +26,20 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert args.randaugment == cli.RECIPES["cpu-quick"]["randaugment"]
 
 
+# The command that measured --recipe gpu-small-data (docs/training.md, "Accuracy"), less
+# --data-dir and --no-progress: the recipe must stay that run.
+GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs 2400 --lr 4e-3 "
+                      "--randaugment 2,9 --mixup 0.8 --cutmix 1.0 --ema 0.999 "
+                      "--mix-off-epochs 240 --accum-steps 1 --eval-every 50 --log-every 500")
+
+
+def test_gpu_small_data_recipe_is_the_measured_run():
+    recipe = vars(_parse(["--recipe", "gpu-small-data"]))
+    measured = vars(_parse(GPU_SMALL_DATA_RUN.split()))
+    differ = {k for k in recipe if k not in ("recipe", "cfg") and recipe[k] != measured[k]}
+    assert not differ, {k: (recipe[k], measured[k]) for k in differ}
+    assert recipe["cfg"] == measured["cfg"]
+
 
 def test_preset_is_the_old_name_of_recipe_and_says_so(capsys):
     args = _parse(["--preset", "cpu-quick", "--epochs", "3"])

@@ -27,6 +27,13 @@ RECIPES: dict[str, dict[str, Any]] = {
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(1, 5), eval_every=10, cpu_devices=2, scan=False,
                       accum_steps=1),
+    # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
+    # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
+    # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one
+    # H100: 68.5% val, 71.1% test, 130 s including compilation (docs/training.md, "Accuracy").
+    "gpu-small-data": dict(model="vit-cifar-quick", dtype="bf16", batch=512, epochs=2400,
+                           lr=4e-3, randaugment=(2, 9), mixup=0.8, cutmix=1.0, ema=0.999,
+                           mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1),
 }
 
 
