@@ -17,6 +17,33 @@ def test_headline_command_on_a_gpu_runs_unrolled_with_bf16_matmul_outputs():
     assert any(n.startswith("matmul outputs: bf16") for n in c.notes)
 
 
+@pytest.mark.parametrize("dtype, cudnn, given, expected", [
+    ("bf16", True, None, "cudnn"),      # the headline command on an H100
+    ("bf16", False, None, "einsum"),    # a GPU without cuDNN's fused attention
+    ("fp32", True, None, "einsum"),     # cuDNN's kernel takes 16-bit inputs only
+    ("fp16", True, None, "einsum"),     # not measured: the reference path
+    ("bf16", True, "einsum", "einsum"),  # explicit flags win
+    ("bf16", True, "xla", "xla")])
+def test_attention_is_cudnn_only_where_measured(dtype, cudnn, given, expected):
+    c = hardware.resolve(dtype, "default", None, "gpu", attention=given, cudnn=cudnn)
+    assert c.attention == expected
+    assert any(n.startswith("attention: cuDNN") for n in c.notes) == (given is None
+                                                                      and expected == "cudnn")
+
+
+class _Device:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize("device, runs", [
+    (_Device(compute_capability="9.0"), True), (_Device(compute_capability="8.0"), True),
+    (_Device(compute_capability="7.5"), False), (_Device(compute_capability="12.0"), True),
+    (_Device(compute_capability="gfx90a"), False), (_Device(), False)])
+def test_cudnn_attention_needs_a_cuda_device_of_capability_8(device, runs):
+    assert hardware.cudnn_attention_runs(device) == runs
+
+
 @pytest.mark.parametrize("flags", [BF16_CPU, AVX2_CPU])
 def test_cpu_keeps_f32_matmul_outputs_and_says_when_bf16_is_emulated(flags):
     c = hardware.resolve("bf16", "default", None, "cpu", flags)
@@ -54,7 +81,7 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     """What `python train_shardmap.py --batch 4096 --dtype bf16` parses to, resolved as
     StepConfig.from_args does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
-    assert args.scan is None
+    assert args.scan is None and args.attention is None
     sc = step.StepConfig.from_args(args, platform="gpu")
     assert not sc.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])

@@ -300,8 +300,8 @@ def test_eval_only_evaluates_the_ema(straight):
 
 
 def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
-    """A checkpoint written before --ema / --mix-off-epochs / --repeat-aug / --attention
-    existed records none of them: a run that leaves them at their defaults continues it,
+    """A checkpoint written before --ema / --mix-off-epochs / --repeat-aug existed records
+    none of them: a run that leaves them at their defaults continues it,
     a run that sets one is refused naming it."""
     from vit_pure import resume
     args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])

@@ -58,10 +58,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--remat", default="none", choices=list(REMAT_MODES),
                    help="recompute in the backward pass: each whole encoder block (block), or all "
                         "but its matmul outputs (block-save-dots); same results, less memory")
-    g.add_argument("--attention", default="einsum", choices=list(ATTENTION_IMPLS),
+    g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
-                        "GPUs, bf16/fp16); same results (docs/performance.md)")
+                        "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
+                        "backend (vit_pure/hardware.py): cudnn on NVIDIA GPUs in bf16, else "
+                        "einsum")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),

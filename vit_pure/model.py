@@ -45,7 +45,8 @@ forward, all-reduce of the gradient backward: "f") before each column-parallel m
 `_reduce_from_tp` (all-reduce forward, identity backward: "g") after each row-parallel one.
 
 Attention (`attention`, the --attention flag; `_attention_einsum`, `_attention_fused`):
-"einsum" (the default) writes the attention as two `policy.einsum` products on
+"einsum" (`apply`'s default and the reference; the scripts pick "cudnn" on NVIDIA GPUs in
+bf16, vit_pure/hardware.py) writes the attention as two `policy.einsum` products on
 (B, H, T, D), with the head transposes that layout needs; "xla" and "cudnn" call
 `jax.nn.dot_product_attention` on (B, T, H, D), straight from the qkv matmul's layout,
 with the token axis padded to a multiple of 8 around the call and the padded keys masked.

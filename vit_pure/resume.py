@@ -30,12 +30,14 @@ from vit_pure.cli import UsageError
 from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
-# the same computation runs (devices, mesh layout, FSDP, accumulation, scan / remat --
-# the same math, though float sums may round differently), what is logged and evaluated,
-# and the checkpoint / profiling plumbing. Every other flag fixes the trajectory and must
-# match; a flag added later is compared unless it is listed here.
+# the same computation runs (devices, mesh layout, FSDP, accumulation, scan / remat, the
+# attention implementation -- the same math, though float sums may round differently),
+# what is logged and evaluated, and the checkpoint / profiling plumbing. Every other flag
+# fixes the trajectory and must match; a flag added later is compared unless it is listed
+# here.
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
+    "attention",
     "eval_only",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
@@ -51,8 +53,7 @@ RESUMABLE_ACROSS = frozenset({
 # Flags added after checkpoints were first written, with the value that runs what a
 # checkpoint without them ran: a checkpoint that does not record one of these continues in
 # a run that leaves it at this value (a run that sets another value is refused as usual).
-ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1,
-                       "--attention": "einsum"}
+ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1}
 
 
 def run_config(args) -> dict:

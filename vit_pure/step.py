@@ -199,12 +199,13 @@ class StepConfig:
         # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
         # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
         platform = platform or jax.default_backend()
+        attention = getattr(args, "attention", None)
+        cudnn = platform == "gpu" and hardware.cudnn_attention_runs(jax.devices()[0])
         choices = hardware.resolve(args.policy or args.dtype, args.matmul_precision, args.scan,
-                                   platform)
-        attention = getattr(args, "attention", "einsum")
-        _check_attention(attention, choices.policy, platform)
+                                   platform, attention=attention, cudnn=cudnn)
+        _check_attention(choices.attention, choices.policy, platform)
         return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
-                   args.remat, attention=attention,
+                   args.remat, attention=choices.attention,
                    randaugment=tuple(getattr(args, "randaugment", (0, 0))),
                    mixup_alpha=getattr(args, "mixup", 0.0),
                    cutmix_alpha=getattr(args, "cutmix", 0.0),
