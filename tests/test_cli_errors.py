@@ -107,6 +107,22 @@ SHARED = [
     (["--memory-budget", "4"], "--memory-budget is the budget of --accum-steps auto; with "
                                "--accum-steps 1 nothing reads it"),
     (["--stop-after", "5"], "--stop-after 5: the run ends sooner, at --steps 1"),
+    # the small-data levers
+    (["--ema", "-0.1"], "--ema must be a decay in [0, 1) (0: off), got -0.1"),
+    (["--ema", "1"], "--ema must be a decay in [0, 1) (0: off), got 1.0"),
+    (["--ema", "1.5"], "--ema must be a decay in [0, 1)"),
+    (["--ema", "nan"], "--ema must be a decay in [0, 1)"),
+    (["--ema", "inf"], "--ema must be a decay in [0, 1)"),
+    (["--ema", "x"], "argument --ema: invalid float value: 'x'"),
+    (["--mix-off-epochs", "-1", "--mixup", "0.8"], "--mix-off-epochs must be >= 0, got -1"),
+    (["--mix-off-epochs", "2"], "--mix-off-epochs 2: there is no mixing to turn off"),
+    (["--mix-off-epochs", "5", "--epochs", "5", "--cutmix", "1"],
+     "--mix-off-epochs 5 must be less than --epochs 5"),
+    (["--mix-off-epochs", "1.5"], "argument --mix-off-epochs: invalid int value: '1.5'"),
+    (["--repeat-aug", "0"], "--repeat-aug must be >= 1, got 0"),
+    (["--repeat-aug", "-3"], "--repeat-aug must be >= 1, got -3"),
+    (["--repeat-aug", "3"], "--repeat-aug 3 does not divide --batch 16"),
+    (["--repeat-aug", "two"], "argument --repeat-aug: invalid int value: 'two'"),
     # several processes
     (["--num-processes", "2"], "missing --coordinator, --process-id"),
     (["--coordinator", "garbage"], "missing --num-processes, --process-id"),

@@ -316,3 +316,15 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
                                               "--ema", "0.9"]), sc, train, 10)
     assert "--ema differs" in resume.first_difference(old, with_ema)
     assert "--lr differs" in resume.first_difference({**old, "--lr": 0.5}, now)
+
+
+def test_good_lever_values_parse():
+    """The levers' values parse as given (bad ones: tests/test_cli_errors.py), and both
+    scripts' parsers leave all three off by default."""
+    plain = ["--model", "tiny", "--dataset", "synthetic", "--batch", "16"]
+    args = ts.cli.parse_args(ts.build_parser(), plain + [
+        "--ema", "0.999", "--mixup", "0.8", "--epochs", "3", "--mix-off-epochs", "2",
+        "--repeat-aug", "4"])
+    assert (args.ema, args.mix_off_epochs, args.repeat_aug) == (0.999, 2, 4)
+    defaults = ts.cli.parse_args(ts.cli.build_parser("train_pmap.py's flags"), plain)
+    assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug) == (0.0, 0, 1)
