@@ -372,8 +372,7 @@ def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatc
         last["loss_scale"] = strategy.metrics_to_host({"s": state["loss_scale"].scale})["s"]
         last["skipped_steps"] = losses.skipped
         text += f"  loss scale {last['loss_scale']:g} ({losses.skipped} steps skipped)"
-    if bar.shown and not getattr(bar, "disable", False):  # an open bar shows it (not the
-        # line); the JSON record still gets it
+    if not bar.disable:  # an open bar shows it (not the line); the JSON record still gets it
         bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:.1f}")
         text = ""
     log(text, **last)
@@ -474,21 +473,17 @@ def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: in
         log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
             **record)
         return None
-    if "ema" not in state:
+    def run(state, label: str, **fields) -> dict:
         res = evaluate(strategy, state, splits[name], batch)
-        log(f"{prefix}{name}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-            f"({res['count']} images)", split=name, **record, **res)
+        log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
+            f"({res['count']} images)", **fields, **record, **res)
         return res
-    res = evaluate(strategy, ema_weights(state), splits[name], batch)
-    log(f"{prefix}{name} (EMA weights): loss {res['loss']:.4f}  accuracy "
-        f"{res['accuracy']:.4f} ({res['count']} images)", split=name, weights="ema",
-        **record, **res)
+
+    if "ema" not in state:
+        return run(state, "", split=name)
+    res = run(ema_weights(state), " (EMA weights)", split=name, weights="ema")
     if name == "val":
-        raw = evaluate(strategy, state, splits[name], batch)
-        log(f"{prefix}{name} (raw weights): loss {raw['loss']:.4f}  accuracy "
-            f"{raw['accuracy']:.4f} ({raw['count']} images)", split=f"{name}-raw",
-            weights="raw", **record, **raw)
-        res = {**res, "raw": raw}
+        res = {**res, "raw": run(state, " (raw weights)", split=f"{name}-raw", weights="raw")}
     return res
 
 
@@ -513,12 +508,13 @@ def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dic
     path = checkpoint.latest(pathlib.Path(args.ckpt_dir), log=log)
     if path is None:
         raise UsageError(f"--eval-only: no intact checkpoint in {args.ckpt_dir}")
-    sc = saved_step_config(checkpoint.read_meta(path), sc)
+    meta = checkpoint.read_meta(path)
+    sc = saved_step_config(meta, sc)
     optimizer, _ = make_optimizer(args, 1)
     # A full state for the strategy's placement; only the params are read back.
     host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
     # A run trained with --ema is evaluated with its EMA weights, as its final test was.
-    name = "ema" if checkpoint.read_meta(path).get("config", {}).get("ema") else "params"
+    name = "ema" if meta.get("config", {}).get("ema") else "params"
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
         p.shape, np.float32 if name == "ema" else p.dtype), host_state["params"])
     host_state["params"] = jax.tree.map(lambda w, p: w.astype(p.dtype),

@@ -197,7 +197,7 @@ class Throughput:
 
 class NoBar:
     """The progress bar when there is none (--no-progress, or not the main process)."""
-    shown = False
+    disable = True  # as a closed tqdm bar: it shows nothing
 
     def update(self, n: int = 1) -> None: ...
     def set_postfix(self, **values) -> None: ...
@@ -209,6 +209,4 @@ def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return NoBar()
     from tqdm import tqdm
-    bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
-    bar.shown = True
-    return bar
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
