@@ -284,10 +284,13 @@ def _check_numbers(parser, args) -> None:
         if value is not None and not (math.isfinite(value) and value >= low):
             parser.error(f"{flag(name)} must be {what}, got {value}")
 
-    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices"):
+    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices",
+                 "stop_after"):
         at_least(name, 1, "positive")
-    for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix"):
+    for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix",
+                 "ckpt_every"):
         at_least(name, 0, ">= 0")
+    at_least("ckpt_keep", 1, ">= 1")
     _check_levers(parser, args)
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a positive number, got {args.lr}")
@@ -346,12 +349,6 @@ def _check_paths(parser, args) -> None:
 
 
 def _check_checkpoint_flags(parser, args) -> None:
-    if args.ckpt_every < 0:
-        parser.error("--ckpt-every must be >= 0")
-    if args.ckpt_keep < 1:
-        parser.error("--ckpt-keep must be >= 1")
-    if args.stop_after is not None and args.stop_after <= 0:
-        parser.error("--stop-after must be positive")
     if args.stop_after is not None and args.steps is not None and args.stop_after > args.steps:
         parser.error(f"--stop-after {args.stop_after}: the run ends sooner, at --steps "
                      f"{args.steps}")
