@@ -68,14 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def step_config(args, attention: str, batch: int):
-    """(StepConfig, optimizer, script args) as train_shardmap.main builds them."""
+    """(StepConfig, optimizer) as train_shardmap.main builds them; --attention cudnn off a
+    GPU is a UsageError."""
     argv = ["--model", args.model, "--batch", str(batch), "--dtype", args.dtype,
             "--dataset", "synthetic", "--accum-steps", "1", "--attention", attention,
             *shlex.split(args.flags)]
-    script_args = cli.parse_args(train_shardmap.build_parser(), argv)
-    sc = step.StepConfig.from_args(script_args)  # --attention cudnn off a GPU: UsageError
-    optimizer, _ = step.make_optimizer(script_args, 1000)
-    return sc, optimizer, script_args
+    return bench.script_setup(argv, parser=train_shardmap.build_parser())
 
 
 def gradients(sc: step.StepConfig, policy: Policy, attention: str, params, images, labels):
@@ -98,7 +96,7 @@ def worst_error(ref, got) -> float:
 
 
 def check_gradients(args, impls) -> bool:
-    sc, _, _ = step_config(args, "einsum", args.check_batch)
+    sc, _ = step_config(args, "einsum", args.check_batch)
     policy = sc.policy
     eps = float(jnp.finfo(policy.compute_dtype).eps)
     params = init_params(jax.random.key(0), sc.cfg)
@@ -127,7 +125,7 @@ def check_gradients(args, impls) -> bool:
 def time_steps(args, impls) -> None:
     rows = []
     for impl in ["einsum", *impls]:
-        sc, optimizer, script_args = step_config(args, impl, args.batch)
+        sc, optimizer = step_config(args, impl, args.batch)
         strategy = train_shardmap.ShardMapStrategy(sc, optimizer, None,
                                                    devices=jax.devices()[:1])
         res = bench.measure_train_step(strategy, sc, optimizer, args.batch, steps=args.steps,

@@ -241,11 +241,19 @@ def training_setup(model: str, batch: int, policy: str, *, precision: str = "def
             *([] if scan is None else ["--scan" if scan else "--no-scan"]),
             "--remat", remat, "--accum-steps", str(accum), "--dataset", "synthetic"]
     try:
-        args = cli.parse_args(cli.build_parser("bench"), argv)
+        sc, optimizer = script_setup(argv, total_steps)
     except SystemExit:  # argparse has printed why
         raise cli.UsageError(f"the training scripts refuse {' '.join(argv)}") from None
+    return dataclasses.replace(sc, accum_steps=accum), optimizer
+
+
+def script_setup(argv: list[str], total_steps: int = 1000,
+                 parser: argparse.ArgumentParser | None = None):
+    """(StepConfig, optimizer) as a training script builds them from `argv`, parsed by
+    `parser` (default: the flags both scripts share), with the backend's defaults."""
+    args = cli.parse_args(parser or cli.build_parser("bench"), argv)
     optimizer, _ = step.make_optimizer(args, total_steps)
-    return dataclasses.replace(step.StepConfig.from_args(args), accum_steps=accum), optimizer
+    return step.StepConfig.from_args(args), optimizer
 
 
 def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices, *,
