@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 
 import jax
@@ -24,7 +23,6 @@ import pytest
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 
-import train_shardmap as ts
 from vit_pure import cli, model, step
 from vit_pure.cli import UsageError
 from vit_pure.model import apply, init_params
@@ -112,49 +110,14 @@ def test_the_mask_matters():
     assert _worst(ref, unmasked) > 10 * EPS_BF16
 
 
-@functools.cache
-def _initial_state(policy_text: str) -> dict:
-    """tests/test_layout_matrix.py's initial state (fp32, so no loss scale to adjust),
-    built in one compile instead of op by op."""
-    policy = Policy.parse(policy_text)
-    init = jax.jit(lambda key: step.init_state(key, CFG, policy, matrix._optimizer()))
-    return jax.device_get(init(jax.random.key(0)))
-
-
-@functools.cache
-def _run(layout: str, policy_text: str, attention: str) -> dict:
-    """tests/test_layout_matrix.py's `run` (two training steps from the same state and
-    batches), with the attention implementation set."""
-    sc = step.StepConfig(CFG, Policy.parse(policy_text), attention=attention)
-    mesh, fsdp = matrix.LAYOUTS.get(layout) or ("data=8", False)
-    strategy = ts.ShardMapStrategy(sc, matrix._optimizer(), mesh, fsdp=fsdp)
-    state = strategy.put_state(_initial_state(policy_text))
-    compiled, metrics = None, []
-    for images, labels, ids, key in matrix._batches():
-        args = (state, *strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
-        compiled = compiled or strategy.train_step.lower(*args).compile(matrix.FAST)
-        state, m = compiled(*args)
-        metrics.append(strategy.metrics_to_host(m))
-    return {"metrics": metrics, "params": strategy.host_state(state)["params"]}
-
-
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_xla_attention_under_model_parallelism_matches_data_parallel(layout):
     """TP runs the fused call on each device's 2 of the 4 heads; the pipeline on each
     stage's layer. Same checks and tolerances as the layout matrix, against the
     data-parallel step with the same attention (which `test_xla_attention_matches_einsum`
     ties to the einsum path)."""
-    text = "fp32"
-    tol_metrics, tol_params = matrix.tolerances(Policy.parse(text))
-    ref, got = _run("dp", text, "xla"), _run(layout, text, "xla")
-    for i, (r, g) in enumerate(zip(ref["metrics"], got["metrics"], strict=True)):
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
-        assert g["loss"] == pytest.approx(r["loss"], rel=tol_metrics), f"step {i + 1} loss"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=tol_metrics), \
-            f"step {i + 1} gradient norm"
-    moved = matrix._distance(ref["params"], _initial_state(text)["params"])
-    assert moved > 0
-    assert matrix._distance(got["params"], ref["params"]) <= tol_params * moved
+    matrix.assert_matches(matrix.run("dp", "fp32", False, "none", attention="xla"),
+                          matrix.run(layout, "fp32", False, "none", attention="xla"), "fp32")
 
 
 def test_cudnn_on_cpu_is_one_line(capsys, monkeypatch):
