@@ -41,7 +41,7 @@ def bytes_per_device(tree, device) -> int:
 
 
 def format_table(specs, params_shapes, opt_state_shapes, opt_specs, optimizer,
-                  mesh_shape: dict) -> str:
+                 mesh_shape: dict) -> str:
     """Per parameter its PartitionSpec and bytes per device, for the parameter and its
     optimizer state, next to pure data parallelism (everything replicated)."""
     flat = jax.tree_util.tree_flatten_with_path(params_shapes)[0]
