@@ -205,8 +205,7 @@ def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
 def test_main_runs_two_steps_and_logs_json(script, dataset, subset_dir, tmp_path):
     log = tmp_path / "log.jsonl"
     argv = ["--model", "tiny", "--steps", "2", "--batch", "16", "--dataset", dataset,
-            "--data-dir", str(subset_dir), "--log-json", str(log), "--no-progress",
-            "--eval-batch", "1000"]
+            "--data-dir", str(subset_dir), "--log-json", str(log), "--no-progress"]
     result = script.main(argv)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     train = [r for r in records if "loss" in r and "split" not in r]
