@@ -3,7 +3,8 @@
     python -m benchmarks.bench_randaugment [--batch 1024] [--repeats 10]
 
 Under vmap, `lax.switch` evaluates every op and selects one per image, so a RandAugment
-layer should cost about the sum of the single-op times; the printout shows both.
+layer should cost about the sum of the single-op times; the printout shows both, and
+rand_augment with one warp per op slot (its default) against a warp per geometric op.
 Prints timings only; asserts nothing.
 """
 import argparse
@@ -46,12 +47,16 @@ def main():
     ids = jnp.arange(args.batch, dtype=jnp.int32)
     labels = jax.nn.one_hot(jnp.arange(args.batch) % 10, 10)
 
-    rand_augment = jax.jit(
-        lambda k, x, i: ra.rand_augment(k, x, i, num_ops=args.num_ops, magnitude=args.magnitude))
-    first, per_call = time_jitted(rand_augment, key, images, ids, repeats=args.repeats)
-    print(f"rand_augment  batch {args.batch} x 32x32x3, num_ops {args.num_ops}: "
-          f"{per_call * 1e3:8.2f} ms/batch  ({args.batch / per_call:9.0f} img/s), "
-          f"compile+first {first:.1f} s")
+    per_call = {}
+    for one_warp in (True, False):  # the default, then a warp per geometric op
+        rand_augment = jax.jit(lambda k, x, i, w=one_warp: ra.rand_augment(
+            k, x, i, num_ops=args.num_ops, magnitude=args.magnitude, one_warp=w))
+        first, per_call[one_warp] = time_jitted(rand_augment, key, images, ids,
+                                                repeats=args.repeats)
+        print(f"rand_augment  one_warp={one_warp!s:5}  batch {args.batch} x 32x32x3, num_ops "
+              f"{args.num_ops}: {per_call[one_warp] * 1e3:8.2f} ms/batch  "
+              f"({args.batch / per_call[one_warp]:9.0f} img/s), compile+first {first:.2f} s")
+    print(f"one warp per slot: {per_call[False] / per_call[True]:.2f}x the img/s of five")
 
     mix = jax.jit(lambda k, x, y: aug.mix_batch(k, x, y, mixup_alpha=0.8, cutmix_alpha=1.0))
     first, per_call = time_jitted(mix, key, images, labels, repeats=args.repeats)

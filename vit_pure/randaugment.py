@@ -57,8 +57,9 @@ Sources
 - AutoAugment (op definitions and ranges): Cubuk et al., 2018, arXiv:1805.09501.
 
 Cost: under vmap, `lax.switch` with a per-example index evaluates every branch and selects,
-so one RandAugment layer costs the sum of all ops. For 32x32 images that is cheap next to the
-model step; see ``benchmarks/bench_randaugment.py``.
+so one RandAugment layer costs the sum of all ops. `rand_augment` therefore warps once per
+op slot with the drawn geometric op's matrix (the five geometric ops would otherwise be five
+bilinear warps) and switches over the colour ops only. See ``benchmarks/bench_randaugment.py``.
 """
 from __future__ import annotations
 
@@ -216,8 +217,12 @@ def equalize(image, magnitude=0.0, key=None):
 
 def rotate(image, magnitude, key=None):
     """Rotate about the centre by 30 * magnitude degrees (counter-clockwise for +)."""
-    degrees = MAX_ROTATE_DEGREES * _signed(magnitude, key)
-    return affine_warp(image, rotation_matrix(degrees))
+    return affine_warp(image, *_rotate_affine(image.shape, magnitude, key))
+
+
+def _rotate_affine(shape, magnitude, key):
+    del shape
+    return rotation_matrix(MAX_ROTATE_DEGREES * _signed(magnitude, key)), (0.0, 0.0)
 
 
 def solarize(image, magnitude, key=None):
@@ -273,26 +278,47 @@ def sharpness(image, magnitude, key=None):
 
 def shear_x(image, magnitude, key=None):
     """Shear along x about the centre: output (r, c) reads input column c + s * (r - r0)."""
-    s = MAX_SHEAR * _signed(magnitude, key)
-    return affine_warp(image, ((1.0, 0.0), (s, 1.0)))
+    return affine_warp(image, *_shear_x_affine(image.shape, magnitude, key))
+
+
+def _shear_x_affine(shape, magnitude, key):
+    del shape
+    return ((1.0, 0.0), (MAX_SHEAR * _signed(magnitude, key), 1.0)), (0.0, 0.0)
 
 
 def shear_y(image, magnitude, key=None):
     """Shear along y about the centre: output (r, c) reads input row r + s * (c - c0)."""
-    s = MAX_SHEAR * _signed(magnitude, key)
-    return affine_warp(image, ((1.0, s), (0.0, 1.0)))
+    return affine_warp(image, *_shear_y_affine(image.shape, magnitude, key))
+
+
+def _shear_y_affine(shape, magnitude, key):
+    del shape
+    return ((1.0, MAX_SHEAR * _signed(magnitude, key)), (0.0, 1.0)), (0.0, 0.0)
 
 
 def translate_x(image, magnitude, key=None):
     """Move the content right by magnitude * W / 3 pixels (left for negative)."""
-    shift = MAX_TRANSLATE_FRACTION * image.shape[1] * _signed(magnitude, key)
-    return affine_warp(image, offset=(0.0, -shift))
+    return affine_warp(image, *_translate_x_affine(image.shape, magnitude, key))
+
+
+def _translate_x_affine(shape, magnitude, key):
+    shift = MAX_TRANSLATE_FRACTION * shape[1] * _signed(magnitude, key)
+    return IDENTITY_MATRIX, (0.0, -shift)
 
 
 def translate_y(image, magnitude, key=None):
     """Move the content down by magnitude * H / 3 pixels (up for negative)."""
-    shift = MAX_TRANSLATE_FRACTION * image.shape[0] * _signed(magnitude, key)
-    return affine_warp(image, offset=(-shift, 0.0))
+    return affine_warp(image, *_translate_y_affine(image.shape, magnitude, key))
+
+
+def _translate_y_affine(shape, magnitude, key):
+    shift = MAX_TRANSLATE_FRACTION * shape[0] * _signed(magnitude, key)
+    return IDENTITY_MATRIX, (-shift, 0.0)
+
+
+# The geometric ops as (matrix, offset) of their one `affine_warp`, for `rand_augment`.
+_AFFINE = {rotate: _rotate_affine, shear_x: _shear_x_affine, shear_y: _shear_y_affine,
+           translate_x: _translate_x_affine, translate_y: _translate_y_affine}
 
 
 # The RandAugment paper's 14 ops, in its order.
@@ -320,16 +346,35 @@ SIGNED_OPS = (rotate, color, contrast, brightness, sharpness, shear_x, shear_y,
 # --------------------------------------------------------------------------- RandAugment
 
 
-def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAULT_OPS):
+def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAULT_OPS,
+                 one_warp=True):
     """RandAugment (Cubuk et al. 2019): per image, `num_ops` ops drawn uniformly (with
     replacement) from `ops`, applied in sequence, all at magnitude `magnitude` / 10.
 
     key: one PRNG key for the batch. images: (N, H, W, C) in [0, 1]. example_ids: (N,) int32
     global positions; example i uses fold_in(key, example_ids[i]), so splitting the batch
     does not change any image. `num_ops`, `magnitude` and `ops` are static.
+
+    one_warp: under vmap a switch evaluates every op, and the five geometric ops are one
+    bilinear warp each. With one_warp (the default) an op slot instead selects the drawn
+    op's (matrix, offset) and warps once, and switches over the colour ops only: the same
+    images (tests/test_randaugment.py checks it against one_warp=False, the plain switch
+    over all ops), with one warp per slot instead of five.
     """
     m = float(magnitude) / MAX_LEVEL
     branches = [lambda image, k, op=op: op(image, m, k) for op in ops]
+    geometric = [op in _AFFINE for op in ops]
+    one_warp = one_warp and sum(geometric) > 1
+    if one_warp:  # geometric ops leave the image alone in the switch; the warp does them
+        branches = [identity if g else b for b, g in zip(branches, geometric)]
+
+    def warp(index, image, op_key):
+        """The drawn op's warp, or the identity if it is not geometric (then unused)."""
+        affines = [_AFFINE[op](image.shape, m, op_key) if g else (IDENTITY_MATRIX, (0.0, 0.0))
+                   for op, g in zip(ops, geometric)]
+        matrix = jnp.stack([jnp.asarray(a, jnp.float32) for a, _ in affines])[index]
+        offset = jnp.stack([jnp.asarray(o, jnp.float32) for _, o in affines])[index]
+        return affine_warp(image, matrix, offset)
 
     def one_image(image, example_id):
         example_key = jax.random.fold_in(key, example_id)
@@ -340,7 +385,11 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
             # JAX 0.10.2 pitfall: inside shard_map (check_vma=True), a vmapped switch fails
             # ("pvary is a invariant->variant collective") if a branch uses a constant array
             # such as jnp.asarray([0.299, 0.587, 0.114]); the ops here use scalars only.
-            image = lax.switch(index, branches, image, op_key)
+            switched = lax.switch(index, branches, image, op_key)
+            if one_warp:
+                is_geometric = jnp.asarray(geometric)[index]
+                switched = jnp.where(is_geometric, warp(index, image, op_key), switched)
+            image = switched
         return image
 
     return jax.vmap(one_image)(images, jnp.asarray(example_ids, jnp.int32))
