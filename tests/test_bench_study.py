@@ -49,6 +49,15 @@ def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
     fwd = jax.jit(lambda p, x: apply(p, x, TINY)).lower(params, images).as_text()
     assert bench.stablehlo_dot_flops(fwd) == 6 * bench.forward_flops_per_image(TINY)
 
+    # With a convolutional stem: its two layers (16x16 x 27 x 8, 8x8 x 72 x 12 multiply-
+    # adds per image) count as dots of the forward pass too.
+    stem = TINY.replace(name="tiny-stem", stem=(8, 12), patch_size=16)
+    fwd = jax.jit(lambda p, x: apply(p, x, stem)).lower(init_params(jax.random.key(0), stem),
+                                                        images).as_text()
+    assert bench.stablehlo_dot_flops(fwd) == 6 * bench.forward_flops_per_image(stem)
+    assert bench.forward_flops_per_image(stem) - bench.forward_flops_per_image(
+        stem.replace(stem=())) == 2 * (256 * 27 * 8 + 64 * 72 * 12) + 2 * 4 * (192 - 768) * 24
+
     patch_input_grad = 2 * TINY.num_patches * TINY.patch_dim * TINY.width
     assert bench.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
         bench.train_flops_per_image(TINY) - patch_input_grad)

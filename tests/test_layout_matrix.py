@@ -17,6 +17,10 @@ partial products), so low-precision policies agree to a few roundings, not bit f
 The default run takes 20 cells: every layout under every policy, with the four
 (loop, remat) pairs spread over them so that each layout and each policy meets all four.
 `python -m pytest -m slow tests/test_layout_matrix.py` runs the remaining 60.
+
+The model with a convolutional stem (ViTConfig.stem, `STEM_CFG`) runs every layout under
+every policy with the same spread of (loop, remat) pairs: 20 more cells, the 5 under fp32
+in the default run, the other 15 marked slow.
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ from vit_pure.policy import Policy
 # Depth 2 splits into 2 pipeline stages, 4 heads and MLP 40 over model=2, width 24 over
 # FSDP's data=8; 17 tokens of 8x8 patches.
 CFG = PRESETS["tiny"].replace(name="matrix-test", depth=2)
+# The same model behind a two-layer convolutional stem: 32x32 -> 16x16x8 -> 8x8x12, then
+# the image's 8-pixel patches are 2x2 positions of the stem's output (48 values each).
+STEM_CFG = CFG.replace(name="matrix-test-stem", stem=(8, 12))
 BATCH, STEPS = 16, 2
 LAYOUTS = {  # name -> (mesh, fsdp); None: pmap
     "tp": ("data=4,model=2", False),
@@ -60,16 +67,20 @@ LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
 
 
 def _cells():
-    """Every cell, marked `slow` unless it is in the default 20 (a Latin square: layout i
-    under policy j runs loop pair (i + j) mod 4)."""
+    """Every cell, marked `slow` unless it is in the default 25: for the model without a
+    stem, a Latin square (layout i under policy j runs loop pair (i + j) mod 4); for the
+    model with one, the same square's fp32 column."""
     cells = []
     for (i, layout), (j, policy), (k, (scan, remat)) in itertools.product(
             enumerate(LAYOUTS), enumerate(POLICIES), enumerate(LOOPS)):
-        default = k == (i + j) % len(LOOPS)
-        marks = () if default else (pytest.mark.slow,)
-        cells.append(pytest.param(layout, policy, scan, remat, marks=marks,
-                                  id=f"{layout}-{policy}-{'scan' if scan else 'unrolled'}"
-                                     f"-{remat}"))
+        square = k == (i + j) % len(LOOPS)
+        name = f"{layout}-{policy}-{'scan' if scan else 'unrolled'}-{remat}"
+        marks = () if square else (pytest.mark.slow,)
+        cells.append(pytest.param(layout, policy, scan, remat, False, marks=marks, id=name))
+        if square:
+            marks = () if policy == "fp32" else (pytest.mark.slow,)
+            cells.append(pytest.param(layout, policy, scan, remat, True, marks=marks,
+                                      id=f"{name}-stem"))
     return cells
 
 
@@ -102,10 +113,10 @@ def _batches():
 
 
 @functools.cache
-def _initial_state(policy_text: str) -> dict:
+def _initial_state(policy_text: str, cfg=CFG) -> dict:
     policy = Policy.parse(policy_text)
     # Built in one compile, not op by op.
-    state = jax.jit(lambda key: step.init_state(key, CFG, policy, _optimizer()))(
+    state = jax.jit(lambda key: step.init_state(key, cfg, policy, _optimizer()))(
         jax.random.key(0))
     if state["loss_scale"].dynamic:
         # float16: start the dynamic loss scale where these gradients do not overflow, so
@@ -128,7 +139,7 @@ def run(layout: str, policy_text: str, scan: bool, remat: str, cfg=CFG,
     else:
         mesh, fsdp = LAYOUTS.get(layout) or ("data=8", False)
         strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
-    state = strategy.put_state(_initial_state(policy_text))
+    state = strategy.put_state(_initial_state(policy_text, cfg))
     compiled, metrics = None, []
     for images, labels, ids, key in _batches():
         args = (state, *strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
@@ -144,16 +155,17 @@ def _distance(a, b) -> float:
                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
 
 
-@pytest.mark.parametrize("layout, policy, scan, remat", _cells())
-def test_layout_matches_data_parallel(layout, policy, scan, remat):
+@pytest.mark.parametrize("layout, policy, scan, remat, stem", _cells())
+def test_layout_matches_data_parallel(layout, policy, scan, remat, stem):
     """The reference is the plain data-parallel step (unrolled, no remat) under the same
-    policy: the layer scan and remat give the same numbers, so one reference per policy
-    checks them too."""
-    text = POLICIES[policy]
-    assert_matches(run("dp", text, False, "none"), run(layout, text, scan, remat), text)
+    policy, of the same model: the layer scan and remat give the same numbers, so one
+    reference per policy and model checks them too."""
+    text, cfg = POLICIES[policy], STEM_CFG if stem else CFG
+    assert_matches(run("dp", text, False, "none", cfg), run(layout, text, scan, remat, cfg),
+                   text, cfg)
 
 
-def assert_matches(ref: dict, got: dict, policy_text: str) -> None:
+def assert_matches(ref: dict, got: dict, policy_text: str, cfg=CFG) -> None:
     """`got` (a `run`) equals the reference `ref` within `tolerances`: the loss and
     gradient norm of each step, and the final params relative to how far the reference
     moved them."""
@@ -163,7 +175,7 @@ def assert_matches(ref: dict, got: dict, policy_text: str) -> None:
         assert g["loss"] == pytest.approx(r["loss"], rel=tol_metrics), f"step {i + 1} loss"
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=tol_metrics), \
             f"step {i + 1} gradient norm"
-    moved = _distance(ref["params"], _initial_state(policy_text)["params"])
+    moved = _distance(ref["params"], _initial_state(policy_text, cfg)["params"])
     assert moved > 0  # both steps were taken (none skipped by the loss scale)
     assert _distance(got["params"], ref["params"]) <= tol_params * moved
 

@@ -176,3 +176,53 @@ def test_param_table_totals():
     assert "10,695,562 params" in table and "42,782,248" in table  # 4 bytes each
     bf16 = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), shapes)
     assert "21,391,124" in format_param_table(bf16)
+
+
+# The convolutional stem (ViTConfig.stem): 32x32 -> 16x16x8 -> 8x8x12 ahead of 4x4
+# patches of the stem's output (8-pixel patches of the image) -> 4 patches of 4*4*12.
+STEM = TINY.replace(name="tiny-stem", stem=(8, 12), patch_size=16)
+
+
+def test_stem_layer_is_a_3x3_stride_2_convolution():
+    """model._conv3x3_stride2 (nine taps through the policy's matmul) equals XLA's own
+    convolution with padding 1, then the bias and GELU."""
+    from jax import lax
+
+    from vit_pure.model import _conv3x3_stride2
+
+    params = init_params(jax.random.key(3), STEM)["stem"]["conv1"]
+    x = jax.random.normal(jax.random.key(4), (2, 16, 16, 8))
+    want = lax.conv_general_dilated(x, params["kernel"], (2, 2), ((1, 1), (1, 1)),
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                    precision=lax.Precision.HIGHEST)
+    want = jax.nn.gelu(want + params["bias"])
+    got = _conv3x3_stride2(x, params, Policy(matmul_precision="highest"))
+    assert got.shape == (2, 8, 8, 12)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_stem_shapes_axes_and_the_rest_of_the_model_unchanged():
+    """A stem adds its own params (fan-in scaled) and changes only the patch embedding's
+    input size; every other param is drawn exactly as without the stem."""
+    params = init_params(jax.random.key(0), STEM)
+    plain = init_params(jax.random.key(0), STEM.replace(stem=(), patch_size=16))
+    assert STEM.num_patches == 4 and STEM.patch_dim == 4 * 4 * 12
+    assert params["stem"]["conv0"]["kernel"].shape == (3, 3, 3, 8)
+    assert params["patch_embed"]["kernel"].shape == (192, TINY.width)
+    std = float(np.std(np.asarray(params["stem"]["conv1"]["kernel"])))
+    assert std == pytest.approx((2 / (9 * 8)) ** 0.5, rel=0.15)
+    for name in ("pos_embed", "cls_token", "blocks", "head"):
+        for a, b in zip(jax.tree.leaves(params[name]), jax.tree.leaves(plain[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    axes = param_axes(STEM)
+    assert jax.tree.structure(params) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, tuple))
+    logits = apply(params, _images(3, STEM), STEM)
+    assert logits.shape == (3, 10) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("bad", [dict(stem=(8,), patch_size=1, image_size=32),
+                                 dict(stem=(8, 0))])
+def test_stem_config_errors(bad):
+    with pytest.raises(ValueError, match="stem"):
+        TINY.replace(**bad)

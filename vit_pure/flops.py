@@ -9,13 +9,19 @@ from vit_pure.config import ViTConfig
 def forward_flops_per_image(cfg: ViTConfig) -> int:
     """Matmul FLOPs (2 per multiply-add) of one image's forward pass.
 
-    patch embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
+    the convolutional stem if any (per layer: output pixels x 9 C_in x C_out), the patch
+    embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
     scores (H x T x T x D), attention-weighted values (H x T x T x D), output projection
     (T x E x E), MLP (T x E x M twice); the head reads the class token only (E x K).
     Elementwise work (LayerNorm, softmax, GELU, residual adds) is left out, as usual.
     """
     T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim
-    patch_embed = cfg.num_patches * cfg.patch_dim * E
+    stem, side, c_in = 0, cfg.image_size, cfg.channels
+    for c_out in cfg.stem:  # 3x3 stride-2 convolutions: (side/2)^2 x 9 C_in x C_out
+        side //= 2
+        stem += side * side * 9 * c_in * c_out
+        c_in = c_out
+    patch_embed = stem + cfg.num_patches * cfg.patch_dim * E
     block = (T * E * 3 * E          # qkv
              + T * T * E            # q . k over all heads (H x D = E)
              + T * T * E            # probs . v
@@ -28,6 +34,7 @@ def forward_flops_per_image(cfg: ViTConfig) -> int:
 def train_flops_per_image(cfg: ViTConfig) -> int:
     """A training step's matmul FLOPs per image: the forward pass and a backward pass of
     twice its cost (for every matmul, one for the input's gradient and one for the
-    weight's). The usual convention; exact but for the patch embedding's input gradient,
-    which nothing needs (0.06% of the total for vit-cifar)."""
+    weight's). The usual convention; exact but for the first layer's input gradient (the
+    patch embedding's, or the stem's first convolution's), which nothing needs (0.06% of
+    the total for vit-cifar)."""
     return 3 * forward_flops_per_image(cfg)

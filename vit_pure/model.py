@@ -12,6 +12,7 @@ Parameter layout (`init_params`); the encoder blocks are *stacked* along a leadi
 axis L, one layout for every use (a Python loop or `lax.scan` over it, and a pipeline
 shards it):
 
+    stem/conv{i}/kernel (3, 3, C_in, C_out)  stem/conv{i}/bias (C_out,)   (cfg.stem only)
     patch_embed/kernel (P, E)   patch_embed/bias (E,)
     cls_token (E,)              pos_embed (T, E)
     blocks/ln1/{scale,bias} (L, E)
@@ -27,7 +28,10 @@ shards it):
 rules). Initialisation follows common ViT practice (ViT, DeiT, timm): every weight matrix,
 the position embedding and the head from a normal with std 0.02 truncated at two standard
 deviations (rescaled so the std really is 0.02); biases and the class token zero;
-LayerNorm scale one, bias zero.
+LayerNorm scale one, bias zero. The optional convolutional stem's kernels (cfg.stem;
+Xiao et al. 2021, "Early convolutions help transformers see better", arXiv:2106.14881)
+are drawn with He et al.'s fan-in scaling (std sqrt(2 / (9 C_in))), as for any
+convolution followed by a rectifier-like activation with no normalisation.
 
 Regularisation: dropout (rate `cfg.dropout`) after the embedding and at the end of each
 residual branch (after the attention output projection and after the second MLP layer);
@@ -97,7 +101,7 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
     def ones(*shape):
         return jnp.ones(shape, dtype)
 
-    return {
+    params = {
         "patch_embed": {"kernel": w((cfg.patch_dim, E)), "bias": zeros(E)},
         "cls_token": zeros(E),
         "pos_embed": w((cfg.seq_len, E)),
@@ -116,13 +120,24 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
         "final_ln": {"scale": ones(E), "bias": zeros(E)},
         "head": {"kernel": w((E, cfg.num_classes)), "bias": zeros(cfg.num_classes)},
     }
+    if cfg.stem:  # keys of its own: every other param is drawn as without a stem
+        stem, c_in = {}, cfg.channels
+        for i, c_out in enumerate(cfg.stem):
+            std = math.sqrt(2.0 / (9 * c_in))
+            k = jax.random.normal(jax.random.fold_in(key, 1000 + i), (3, 3, c_in, c_out))
+            stem[f"conv{i}"] = {"kernel": (std * k).astype(dtype), "bias": zeros(c_out)}
+            c_in = c_out
+        params = {"stem": stem, **params}
+    return params
 
 
 def param_axes(cfg: ViTConfig) -> dict:
     """Logical axis names of every parameter, in the same tree as `init_params`."""
-    del cfg  # the names do not depend on the sizes
     ln = {"scale": ("layers", "embed"), "bias": ("layers", "embed")}
+    conv = {"kernel": ("conv_h", "conv_w", "stem_in", "stem_out"), "bias": ("stem_out",)}
+    stem = {"stem": {f"conv{i}": dict(conv) for i in range(len(cfg.stem))}} if cfg.stem else {}
     return {
+        **stem,
         "patch_embed": {"kernel": ("patch", "embed"), "bias": ("embed",)},
         "cls_token": ("embed",),
         "pos_embed": ("tokens", "embed"),
@@ -300,12 +315,28 @@ def compute_params(tree, policy: Policy, gather: Callable | None = None, path: s
     return policy.cast_to_compute(tree)
 
 
+def _conv3x3_stride2(x, p, policy: Policy):
+    """One stem layer: x (B, h, w, C) -> GELU(conv3x3 stride 2, zero padding 1) (B, h/2,
+    w/2, C_out) in the compute dtype. Written as a matmul over the nine taps, so that it
+    runs through the policy's matmul like every other product of the model: output pixel
+    (i, j) reads input pixels 2i-1..2i+1, 2j-1..2j+1."""
+    _, h, w, c = x.shape
+    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    taps = [xp[:, di:di + h:2, dj:dj + w:2] for di in range(3) for dj in range(3)]
+    cols = jnp.concatenate(taps, axis=-1)  # (B, h/2, w/2, 9C), ordered (di, dj, c)
+    y = matmul(cols, p["kernel"].reshape(9 * c, -1), policy)
+    return jax.nn.gelu(y.astype(F32) + p["bias"].astype(F32)).astype(policy.compute_dtype)
+
+
 def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
     """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
     cd = policy.compute_dtype
-    p = cfg.patch_size
-    patches = rearrange(images, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
-    x = matmul(patches.astype(cd), params["patch_embed"]["kernel"], policy)
+    x = images.astype(cd)
+    for i in range(len(cfg.stem)):
+        x = _conv3x3_stride2(x, params["stem"][f"conv{i}"], policy)
+    p = cfg.stem_patch
+    patches = rearrange(x, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
+    x = matmul(patches, params["patch_embed"]["kernel"], policy)
     x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
     cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"].astype(F32)  # (B, T, E)

@@ -160,10 +160,11 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = Fa
                                  "blocks") for i in range(n)]
         blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     K = microbatches
-    # Every stage embeds (one matmul, cheap) but only stage 0's result is read. The
-    # embedding's weights vary over the pipe axis (each stage differentiates its own copy,
-    # see `pipeline_grads`); the images, replicated over it, are marked varying too, so the
-    # patch projection's two operands agree, as policy.einsum requires. Nothing
+    # Every stage embeds (a matmul, plus a stem's if any: cheap next to the blocks) but
+    # only stage 0's result is read. The embedding's weights vary over the pipe axis (each
+    # stage differentiates its own copy, see `pipeline_grads`); the images, replicated
+    # over it, are marked varying too, so the patch projection's (and the stem's) two
+    # operands agree, as policy.einsum requires. Nothing
     # differentiates the images, so this cast has no transpose: no collective. (The
     # images enter replicated over the pipe axis: the scripts split the batch over 'data'.)
     images = lax.pcast(images, pipe_axis, to="varying")
