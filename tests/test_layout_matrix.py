@@ -18,9 +18,9 @@ The default run takes 20 cells: every layout under every policy, with the four
 (loop, remat) pairs spread over them so that each layout and each policy meets all four.
 `python -m pytest -m slow tests/test_layout_matrix.py` runs the remaining 60.
 
-The model with a convolutional stem (ViTConfig.stem, `STEM_CFG`) runs every layout under
-every policy with the same spread of (loop, remat) pairs: 20 more cells, the 5 under fp32
-in the default run, the other 15 marked slow.
+The model with a convolutional stem and a mean-pooling head (ViTConfig.stem and .pool,
+`STEM_CFG`) runs every layout under every policy with the same spread of (loop, remat)
+pairs: 20 more cells, the 5 under fp32 in the default run, the other 15 marked slow.
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ from vit_pure.policy import Policy
 # FSDP's data=8; 17 tokens of 8x8 patches.
 CFG = PRESETS["tiny"].replace(name="matrix-test", depth=2)
 # The same model behind a two-layer convolutional stem: 32x32 -> 16x16x8 -> 8x8x12, then
-# the image's 8-pixel patches are 2x2 positions of the stem's output (48 values each).
-STEM_CFG = CFG.replace(name="matrix-test-stem", stem=(8, 12))
+# the image's 8-pixel patches are 2x2 positions of the stem's output (48 values each); its
+# head reads the mean of the patch tokens (pool "mean"), the other new model path.
+STEM_CFG = CFG.replace(name="matrix-test-stem", stem=(8, 12), pool="mean")
 BATCH, STEPS = 16, 2
 LAYOUTS = {  # name -> (mesh, fsdp); None: pmap
     "tp": ("data=4,model=2", False),

@@ -226,3 +226,25 @@ def test_stem_shapes_axes_and_the_rest_of_the_model_unchanged():
 def test_stem_config_errors(bad):
     with pytest.raises(ValueError, match="stem"):
         TINY.replace(**bad)
+
+
+def test_mean_pool_head_reads_the_mean_of_the_patch_tokens():
+    """pool "mean": the head's LayerNorm and projection see the mean of the patch tokens
+    (not the class token), computed here by hand from the encoder's output."""
+    from vit_pure import model
+
+    cfg = TINY.replace(pool="mean")
+    params = init_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(2), (3, cfg.seq_len, cfg.width))
+    feature = x[:, 1:].mean(axis=1)
+    mean = feature.mean(-1, keepdims=True)
+    normed = (feature - mean) / jnp.sqrt(((feature - mean) ** 2).mean(-1, keepdims=True)
+                                         + cfg.ln_eps)
+    normed = normed * params["final_ln"]["scale"] + params["final_ln"]["bias"]
+    want = normed @ params["head"]["kernel"] + params["head"]["bias"]
+    got = model.head(params, x, cfg, Policy(matmul_precision="highest"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    cls_logits = model.head(params, x, TINY, Policy(matmul_precision="highest"))
+    assert np.abs(np.asarray(cls_logits) - np.asarray(got)).max() > 1e-3
+    with pytest.raises(ValueError, match="pool"):
+        TINY.replace(pool="max")

@@ -30,12 +30,17 @@ class ViTConfig:
     # resolution. () is the plain ViT. patch_size stays in image pixels: the patch
     # embedding reads patches of patch_size / 2**len(stem) positions of the stem's output.
     stem: tuple[int, ...] = ()
+    # What the head reads: "cls", the class token (the ViT paper's choice), or "mean", the
+    # mean of the patch tokens (the class token is then still in the sequence, unread).
+    pool: str = "cls"
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"{self.name}: image_size {self.image_size} is not divisible by "
                 f"patch_size {self.patch_size}")
+        if self.pool not in ("cls", "mean"):
+            raise ValueError(f"{self.name}: pool must be 'cls' or 'mean', got {self.pool!r}")
         if any(c < 1 for c in self.stem) or self.patch_size % (2 ** len(self.stem)):
             raise ValueError(
                 f"{self.name}: a stem of {len(self.stem)} stride-2 convolutions needs "

@@ -429,9 +429,14 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 
 
 def head(params, x, cfg: ViTConfig, policy: Policy):
-    """tokens (B, T, E) -> logits (B, K) in the output dtype (class token only)."""
-    cls = _layer_norm(x[:, 0], params["final_ln"], cfg.ln_eps)  # (B, E)
-    logits = matmul(cls, params["head"]["kernel"], policy)
+    """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or
+    (cfg.pool "mean") from the mean of the patch tokens, taken in float32."""
+    if cfg.pool == "mean":
+        feature = jnp.mean(x[:, 1:].astype(F32), axis=1).astype(x.dtype)  # (B, E)
+    else:
+        feature = x[:, 0]
+    feature = _layer_norm(feature, params["final_ln"], cfg.ln_eps)
+    logits = matmul(feature, params["head"]["kernel"], policy)
     logits = logits.astype(F32) + params["head"]["bias"].astype(F32)
     return logits.astype(policy.output_dtype)
 
