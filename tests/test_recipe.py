@@ -33,9 +33,17 @@ GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs
                       "--mix-off-epochs 240 --accum-steps 1 --eval-every 50 --log-every 500")
 
 
-def test_gpu_small_data_recipe_is_the_measured_run():
-    recipe = vars(_parse(["--recipe", "gpu-small-data"]))
-    measured = vars(_parse(GPU_SMALL_DATA_RUN.split()))
+# The same for --recipe cpu-quick: the flags of the measured run (docs/training.md).
+CPU_QUICK_RUN = ("--model vit-cifar-conv --dtype auto --batch 128 --epochs 60 --lr 2e-3 "
+                 "--warmup-steps 140 --weight-decay 0.05 --label-smoothing 0.1 "
+                 "--randaugment 2,5 --eval-every 10 --cpu-devices 2 --no-scan --accum-steps 1")
+
+
+@pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),
+                                              ("cpu-quick", CPU_QUICK_RUN)])
+def test_recipe_is_the_measured_run(recipe_name, run):
+    recipe = vars(_parse(["--recipe", recipe_name]))
+    measured = vars(_parse(run.split()))
     differ = {k for k in recipe if k not in ("recipe", "cfg") and recipe[k] != measured[k]}
     assert not differ, {k: (recipe[k], measured[k]) for k in differ}
     assert recipe["cfg"] == measured["cfg"]
