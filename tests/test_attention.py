@@ -139,3 +139,17 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
     args.dtype = "bf16"
     sc = step.StepConfig.from_args(args, platform="gpu")
     assert sc.attention == "cudnn" and dataclasses.replace(sc, attention="einsum") != sc
+
+
+def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
+    """Locality self-attention (ViTConfig.lsa) is written on the einsum path only: asking
+    for a fused one is a one-line usage error, and on a GPU the default stays einsum."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = cli_errors._main("shardmap", cli_errors.BASE + ["--model", "vit-cifar-conv-lsa",
+                                                           "--attention", "xla"])
+    cli_errors._assert_one_line(code, capsys.readouterr().err,
+                                "--model vit-cifar-conv-lsa uses locality self-attention, "
+                                "which runs on --attention einsum only, not xla")
+    parser = cli.build_parser("test")
+    args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
+    assert step.StepConfig.from_args(args, platform="gpu").attention == "einsum"

@@ -14,9 +14,10 @@ within a tolerance proportional to the compute dtype's machine epsilon (`toleran
 Different layouts sum in different orders (per-device partial sums, all-reduces, TP
 partial products), so low-precision policies agree to a few roundings, not bit for bit.
 
-The model with a convolutional stem and a mean-pooling head (ViTConfig.stem and .pool,
-`STEM_CFG`) runs every layout under every policy too, with the (loop, remat) pairs spread
-over them so that each layout and each policy meets all four: 20 more cells.
+The model with a convolutional stem, a mean-pooling head and locality self-attention
+(ViTConfig.stem, .pool and .lsa: `STEM_CFG`) runs every layout under every policy too, with
+the (loop, remat) pairs spread over them so that each layout and each policy meets all
+four: 20 more cells.
 
 The default run takes 10 of the 100 cells (`_cells`): each layout under fp32 (the stem
 model) and under one low-precision policy (the plain model), which meets every policy and
@@ -48,8 +49,10 @@ from vit_pure.policy import Policy
 CFG = PRESETS["tiny"].replace(name="matrix-test", depth=2)
 # The same model behind a two-layer convolutional stem: 32x32 -> 16x16x8 -> 8x8x12, then
 # the image's 8-pixel patches are 2x2 positions of the stem's output (48 values each); its
-# head reads the mean of the patch tokens (pool "mean"), the other new model path.
-STEM_CFG = CFG.replace(name="matrix-test-stem", stem=(8, 12), pool="mean")
+# head reads the mean of the patch tokens (pool "mean") and its attention is locality
+# self-attention (lsa: per-head temperatures, split over "model" with the heads): the
+# small-data model paths.
+STEM_CFG = CFG.replace(name="matrix-test-stem", stem=(8, 12), pool="mean", lsa=True)
 BATCH, STEPS = 16, 2
 LAYOUTS = {  # name -> (mesh, fsdp); None: pmap
     "tp": ("data=4,model=2", False),

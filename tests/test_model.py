@@ -248,3 +248,63 @@ def test_mean_pool_head_reads_the_mean_of_the_patch_tokens():
     assert np.abs(np.asarray(cls_logits) - np.asarray(got)).max() > 1e-3
     with pytest.raises(ValueError, match="pool"):
         TINY.replace(pool="max")
+
+
+# Locality self-attention (ViTConfig.lsa).
+LSA = TINY.replace(name="tiny-lsa", lsa=True)
+
+
+def _lsa_by_hand(qkv, log_scale, cfg):
+    """Attention with per-head temperatures and no self-attention, in float64 numpy:
+    qkv (B, T, 3*H*D) -> (B, T, H*D)."""
+    B, T, _ = qkv.shape
+    q, k, v = np.moveaxis(np.asarray(qkv, np.float64).reshape(B, T, 3, cfg.heads,
+                                                              cfg.head_dim), 2, 0)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * np.exp(np.asarray(log_scale,
+                                                                    np.float64))[:, None, None]
+    scores[:, :, np.arange(T), np.arange(T)] = -np.inf
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, T, -1), probs
+
+
+def test_lsa_attention_is_a_learned_temperature_with_the_diagonal_masked():
+    from vit_pure.model import _attention_einsum
+
+    qkv = jax.random.normal(jax.random.key(0), (2, LSA.seq_len, 3 * LSA.width))
+    log_scale = jnp.array([-1.5, -0.5, 0.0, 0.7])  # (H,), one temperature per head
+    got = _attention_einsum(qkv, LSA, Policy(matmul_precision="highest"), log_scale)
+    want, probs = _lsa_by_hand(qkv, log_scale, LSA)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert probs[:, :, np.arange(LSA.seq_len), np.arange(LSA.seq_len)].max() == 0.0
+    plain = _attention_einsum(qkv, LSA, Policy(matmul_precision="highest"))
+    assert np.abs(np.asarray(plain) - want).max() > 1e-2
+
+
+def test_lsa_params_start_at_the_plain_scale_learn_and_are_not_decayed():
+    """lsa adds blocks/attn/log_scale (L, H) = log(1/sqrt(D)) and changes no other param;
+    its gradient is finite and non-zero; weight decay leaves it alone."""
+    from vit_pure.step import decay_mask
+
+    params = init_params(jax.random.key(0), LSA)
+    plain = init_params(jax.random.key(0), TINY)
+    log_scale = params["blocks"]["attn"].pop("log_scale")
+    assert log_scale.shape == (LSA.depth, LSA.heads)
+    np.testing.assert_allclose(np.asarray(log_scale), -0.5 * np.log(LSA.head_dim), rtol=1e-6)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, plain))
+    params = init_params(jax.random.key(0), LSA)
+    assert not decay_mask(params)["blocks"]["attn"]["log_scale"]
+    assert count_params(params) == count_params(plain) + LSA.depth * LSA.heads
+    axes = param_axes(LSA)
+    assert axes["blocks"]["attn"]["log_scale"] == ("layers", "heads")
+
+    def loss(p):
+        return jnp.sum(apply(p, _images(3, LSA), LSA) ** 2)
+    grad = jax.grad(loss)(params)["blocks"]["attn"]["log_scale"]
+    assert bool(jnp.all(jnp.isfinite(grad))) and float(jnp.abs(grad).min()) > 0
+
+
+def test_lsa_needs_the_einsum_attention():
+    params = init_params(jax.random.key(0), LSA)
+    with pytest.raises(ValueError, match="einsum"):
+        apply(params, _images(2, LSA), LSA, attention="xla")

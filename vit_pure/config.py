@@ -33,6 +33,11 @@ class ViTConfig:
     # What the head reads: "cls", the class token (the ViT paper's choice), or "mean", the
     # mean of the patch tokens (the class token is then still in the sequence, unread).
     pool: str = "cls"
+    # Locality self-attention (Lee et al. 2021, "Vision Transformer for Small-Size Datasets",
+    # arXiv:2112.13492): a learned temperature per layer and head in place of the fixed
+    # 1/sqrt(head_dim) scale, and no token attends to itself (the score matrix's diagonal
+    # is masked), which sharpens the attention towards the other tokens.
+    lsa: bool = False
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
@@ -106,6 +111,12 @@ PRESETS: dict[str, ViTConfig] = {
     "vit-cifar-conv": ViTConfig(
         name="vit-cifar-conv", image_size=32, patch_size=8, num_classes=10,
         width=128, depth=4, heads=4, mlp_dim=256, dropout=0.0, stem=(32, 64, 128)),
+    # vit-cifar-conv with locality self-attention (ViTConfig.lsa; Lee et al. 2021,
+    # arXiv:2112.13492): a learned temperature per layer and head (16 more parameters,
+    # 643,546) and no attention of a token to itself.
+    "vit-cifar-conv-lsa": ViTConfig(
+        name="vit-cifar-conv-lsa", image_size=32, patch_size=8, num_classes=10,
+        width=128, depth=4, heads=4, mlp_dim=256, dropout=0.0, stem=(32, 64, 128), lsa=True),
     # The ImageNet-style variants (Dosovitskiy et al. 2020; Touvron et al. 2021).
     "vit-ti16": ViTConfig(
         name="vit-ti16", image_size=224, patch_size=16, num_classes=1000,

@@ -18,6 +18,7 @@ shards it):
     blocks/ln1/{scale,bias} (L, E)
     blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
     blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)
+    blocks/attn/log_scale (L, H)                                           (cfg.lsa only)
     blocks/ln2/{scale,bias} (L, E)
     blocks/mlp/fc1/kernel (L, E, M)            blocks/mlp/fc1/bias (L, M)
     blocks/mlp/fc2/kernel (L, M, E)            blocks/mlp/fc2/bias (L, E)
@@ -31,7 +32,8 @@ deviations (rescaled so the std really is 0.02); biases and the class token zero
 LayerNorm scale one, bias zero. The optional convolutional stem's kernels (cfg.stem;
 Xiao et al. 2021, "Early convolutions help transformers see better", arXiv:2106.14881)
 are drawn with He et al.'s fan-in scaling (std sqrt(2 / (9 C_in))), as for any
-convolution followed by a rectifier-like activation with no normalisation.
+convolution followed by a rectifier-like activation with no normalisation. Locality
+self-attention's log-temperatures (cfg.lsa) start at log(1/sqrt(D)), the plain scale.
 
 Regularisation: dropout (rate `cfg.dropout`) after the embedding and at the end of each
 residual branch (after the attention output projection and after the second MLP layer);
@@ -128,6 +130,8 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
             stem[f"conv{i}"] = {"kernel": (std * k).astype(dtype), "bias": zeros(c_out)}
             c_in = c_out
         params = {"stem": stem, **params}
+    if cfg.lsa:  # no key: the plain attention's scale, so every other param is unchanged
+        params["blocks"]["attn"]["log_scale"] = jnp.full((L, H), -0.5 * math.log(D), dtype)
     return params
 
 
@@ -136,6 +140,7 @@ def param_axes(cfg: ViTConfig) -> dict:
     ln = {"scale": ("layers", "embed"), "bias": ("layers", "embed")}
     conv = {"kernel": ("conv_h", "conv_w", "stem_in", "stem_out"), "bias": ("stem_out",)}
     stem = {"stem": {f"conv{i}": dict(conv) for i in range(len(cfg.stem))}} if cfg.stem else {}
+    lsa = {"log_scale": ("layers", "heads")} if cfg.lsa else {}
     return {
         **stem,
         "patch_embed": {"kernel": ("patch", "embed"), "bias": ("embed",)},
@@ -148,6 +153,7 @@ def param_axes(cfg: ViTConfig) -> dict:
                         "bias": ("layers", "qkv", "heads", "head_dim")},
                 "out": {"kernel": ("layers", "heads", "head_dim", "embed"),
                         "bias": ("layers", "embed")},
+                **lsa,
             },
             "ln2": dict(ln),
             "mlp": {
@@ -224,9 +230,13 @@ def _reduce_from_tp(y, tp_axis):
 
 
 # ----------------------------------------------------------------------------- attention
-def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy):
+def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):
     """The reference attention: qkv (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute
     dtype, over this device's Hl heads.
+
+    Locality self-attention (cfg.lsa; `log_scale` (Hl,), this layer's heads): each head's
+    scores are scaled by exp(log_scale) instead of 1/sqrt(D), and each token's score for
+    itself is masked (-inf, so zero weight after the softmax).
 
     Both products go through `policy.einsum` (compute-dtype inputs, float32 accumulation,
     `policy.matmul_dtype` out, the policy's matmul precision; under ``m=f32`` its custom
@@ -238,7 +248,13 @@ def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy):
     cd = policy.compute_dtype
     q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=cfg.head_dim)
     scores = _dot_out(einsum("bhqd,bhkd->bhqk", q, k, policy))
-    probs = jax.nn.softmax(scores.astype(F32) / math.sqrt(cfg.head_dim), axis=-1)  # f32
+    if log_scale is None:
+        scores = scores.astype(F32) / math.sqrt(cfg.head_dim)
+    else:
+        scores = scores.astype(F32) * jnp.exp(log_scale.astype(F32))[:, None, None]
+        self_score = jnp.eye(scores.shape[-1], dtype=bool)  # (T, T): query i, key i
+        scores = jnp.where(self_score, -jnp.inf, scores)
+    probs = jax.nn.softmax(scores, axis=-1)  # f32
     ctx = _dot_out(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
     return rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
 
@@ -360,7 +376,10 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
     qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
     qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
     if attention == "einsum":
-        ctx = _attention_einsum(qkv.astype(cd), cfg, policy)  # (B, T, Hl*D) cd
+        ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
+    elif cfg.lsa:
+        raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
+                         f"attention only, not {attention!r}")
     else:
         ctx = _attention_fused(qkv.astype(cd), cfg, policy, attention)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads

@@ -200,10 +200,12 @@ class StepConfig:
         # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
         platform = platform or jax.default_backend()
         attention = getattr(args, "attention", None)
-        cudnn = platform == "gpu" and hardware.cudnn_attention_runs(jax.devices()[0])
+        # Locality self-attention (cfg.lsa) runs on the einsum attention only.
+        cudnn = (platform == "gpu" and not args.cfg.lsa
+                 and hardware.cudnn_attention_runs(jax.devices()[0]))
         choices = hardware.resolve(args.policy or args.dtype, args.matmul_precision, args.scan,
                                    platform, attention=attention, cudnn=cudnn)
-        _check_attention(choices.attention, choices.policy, platform)
+        _check_attention(choices.attention, choices.policy, platform, args.cfg)
         return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
                    args.remat, attention=choices.attention,
                    randaugment=tuple(getattr(args, "randaugment", (0, 0))),
@@ -213,8 +215,12 @@ class StepConfig:
                    notes=choices.notes)
 
 
-def _check_attention(attention: str, policy: Policy, platform: str) -> None:
-    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs."""
+def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
+    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
+    A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
+    if cfg.lsa and attention != "einsum":
+        raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
+                         f"--attention einsum only, not {attention}")
     if attention != "cudnn":
         return
     if platform != "gpu":
