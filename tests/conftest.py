@@ -56,9 +56,10 @@ def pytest_unconfigure(config):
 
 
 # The files that take longest, longest first; the rest follow in their usual order. The
-# suite runs on two workers that each take whole files (pyproject.toml: `-n 2 --dist
-# loadfile --no-loadscope-reorder`) in collection order, so starting the long files first
-# lets the short ones fill in at the end and both workers finish at about the same time.
+# suite runs on two workers that each take whole files, or a whole test class, at a time
+# (pyproject.toml: `-n 2 --dist loadscope --no-loadscope-reorder`) in collection order, so
+# starting the long files first lets the short ones fill in at the end and both workers
+# finish at about the same time.
 LONGEST_FIRST = [
     "test_layout_matrix.py", "test_accum.py", "test_train.py", "test_model_parallel.py",
     "test_resume.py", "test_bench_study.py", "test_randaugment.py", "test_levers.py",

@@ -22,7 +22,8 @@ four: 20 more cells.
 The default run takes 10 of the 100 cells (`_cells`): each layout under fp32 (the stem
 model) and under one low-precision policy (the plain model), which meets every policy and
 every (loop, remat) pair. `python -m pytest -m slow tests/test_layout_matrix.py` runs the
-other 90, and CI runs both.
+other 90, and CI runs both. The cells are grouped in one test class per policy
+(`TestFp32`, ...), so that the test workers can share them out.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
          (True, "none")]  # (scan, remat)
 
 
-def _cells():
-    """Every cell, marked `slow` unless it is one of the default 10.
+def _cells(policy: str) -> list:
+    """The cells of one policy, each marked `slow` unless it is one of the default 10.
 
     The cells: for the model without a stem, all 80; for the model with one, a Latin
     square (layout i under policy j runs loop pair (i + j) mod 4), 20. The default run
@@ -81,17 +82,18 @@ def _cells():
     low-precision policy i mod 3). So each layout meets fp32 and a low precision, every
     policy runs, every (loop, remat) pair runs at least twice, and both models run."""
     low = [p for p in POLICIES if p != "fp32"]
+    j = list(POLICIES).index(policy)
     cells = []
-    for (i, layout), (j, policy), (k, (scan, remat)) in itertools.product(
-            enumerate(LAYOUTS), enumerate(POLICIES), enumerate(LOOPS)):
+    for (i, layout), (k, (scan, remat)) in itertools.product(enumerate(LAYOUTS),
+                                                             enumerate(LOOPS)):
         square = k == (i + j) % len(LOOPS)
-        name = f"{layout}-{policy}-{'scan' if scan else 'unrolled'}-{remat}"
+        name = f"{layout}-{'scan' if scan else 'unrolled'}-{remat}"
         default = square and policy == low[i % len(low)]
         marks = () if default else (pytest.mark.slow,)
-        cells.append(pytest.param(layout, policy, scan, remat, False, marks=marks, id=name))
+        cells.append(pytest.param(layout, scan, remat, False, marks=marks, id=name))
         if square:
             marks = () if policy == "fp32" else (pytest.mark.slow,)
-            cells.append(pytest.param(layout, policy, scan, remat, True, marks=marks,
+            cells.append(pytest.param(layout, scan, remat, True, marks=marks,
                                       id=f"{name}-stem"))
     return cells
 
@@ -167,16 +169,6 @@ def _distance(a, b) -> float:
                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
 
 
-@pytest.mark.parametrize("layout, policy, scan, remat, stem", _cells())
-def test_layout_matches_data_parallel(layout, policy, scan, remat, stem):
-    """The reference is the plain data-parallel step (unrolled, no remat) under the same
-    policy, of the same model: the layer scan and remat give the same numbers, so one
-    reference per policy and model checks them too."""
-    text, cfg = POLICIES[policy], STEM_CFG if stem else CFG
-    assert_matches(run("dp", text, False, "none", cfg), run(layout, text, scan, remat, cfg),
-                   text, cfg)
-
-
 def assert_matches(ref: dict, got: dict, policy_text: str, cfg=CFG) -> None:
     """`got` (a `run`) equals the reference `ref` within `tolerances`: the loss and
     gradient norm of each step, and the final params relative to how far the reference
@@ -192,14 +184,50 @@ def assert_matches(ref: dict, got: dict, policy_text: str, cfg=CFG) -> None:
     assert _distance(got["params"], ref["params"]) <= tol_params * moved
 
 
-def test_tolerances_separate_a_real_difference():
-    """The check can fail: a real change of the program (the same data-parallel step with
-    dropout and stochastic depth off) leaves the tolerance in the loss and gradient norm
-    of the first step, under bf16, the loosest policy."""
-    text = POLICIES["bf16,m=bf16"]
-    tol_metrics, _ = tolerances(Policy.parse(text))
-    ref = run("dp", text, False, "none")["metrics"][0]
-    off = run("dp", text, False, "none", cfg=CFG.replace(dropout=0.0, drop_path=0.0))
-    for name in ("loss", "grad_norm"):
-        print(name, off["metrics"][0][name] / ref[name] - 1, tol_metrics)
-        assert off["metrics"][0][name] != pytest.approx(ref[name], rel=tol_metrics)
+# One class per policy, the columns of the matrix: pytest-xdist (pyproject.toml: `--dist
+# loadscope`) gives a class's cells, which share the policy's reference runs, to one
+# worker, and the four classes to whichever worker is free, so the matrix spreads over
+# the workers instead of running all on one.
+class _PolicyColumn:
+    POLICY = ""
+
+    def test_layout_matches_data_parallel(self, layout, scan, remat, stem):
+        """The reference is the plain data-parallel step (unrolled, no remat) under the
+        same policy, of the same model: the layer scan and remat give the same numbers, so
+        one reference per policy and model checks them too."""
+        text, cfg = POLICIES[self.POLICY], STEM_CFG if stem else CFG
+        assert_matches(run("dp", text, False, "none", cfg),
+                       run(layout, text, scan, remat, cfg), text, cfg)
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.name == "test_layout_matches_data_parallel":
+        metafunc.parametrize("layout, scan, remat, stem", _cells(metafunc.cls.POLICY))
+
+
+class TestFp32(_PolicyColumn):
+    POLICY = "fp32"
+
+
+class TestBf16MatmulF32(_PolicyColumn):
+    POLICY = "bf16,m=f32"
+
+
+class TestBf16MatmulBf16(_PolicyColumn):
+    POLICY = "bf16,m=bf16"
+
+    def test_tolerances_separate_a_real_difference(self):
+        """The check can fail: a real change of the program (the same data-parallel step with
+        dropout and stochastic depth off) leaves the tolerance in the loss and gradient norm
+        of the first step, under bf16, the loosest policy."""
+        text = POLICIES["bf16,m=bf16"]
+        tol_metrics, _ = tolerances(Policy.parse(text))
+        ref = run("dp", text, False, "none")["metrics"][0]
+        off = run("dp", text, False, "none", cfg=CFG.replace(dropout=0.0, drop_path=0.0))
+        for name in ("loss", "grad_norm"):
+            print(name, off["metrics"][0][name] / ref[name] - 1, tol_metrics)
+            assert off["metrics"][0][name] != pytest.approx(ref[name], rel=tol_metrics)
+
+
+class TestFp16(_PolicyColumn):
+    POLICY = "fp16"
