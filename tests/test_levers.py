@@ -8,6 +8,9 @@
   targets), the earlier ones the mixed step; each step variant compiles once.
 * `--repeat-aug R`: each batch holds R copies of batch/R distinct images, each copy with
   its own augmentation, and the step does not depend on the device count.
+* `--eval-flip`: evaluation scores each image by the mean of its logits and its mirror
+  image's; the result is the same for an image and its mirror, and the same under tensor
+  parallel and a pipeline as on one device.
 
 Small model (tiny, depth 2, as tests/test_layout_matrix.py) and few steps.
 """
@@ -21,7 +24,7 @@ import pytest
 
 import train_shardmap as ts
 from test_layout_matrix import CFG, FAST, tolerances
-from vit_pure import checkpoint, data, loop, step
+from vit_pure import apply, checkpoint, data, loop, step
 from vit_pure.policy import Policy
 
 DECAY = 0.9
@@ -318,13 +321,67 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
     assert "--lr differs" in resume.first_difference({**old, "--lr": 0.5}, now)
 
 
+def _eval_sums(sc, params, split):
+    sums = jax.jit(lambda p: step.local_eval(sc, p, split.images, split.labels,
+                                             np.ones(len(split), np.float32)))(params)
+    return {k: float(v) for k, v in jax.device_get(sums).items()}
+
+
+def test_eval_flip_scores_the_mean_logits_of_each_image_and_its_mirror():
+    split = SPLITS["test"]
+    params = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, _optimizer(),
+                                             )["params"])()
+    flip = dataclasses.replace(SC, eval_flip=True)
+    got = _eval_sums(flip, params, split)
+
+    def logits(images_u8):
+        images = step.prepare_images(images_u8, None, None, train=False, image_size=32)
+        return np.asarray(jax.jit(lambda p, x: apply(p, x, MODEL, POLICY))(params, images),
+                          np.float64)
+
+    mean = (logits(split.images) + logits(split.images[:, :, ::-1])) / 2
+    log_p = mean - mean.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    want_loss = -log_p[np.arange(len(split)), split.labels].sum()
+    assert got["loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert got["correct"] == (mean.argmax(-1) == split.labels).sum()
+    assert got["count"] == len(split)
+    # An image and its mirror get the same score (the sum is the same two terms) ...
+    mirrored = dataclasses.replace(split, images=np.ascontiguousarray(split.images[:, :, ::-1]))
+    assert _eval_sums(flip, params, mirrored) == got
+    # ... which the plain evaluation does not give.
+    assert _eval_sums(SC, params, split)["loss"] != pytest.approx(got["loss"], rel=1e-4)
+    assert _eval_sums(SC, params, mirrored)["loss"] != pytest.approx(
+        _eval_sums(SC, params, split)["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("mesh", ["data=4,model=2", "data=2,model=2,pipe=2"])
+def test_eval_flip_under_tensor_parallel_and_a_pipeline_equals_one_device(mesh):
+    split = SPLITS["test"]
+    flip = dataclasses.replace(SC, eval_flip=True, ema_decay=0.0)
+    optimizer = _optimizer()
+    host = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, optimizer))()
+    strategy = ts.ShardMapStrategy(flip, optimizer, mesh, devices=jax.devices()[:8],
+                                   microbatches=2 if "pipe" in mesh else None)
+    got = strategy.metrics_to_host(strategy.eval_step(
+        strategy.put_state(jax.device_get(host)),
+        *strategy.put_batch(split.images, split.labels, np.ones(len(split), np.float32))))
+    want = _eval_sums(flip, host["params"], split)
+    assert got["count"] == want["count"] and got["correct"] == want["correct"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
 def test_good_lever_values_parse():
     """The levers' values parse as given (bad ones: tests/test_cli_errors.py), and both
-    scripts' parsers leave all three off by default."""
+    scripts' parsers leave them all off by default."""
     plain = ["--model", "tiny", "--dataset", "synthetic", "--batch", "16"]
     args = ts.cli.parse_args(ts.build_parser(), plain + [
         "--ema", "0.999", "--mixup", "0.8", "--epochs", "3", "--mix-off-epochs", "2",
-        "--repeat-aug", "4"])
-    assert (args.ema, args.mix_off_epochs, args.repeat_aug) == (0.999, 2, 4)
+        "--repeat-aug", "4", "--eval-flip"])
+    assert (args.ema, args.mix_off_epochs, args.repeat_aug, args.eval_flip) == (
+        0.999, 2, 4, True)
+    assert step.StepConfig.from_args(args).eval_flip
     defaults = ts.cli.parse_args(ts.cli.build_parser("train_pmap.py's flags"), plain)
-    assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug) == (0.0, 0, 1)
+    assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug, defaults.eval_flip) == (
+        0.0, 0, 1, False)
+    assert not step.StepConfig.from_args(defaults).eval_flip

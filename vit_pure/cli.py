@@ -107,6 +107,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="keep an exponential moving average of the weights with this decay "
                         "(warm-up min(DECAY, (1+t)/(10+t))), checkpointed, and evaluate it "
                         "(0: off)")
+    g.add_argument("--eval-flip", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluate on the mean of each image's logits and its mirror image's "
+                        "(test-time augmentation; training is unchanged)")
 
     g = p.add_argument_group("memory")
     g.add_argument("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",

@@ -186,6 +186,9 @@ class StepConfig:
     # --ema DECAY: an exponential moving average of the params, updated after each optimizer
     # update (`update_ema`); 0 = off (the state then holds no "ema").
     ema_decay: float = 0.0
+    # --eval-flip: evaluation averages the logits of each image and its mirror image
+    # (test-time augmentation; training is unchanged).
+    eval_flip: bool = False
     # What the hardware decided for the flags left to it (hardware.resolve), for the
     # startup log; not part of the step's identity.
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -212,6 +215,7 @@ class StepConfig:
                    mixup_alpha=getattr(args, "mixup", 0.0),
                    cutmix_alpha=getattr(args, "cutmix", 0.0),
                    ema_decay=getattr(args, "ema", 0.0),
+                   eval_flip=getattr(args, "eval_flip", False),
                    notes=choices.notes)
 
 
@@ -367,9 +371,12 @@ def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None,
 def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> dict:
     """The evaluation of one slice (`local_eval`, `pipeline.pipeline_eval`): the images
     prepared for evaluation, `logits_fn(images) -> logits`, then the masked sums
-    {"loss", "correct", "count"}."""
+    {"loss", "correct", "count"}. With `sc.eval_flip` the logits are the mean of the
+    image's and its left-right mirror's (each example on its own: no collective)."""
     images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
     logits = logits_fn(images)
+    if sc.eval_flip:
+        logits = (logits + logits_fn(images[:, :, ::-1])) / 2
     loss = cross_entropy(logits, labels, sc.cfg.num_classes)
     correct = (jnp.argmax(logits, -1) == labels).astype(F32)
     return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),
