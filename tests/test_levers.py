@@ -212,7 +212,7 @@ BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",
         "--no-progress", "--eval-every", "0", "--accum-steps", "1", "--randaugment", "0",
         "--mesh", "data=8",
         "--ema", "0.8", "--mixup", "0.8", "--epochs", "2", "--mix-off-epochs", "1",
-        "--repeat-aug", "2"]
+        "--repeat-aug", "2", "--eval-flip"]
 
 
 @pytest.fixture(autouse=True)
@@ -252,12 +252,13 @@ def test_loop_evaluates_the_ema_and_logs_both_on_val(straight):
     result = straight["result"]
     state = result["state"]
     records = [json.loads(line) for line in (straight["root"] / "log.jsonl").open()]
-    evals = [(r["split"], r.get("weights")) for r in records if "split" in r]
-    assert evals == [("val", "ema"), ("val-raw", "raw"), ("test", "ema")]
-    # The final test figures are those of the EMA weights, not of the raw ones.
+    evals = [(r["split"], r.get("weights"), r.get("eval_flip")) for r in records if "split" in r]
+    assert evals == [("val", "ema", True), ("val-raw", "raw", True), ("test", "ema", True)]
+    # The final test figures are those of the EMA weights, not of the raw ones, each image
+    # scored with its mirror (--eval-flip).
     splits = data.synthetic_cifar10(n_train=80, n_val=16, n_test=16)
     test = splits["test"]
-    sc = step.StepConfig(MODEL, POLICY)
+    sc = step.StepConfig(MODEL, POLICY, eval_flip=True)
 
     @jax.jit
     def sums(params):
@@ -268,6 +269,8 @@ def test_loop_evaluates_the_ema_and_logs_both_on_val(straight):
     raw = jax.device_get(sums(state["params"]))
     assert result["test"]["loss"] == pytest.approx(float(ema["loss"]) / 16, rel=1e-5)
     assert result["test"]["loss"] != pytest.approx(float(raw["loss"]) / 16, rel=1e-4)
+    unflipped = _eval_sums(dataclasses.replace(sc, eval_flip=False), state["ema"], test)
+    assert result["test"]["loss"] != pytest.approx(unflipped["loss"] / 16, rel=1e-4)
     assert result["val_raw"]["loss"] != result["val"]["loss"]
 
 

@@ -36,8 +36,8 @@ GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs
 # The same for --recipe cpu-quick: the flags of the measured run (docs/training.md).
 CPU_QUICK_RUN = ("--model vit-cifar-conv-lsa --dtype auto --batch 128 --epochs 60 --lr 2e-3 "
                  "--warmup-steps 140 --weight-decay 0.05 --label-smoothing 0.1 "
-                 "--randaugment 2,5 --ema 0.99 --eval-every 10 --cpu-devices 2 --no-scan "
-                 "--accum-steps 1")
+                 "--randaugment 2,5 --ema 0.99 --eval-flip --eval-every 10 --cpu-devices 2 "
+                 "--no-scan --accum-steps 1")
 
 
 @pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),

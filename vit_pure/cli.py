@@ -21,12 +21,12 @@ from vit_pure.policy import Policy
 RECIPES: dict[str, dict[str, Any]] = {
     # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
     # ../shared/data/cifar10-subset): the ViT behind a convolutional stem, with locality
-    # self-attention, 60 epochs, evaluated with an EMA of the weights; docs/training.md
-    # "Accuracy" has its result and how it was chosen.
+    # self-attention, 60 epochs, evaluated with an EMA of the weights on each image and its
+    # mirror; docs/training.md "Accuracy" has its result and how it was chosen.
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
-                      randaugment=(2, 5), ema=0.99, eval_every=10, cpu_devices=2, scan=False,
-                      accum_steps=1),
+                      randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
+                      cpu_devices=2, scan=False, accum_steps=1),
     # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
     # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
     # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one

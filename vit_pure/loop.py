@@ -468,15 +468,20 @@ def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: in
     weights "ema"). The validation split is evaluated with the raw weights too, logged on
     a second line (JSON: split "val-raw", weights "raw") and returned under "raw", so a
     run shows whether the EMA helps; the test split only with the EMA weights, once.
+    With --eval-flip every line says so (JSON: eval_flip true).
     """
     if len(splits[name]) == 0:
         log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
             **record)
         return None
+    # --eval-flip: each image is scored with its mirror (step.eval_sums); said on every line.
+    flip = {"eval_flip": True} if strategy.sc.eval_flip else {}
+
     def run(state, label: str, **fields) -> dict:
         res = evaluate(strategy, state, splits[name], batch)
         log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-            f"({res['count']} images)", **fields, **record, **res)
+            f"({res['count']} images{', each with its mirror' if flip else ''})",
+            **fields, **flip, **record, **res)
         return res
 
     if "ema" not in state:
