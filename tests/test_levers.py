@@ -247,6 +247,16 @@ def straight(tmp_path_factory):
     return {"root": root, "result": result, "built": built, "traced": traced}
 
 
+# One compiled evaluation per step config (sc is static and hashable).
+_local_eval = jax.jit(step.local_eval, static_argnums=0)
+
+
+def _eval_sums(sc, params, split) -> dict:
+    """One device's evaluation sums over `split`, as floats."""
+    sums = _local_eval(sc, params, split.images, split.labels, np.ones(len(split), np.float32))
+    return {k: float(v) for k, v in jax.device_get(sums).items()}
+
+
 def test_loop_evaluates_the_ema_and_logs_both_on_val(straight):
     import json
     result = straight["result"]
@@ -259,16 +269,10 @@ def test_loop_evaluates_the_ema_and_logs_both_on_val(straight):
     splits = data.synthetic_cifar10(n_train=80, n_val=16, n_test=16)
     test = splits["test"]
     sc = step.StepConfig(MODEL, POLICY, eval_flip=True)
-
-    @jax.jit
-    def sums(params):
-        return step.local_eval(sc, params, test.images, test.labels,
-                               np.ones(len(test), np.float32))
-
-    ema = jax.device_get(sums(state["ema"]))
-    raw = jax.device_get(sums(state["params"]))
-    assert result["test"]["loss"] == pytest.approx(float(ema["loss"]) / 16, rel=1e-5)
-    assert result["test"]["loss"] != pytest.approx(float(raw["loss"]) / 16, rel=1e-4)
+    ema = _eval_sums(sc, state["ema"], test)
+    raw = _eval_sums(sc, state["params"], test)
+    assert result["test"]["loss"] == pytest.approx(ema["loss"] / 16, rel=1e-5)
+    assert result["test"]["loss"] != pytest.approx(raw["loss"] / 16, rel=1e-4)
     unflipped = _eval_sums(dataclasses.replace(sc, eval_flip=False), state["ema"], test)
     assert result["test"]["loss"] != pytest.approx(unflipped["loss"] / 16, rel=1e-4)
     assert result["val_raw"]["loss"] != result["val"]["loss"]
@@ -324,12 +328,6 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
     assert "--lr differs" in resume.first_difference({**old, "--lr": 0.5}, now)
 
 
-def _eval_sums(sc, params, split):
-    sums = jax.jit(lambda p: step.local_eval(sc, p, split.images, split.labels,
-                                             np.ones(len(split), np.float32)))(params)
-    return {k: float(v) for k, v in jax.device_get(sums).items()}
-
-
 def test_eval_flip_scores_the_mean_logits_of_each_image_and_its_mirror():
     split = SPLITS["test"]
     params = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, _optimizer(),
@@ -353,9 +351,9 @@ def test_eval_flip_scores_the_mean_logits_of_each_image_and_its_mirror():
     mirrored = dataclasses.replace(split, images=np.ascontiguousarray(split.images[:, :, ::-1]))
     assert _eval_sums(flip, params, mirrored) == got
     # ... which the plain evaluation does not give.
-    assert _eval_sums(SC, params, split)["loss"] != pytest.approx(got["loss"], rel=1e-4)
-    assert _eval_sums(SC, params, mirrored)["loss"] != pytest.approx(
-        _eval_sums(SC, params, split)["loss"], rel=1e-4)
+    plain = _eval_sums(SC, params, split)
+    assert plain["loss"] != pytest.approx(got["loss"], rel=1e-4)
+    assert _eval_sums(SC, params, mirrored)["loss"] != pytest.approx(plain["loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("mesh", ["data=4,model=2", "data=2,model=2,pipe=2"])
