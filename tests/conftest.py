@@ -36,18 +36,29 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
+_CACHE_ENV = "VIT_PURE_TEST_XLA_CACHE"
+
+
 def pytest_configure(config):
-    """A compilation cache for this test process only: many tests run the scripts' `main`
-    with the same flags (a run and its resume, one script on two datasets), and the second
-    run of a program loads the executable the first compiled. Each process (each xdist
-    worker) starts with an empty directory of its own, removed at the end, so nothing
-    carries over between runs or is shared between processes (subprocesses compile
-    their own)."""
+    """A compilation cache for this test run only: many tests compile the same programs (a
+    run and its resume, one script on two datasets, the tiny model's default step in
+    several files), and a program compiled once loads from the cache after that. The
+    process that starts the run (the xdist controller, or pytest alone) makes an empty
+    directory, its workers share it through the environment, and the starter removes it
+    at the end, so nothing carries over between runs. The size limit turns on JAX's file
+    lock (the `filelock` package), so two workers never read an entry while the other is
+    writing it. Subprocesses compile their own."""
     import jax
 
-    config._xla_cache_dir = tempfile.mkdtemp(prefix="vit-pure-test-xla-cache-")
-    jax.config.update("jax_compilation_cache_dir", config._xla_cache_dir)
+    shared = os.environ.get(_CACHE_ENV)
+    if shared and hasattr(config, "workerinput"):
+        cache_dir = shared
+    else:
+        cache_dir = config._xla_cache_dir = tempfile.mkdtemp(prefix="vit-pure-test-xla-cache-")
+        os.environ[_CACHE_ENV] = cache_dir  # the xdist workers start after this, with it
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 def pytest_unconfigure(config):
