@@ -55,6 +55,10 @@ Columns:
 Each entry runs in its own Python process (JAX preallocates device memory; JAX and
 torch never share a process), only if its package imports (else the row says
 "skipped"), under --entry-timeout seconds; a failing entry shows its last error line.
+Each entry runs as its users run it: the kit's rows with the huge-page malloc tunable
+that its training scripts set (vit_pure/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
+the ceiling and the peers in the environment as given (on a CPU the tunable makes the
+kit's step ~20% faster and did not speed up the peers; the header prints both settings).
 --profile-kit DIR also traces 3 steps of the first kit row with jax.profiler and prints
 benchmarks/profile_breakdown.py's breakdown of it.
 """
@@ -75,6 +79,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from vit_pure import hostmem
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -147,8 +153,11 @@ def run_child(job: dict, timeout: float) -> dict:
     timeout); its result, or {"error": last error line}."""
     cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
     t0 = time.perf_counter()
+    # The kit's rows run with the host malloc setting its training scripts choose (huge
+    # pages, vit_pure/hostmem.py); the ceiling and the peers with the environment as given.
+    env = hostmem.environ() if job["entry"] == "kit" else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=str(REPO))
+                            start_new_session=True, cwd=str(REPO), env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -285,6 +294,11 @@ def main(argv=None) -> dict:
     print(f"# {record['date']}, {record['host']}; " + ", ".join(
         f"{k} {v}" for k, v in record["versions"].items() if v))
     print(f"# command: {record['command']}", flush=True)
+    kit_tunables = hostmem.environ().get("GLIBC_TUNABLES", "")
+    peer_tunables = os.environ.get("GLIBC_TUNABLES", "")
+    record["glibc_tunables"] = {"kit": kit_tunables, "peers": peer_tunables}
+    print(f"# GLIBC_TUNABLES: kit rows {kit_tunables or '(unset)'} (as its training scripts "
+          f"set it), ceiling and peers {peer_tunables or '(unset)'}", flush=True)
 
     ceiling = run_child({**jobs[0], "entry": "ceiling", "name": "ceiling",
                          "matmul_size": args.matmul_size}, args.entry_timeout)
@@ -376,7 +390,8 @@ def child_main(job: dict) -> int:
         msg = " ".join(str(e).split())[:300]
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 1
-    print(RESULT_TAG + json.dumps({"name": job["name"], "batch": job["batch"], **result}),
+    print(RESULT_TAG + json.dumps({"name": job["name"], "batch": job["batch"], **result,
+                                   "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}),
           flush=True)
     return 0
 

@@ -3,12 +3,14 @@ is needed (their rows must then say "skipped"). No timing assertions."""
 import gzip
 import importlib.util
 import json
+import os
 
 import pytest
 
 
 from benchmarks import peers
 from benchmarks import profile_breakdown as pb
+from vit_pure import hostmem
 
 
 # --------------------------------------------------------------------------------- peers
@@ -57,6 +59,13 @@ def test_kit_row_and_skipped_peers(tmp_path):
     assert len(kit["step_s"]) == 2 and kit["params"] == 23_282  # the tiny preset
     assert "dropout=0.0" in kit["step_config"]
     assert kit["loss"] == pytest.approx(kit["loss"]) and 0 < kit["loss"] < 10
+    # The kit's row runs with the malloc setting of its training scripts; the ceiling
+    # (and the peers) in the environment as given.
+    assert kit["glibc_tunables"] == hostmem.environ().get("GLIBC_TUNABLES", "")
+    assert record["ceiling"]["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "")
+    if hostmem.wanted():
+        assert hostmem.TUNABLE in kit["glibc_tunables"]
+        assert hostmem.TUNABLE not in record["ceiling"]["glibc_tunables"]
     for row, entry in zip(rest, missing):
         assert row == {"name": entry, "skipped": f"skipped: {peers.NEEDS[entry]} not installed"}
 

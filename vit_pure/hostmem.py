@@ -54,13 +54,21 @@ def wanted() -> bool:
     return sys.platform == "linux" and _glibc_supports_hugetlb() and _kernel_thp_available()
 
 
+def environ() -> dict:
+    """This process's environment with the tunable added where `wanted()`: for a child
+    process that should run as the training scripts do (benchmarks.peers' kit rows)."""
+    env = dict(os.environ)
+    if wanted():
+        env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), TUNABLE) if t)
+    return env
+
+
 def use_huge_pages() -> None:
     """Restart this script once with glibc's huge-page tunable (see the module docstring).
     Call it before any work: the process is replaced, and nothing done before survives."""
     if not wanted():
         return
-    env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), TUNABLE) if t)
+    env = environ()
     sys.stdout.flush()
     sys.stderr.flush()
     # sys.orig_argv keeps the interpreter's own flags (-u, -m module, -X ...).
