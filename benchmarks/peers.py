@@ -58,7 +58,8 @@ torch never share a process), only if its package imports (else the row says
 Each entry runs as its users run it: the kit's rows with the huge-page malloc tunable
 that its training scripts set (vit_pure/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
 the ceiling and the peers in the environment as given (on a CPU the tunable makes the
-kit's step ~20% faster and did not speed up the peers; the header prints both settings).
+kit's step ~20% faster and did not speed up the peers: docs/performance.md; the header
+prints both settings).
 --profile-kit DIR also traces 3 steps of the first kit row with jax.profiler and prints
 benchmarks/profile_breakdown.py's breakdown of it.
 """

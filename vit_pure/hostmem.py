@@ -15,6 +15,7 @@ GLIBC_TUNABLES. It does nothing when not on Linux/glibc >= 2.35, when the kernel
 transparent huge pages off, when the tunable is already set, or when
 VIT_PURE_HUGEPAGES=0. The training scripts, benchmarks.bench and benchmarks.study call it
 first thing in their `__main__` block; importing them (as the tests do) changes nothing.
+benchmarks.peers starts its kit rows with the same setting (`environ`).
 """
 from __future__ import annotations
 
