@@ -17,6 +17,7 @@ import functools
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,3 +154,49 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
     parser = cli.build_parser("test")
     args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
     assert step.StepConfig.from_args(args, platform="gpu").attention == "einsum"
+
+
+def _count_primitives(jaxpr, prefix: str) -> int:
+    """Equations whose primitive's name starts with `prefix`, in `jaxpr` and every jaxpr
+    nested in it (jit, checkpoint, custom VJP)."""
+    def subjaxprs(value):
+        if isinstance(value, jax.extend.core.ClosedJaxpr):
+            yield value.jaxpr
+        elif isinstance(value, jax.extend.core.Jaxpr):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                yield from subjaxprs(v)
+
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name.startswith(prefix)
+        for value in eqn.params.values():
+            count += sum(_count_primitives(j, prefix) for j in subjaxprs(value))
+    return count
+
+
+@pytest.mark.parametrize("remat, forwards", [("none", 1), ("block-save-dots", 1), ("block", 2)])
+def test_remat_keeps_the_cudnn_attention_forward(monkeypatch, remat, forwards):
+    """"block-save-dots" saves cuDNN's attention outputs (the context and the softmax
+    statistics), so the backward pass runs cuDNN's backward kernel without a second
+    forward kernel, as with no remat; "block" recomputes everything, the forward kernel
+    included, which shows the count sees a recompute. The training step's gradient is
+    traced, not compiled: JAX's cuDNN version and GPU checks are stubbed, so this runs
+    on a CPU."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    monkeypatch.setattr(cudnn_attention, "check_cudnn_version", lambda: 91900)
+    monkeypatch.setattr(cudnn_attention, "check_compute_capability", lambda _: True)
+    cfg = ONE_LAYER.replace(heads=3)  # head dim 8: cuDNN takes multiples of 8
+    policy = Policy.parse("p=f32,c=bf16,o=f32,m=bf16")
+    images = jnp.zeros((2, 32, 32, 3), jnp.float32)
+
+    def loss(params):
+        logits = apply(params, images, cfg, policy, train=True, rng=jax.random.key(3),
+                       attention="cudnn", remat=remat)
+        return jnp.sum(logits.astype(jnp.float32))
+
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    grad = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    assert _count_primitives(grad, "dot_product_attention_fwd") == forwards
+    assert _count_primitives(grad, "dot_product_attention_bwd") == 1

@@ -81,6 +81,9 @@ REMAT_MODES = ("none", "block", "block-save-dots")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 _TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
 _DOT = "dot"  # the checkpoint name of every matmul / attention-einsum output in `_block`
+# JAX's cuDNN attention binds its forward kernel as a primitive of this name (plus
+# "_wrapper"); its outputs are the context and the softmax statistics the backward reads.
+_CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"
 
 
 # ------------------------------------------------------------------------ initialisation
@@ -206,6 +209,20 @@ def _drop_path(x, rate, ex_keys, layer, site):
     return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def _cudnn_attention_outputs(prim, *_, **__) -> bool:
+    """A remat policy: save the outputs of cuDNN's fused attention forward (the context
+    and the softmax statistics its backward reads). They sit inside JAX's custom VJP,
+    where `_attention_fused` cannot name them."""
+    return prim.name.startswith(_CUDNN_ATTENTION_FWD)
+
+
+# remat="block-save-dots": keep what a matmul or an attention kernel computed, recompute
+# the elementwise work around it. Without the cuDNN outputs the backward pass would rerun
+# the whole attention forward to get its softmax statistics back.
+_SAVE_DOTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(_DOT), _cudnn_attention_outputs)
+
+
 def _dot_out(y):
     """Tag a matmul or attention-einsum output so that remat="block-save-dots" keeps it
     (an identity otherwise). Under an ``m=f32`` policy policy.matmul is a custom VJP, which
@@ -298,8 +315,10 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     The kit has no dropout on the attention probabilities (its dropout sits on full-width
     activations), so the fused call needs none.
 
-    Under remat="block-save-dots" the context is the saved output; the products inside
-    the fused call are recomputed in the backward pass.
+    Under remat="block-save-dots": with "cudnn" the kernel's own outputs (the padded
+    context and the softmax statistics) are saved, so the backward pass runs only cuDNN's
+    backward kernel; with "xla" the sliced context is saved and the products inside the
+    call are recomputed.
     """
     B, T = qkv.shape[:2]
     q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
@@ -311,7 +330,9 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     with jax.default_matmul_precision(precision):
         ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                            implementation=implementation)  # (B, Tp, Hl, D)
-    ctx = _dot_out(ctx[:, :T].astype(policy.compute_dtype))
+    ctx = ctx[:, :T].astype(policy.compute_dtype)
+    if implementation != "cudnn":  # cuDNN's output is saved as it is (`_SAVE_DOTS`)
+        ctx = _dot_out(ctx)
     return rearrange(ctx, "b t h d -> b t (h d)")
 
 
@@ -412,9 +433,10 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
       "none"             keep every activation the backward pass needs (fastest);
       "block"            keep only each block's input, recompute the whole block
                          forward in the backward pass (about one more forward pass);
-      "block-save-dots"  keep the outputs of the block's matmuls and attention einsums,
-                         recompute only the cheap elementwise work between them
-                         (LayerNorm, softmax, GELU, dropout masks); in between in memory.
+      "block-save-dots"  keep the outputs of the block's matmuls and attention products
+                         (with cuDNN attention, its kernel's outputs), recompute only the
+                         cheap elementwise work between them (LayerNorm, softmax, GELU,
+                         dropout masks); in between in memory.
     Under tensor parallelism "block" also repeats a forward all-reduce in the backward
     pass (the attention output's, which the MLP's input is recomputed from);
     "block-save-dots" keeps its result (the name sits after the psum) and repeats none.
@@ -437,7 +459,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
     if remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
     elif remat == "block-save-dots":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(_DOT))
+        body = jax.checkpoint(body, policy=_SAVE_DOTS)
     layers = layer_offset + jnp.arange(num_layers)
     if scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
