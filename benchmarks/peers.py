@@ -3,6 +3,8 @@
     python -m benchmarks.peers --batch 4096 --dtype bf16 \
         --kit "as written=" --kit "no-scan=--no-scan" --kit "nodrop=--no-scan --dropout 0"
     python -m benchmarks.peers --batch 4096 --dtype fp32 --matmul-precision highest --only kit,nnx
+    python -m benchmarks.peers --only kit --kit "as written=" \
+        --kit "cublaslt=XLA_FLAGS=--xla_gpu_enable_cublaslt=true"
     python -m benchmarks.peers --model tiny --batch 16 --steps 2 --warmup 1     # a CPU smoke test
 
 Times, in one run on one device, the same training step (forward, backward, AdamW update
@@ -16,7 +18,11 @@ ways, and prints one markdown table:
                    compiled step as the training loop does. So the whole recipe is in:
                    flip + crop and RandAugment on the device, label smoothing, clipping.
                    `--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags;
-                   FLAGS are the training script's flags (e.g. "nodrop=--dropout 0").
+                   FLAGS are the training script's flags (e.g. "nodrop=--dropout 0"),
+                   after any NAME=VALUE words, which set environment variables for that
+                   row's process only, as in a shell (e.g. "cublaslt=XLA_FLAGS=
+                   --xla_gpu_enable_cublaslt=true": an XLA or JAX setting A/B'd in
+                   one run; the row's JSON records the values its process saw).
                    Without --kit: one row, no extra flags.
                    `--accum-steps K|auto` in FLAGS overrides the default 1.
     nnx            a Flax NNX ViT written here to the same config (vit_pure.config.PRESETS
@@ -74,6 +80,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -99,15 +106,24 @@ class UsageError(ValueError):
 
 
 # ============================================================================ the parent
-def parse_kit_variant(text: str) -> tuple[str, list[str]]:
-    """`LABEL=FLAGS` -> (label, the training script's flags)."""
-    label, sep, flags = text.partition("=")
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_kit_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
+    """`LABEL=[NAME=VALUE ...] FLAGS` -> (label, the row's environment variables, the
+    training script's flags)."""
+    label, sep, rest = text.partition("=")
     if not sep or not label.strip():
         raise UsageError(f"--kit {text!r}: expected LABEL=FLAGS, e.g. 'no-scan=--no-scan'")
     try:
-        return label.strip(), shlex.split(flags)
+        words = shlex.split(rest)
     except ValueError as e:
         raise UsageError(f"--kit {text!r}: {e}") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return label.strip(), env, words
 
 
 def kit_argv(job: dict) -> list[str]:
@@ -142,10 +158,10 @@ def build_jobs(args) -> list[dict]:
             jobs.append({**common, "entry": entry, "name": entry})
             continue
         for text in args.kit or ["="]:
-            label, flags = ("", []) if text == "=" else parse_kit_variant(text)
+            label, env, flags = ("", {}, []) if text == "=" else parse_kit_variant(text)
             check_kit_flags(kit_argv({**common, "kit_flags": flags}), text)
             jobs.append({**common, "entry": "kit", "name": f"kit: {label}" if label else "kit",
-                         "kit_flags": flags})
+                         "kit_flags": flags, "kit_env": env})
     return jobs
 
 
@@ -155,8 +171,10 @@ def run_child(job: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
     t0 = time.perf_counter()
     # The kit's rows run with the host malloc setting its training scripts choose (huge
-    # pages, vit_pure/hostmem.py); the ceiling and the peers with the environment as given.
-    env = hostmem.environ() if job["entry"] == "kit" else None
+    # pages, vit_pure/hostmem.py) and the row's own NAME=VALUE words; the ceiling and the
+    # peers with the environment as given.
+    env = ({**hostmem.environ(), **job.get("kit_env", {})} if job["entry"] == "kit"
+           else None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=str(REPO), env=env)
     try:
@@ -244,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=5, help="untimed steps after compilation")
     a("--only", default=",".join(PEERS), help=f"entries to run, comma-separated: {PEERS}")
     a("--kit", action="append", default=[], metavar="LABEL=FLAGS",
-      help="a kit row with these extra training-script flags (repeatable)")
+      help="a kit row with these extra training-script flags, after any NAME=VALUE "
+           "environment variables for that row only (repeatable)")
     a("--torch-compile-mode", default="default",
       help="torch.compile mode (default, max-autotune, ...)")
     a("--matmul-size", type=int, default=None,
@@ -341,6 +360,8 @@ def _report(r: dict) -> None:
         if "policy" in r:  # a kit row: what its flags and the hardware defaults chose
             print(f"#     policy {r['policy']}, scan {r['scan']}, accum {r['accum_steps']}"
                   + "".join(f"; {n}" for n in r["notes"]))
+        if r.get("env"):
+            print("#     environment: " + " ".join(f"{k}={v}" for k, v in r["env"].items()))
     sys.stdout.flush()
 
 
@@ -391,8 +412,10 @@ def child_main(job: dict) -> int:
         msg = " ".join(str(e).split())[:300]
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 1
+    seen = {name: os.environ.get(name) for name in job.get("kit_env", {})}
     print(RESULT_TAG + json.dumps({"name": job["name"], "batch": job["batch"], **result,
-                                   "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}),
+                                   "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                                   "env": seen}),
           flush=True)
     return 0
 

@@ -33,9 +33,15 @@ def test_table_rows_mfu_and_failures():
 
 
 def test_kit_variant_flags():
-    assert peers.parse_kit_variant("as written=") == ("as written", [])
+    assert peers.parse_kit_variant("as written=") == ("as written", {}, [])
     assert peers.parse_kit_variant("nodrop=--no-scan --dropout 0") == (
-        "nodrop", ["--no-scan", "--dropout", "0"])
+        "nodrop", {}, ["--no-scan", "--dropout", "0"])
+    # Leading NAME=VALUE words are the row's environment, as in a shell.
+    assert peers.parse_kit_variant(
+        "lt=XLA_FLAGS='--xla_a=1 --xla_b=2' JAX_X=0 --dropout 0") == (
+        "lt", {"XLA_FLAGS": "--xla_a=1 --xla_b=2", "JAX_X": "0"}, ["--dropout", "0"])
+    assert peers.parse_kit_variant("env only=XLA_FLAGS=--xla_a=1") == (
+        "env only", {"XLA_FLAGS": "--xla_a=1"}, [])
     for bad in ("no-equals-sign", "=--no-scan", "x=--remat 'block"):
         with pytest.raises(peers.UsageError):
             peers.parse_kit_variant(bad)
@@ -50,7 +56,7 @@ def test_kit_row_and_skipped_peers(tmp_path):
     out = tmp_path / "peers.json"
     record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
                          "--only", ",".join(["kit", *missing]),
-                         "--kit", "nodrop=--dropout 0 --randaugment 0",
+                         "--kit", "nodrop=VIT_PURE_PEERS_PROBE=on --dropout 0 --randaugment 0",
                          "--matmul-size", "64", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     assert record["ceiling"]["flops_per_s"] > 0
@@ -66,6 +72,9 @@ def test_kit_row_and_skipped_peers(tmp_path):
     if hostmem.wanted():
         assert hostmem.TUNABLE in kit["glibc_tunables"]
         assert hostmem.TUNABLE not in record["ceiling"]["glibc_tunables"]
+    # The row's NAME=VALUE words reach its process (and only its process).
+    assert kit["env"] == {"VIT_PURE_PEERS_PROBE": "on"}
+    assert "VIT_PURE_PEERS_PROBE" not in os.environ
     for row, entry in zip(rest, missing):
         assert row == {"name": entry, "skipped": f"skipped: {peers.NEEDS[entry]} not installed"}
 
