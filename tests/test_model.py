@@ -123,6 +123,19 @@ def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params):
     assert np.abs(shifted - whole[:4]).max() > 1e-3
 
 
+def test_dropout_masks_benchmark_sees_which_prngs_keep_the_per_example_rule(capsys):
+    """benchmarks/dropout_masks.py: Threefry (the kit's) gives each example its own mask
+    on any batch split and runs inside shard_map; RBG's vmap draws the whole batch from
+    the first key, which the check must catch."""
+    from benchmarks import dropout_masks
+    rows = {r["impl"]: r for r in dropout_masks.main(
+        ["--model", "tiny", "--batch", "4", "--steps", "1", "--impls", "threefry2x32,rbg"])}
+    assert rows["threefry2x32"]["per_example"] and rows["threefry2x32"]["shard_map"] == "yes"
+    assert not rows["rbg"]["per_example"]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows.values())
+    assert "| threefry2x32 | yes | yes |" in capsys.readouterr().out
+
+
 def test_gradients_match_finite_differences():
     # float32 throughout (the model keeps LayerNorm statistics and accumulations in float32
     # by design), so central differences with a moderate step: the truncation error is
