@@ -154,7 +154,7 @@ def parse_configs(texts: list[str]) -> list[BenchConfig]:
         for item in (s.strip() for s in text.split(";")):
             if not item:
                 continue
-            fields = item.split(":")
+            fields = item.split(":", 3)  # an option's value may hold ":" (remat=block-save:...)
             if len(fields) not in (3, 4) or fields[0] not in ("pmap", "shard_map"):
                 raise cli.UsageError(
                     f"--config {item!r}: expected STRATEGY:LAYOUT:POLICY[:OPTIONS] with "

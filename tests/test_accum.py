@@ -79,7 +79,8 @@ def _local_grads(accum_steps, remat):
 
 
 @pytest.mark.parametrize("accum_steps,remat", [
-    (2, "none"), (4, "none"), (1, "block"), (1, "block-save-dots")])
+    (2, "none"), (4, "none"), (1, "block"), (1, "block-save-dots"),
+    (1, "block-save:ln+gelu+mask")])
 def test_local_grads_match_one_pass(accum_steps, remat):
     ref_grads, ref_metrics = _local_grads(1, "none")
     grads, metrics = _local_grads(accum_steps, remat)

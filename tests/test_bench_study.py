@@ -102,6 +102,8 @@ def test_parse_configs_and_bad_input():
         ["shard_map:data=2,pipe=2:fp32:mb=4; shard_map:data=4:bf16:fsdp=1"])
     assert pipe.layout == "data=2,pipe=2" and pipe.options == {"mb": "4"}
     assert fsdp.options == {"fsdp": "1"}
+    (saves,) = bench.parse_configs(["shard_map:1:bf16:remat=block-save:dot+mask,accum=2"])
+    assert saves.options == {"remat": "block-save:dot+mask", "accum": "2"}
     assert bench.layout_devices("data=2,model=2,pipe=2", None) == 8
     for bad in ["pmap:fp32", "jit:1:fp32", "pmap:1:fp64", "pmap:data=2:fp32", "shard_map:x:fp32",
                 "pmap:1:fp32:speed=fast", "shard_map:data=2,stage=2:fp32", "pmap:8:fp32:fsdp=1",

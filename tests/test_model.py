@@ -1,4 +1,5 @@
 """The pure-pytree ViT: parameter count, shapes, dtypes, randomness, scan, gradients."""
+import collections
 import re
 
 import jax
@@ -121,6 +122,39 @@ def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params):
     # ...and the masks really are per example: shifting the ids changes the result.
     shifted = apply(tiny_params, x[:4], TINY, train=True, rng=rng, example_ids=jnp.arange(4, 8))
     assert np.abs(shifted - whole[:4]).max() > 1e-3
+
+
+def _saved_names(params, remat, capsys) -> collections.Counter:
+    """How many residuals of each checkpoint name the tiny model's gradient keeps."""
+    x, rng = _images(2), jax.random.key(7)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=rng, remat=remat)), params)
+    return collections.Counter(re.findall(r"named '(\w+)'", capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("remat, names", [
+    ("block-save-dots", {"dot"}), ("block-save:dot", {"dot"}),
+    ("block-save:ln+gelu", {"ln", "gelu"}), ("block-save:mask", {"mask"}),
+    ("block-save:dot+ln+gelu+mask", {"dot", "ln", "gelu", "mask"})])
+def test_remat_keeps_the_named_values_and_only_those(tiny_params, capsys, remat, names):
+    """Against remat "block" (nothing kept inside a block; the embedding's dropout mask,
+    outside the blocks, is kept either way), each mode keeps more of exactly its names:
+    per block two LayerNorm outputs, one GELU output, four masks (dropout and drop path
+    after attention and after the MLP), and the matmul / attention products."""
+    base = _saved_names(tiny_params, "block", capsys)
+    got = _saved_names(tiny_params, remat, capsys)
+    assert {n for n in got if got[n] > base[n]} == names, (got, base)
+    per_block = {"ln": 2, "gelu": 1, "mask": 4}
+    for name in names - {"dot"}:
+        assert got[name] - base[name] == per_block[name] * TINY.depth, (name, got, base)
+
+
+@pytest.mark.parametrize("bad", ["blocks", "block-save:", "block-save:dot+foo",
+                                 "block-save:dot+dot", "block-save:dot,ln"])
+def test_remat_mode_errors(bad):
+    with pytest.raises(ValueError, match="remat must be one of"):
+        apply(init_params(jax.random.key(0), TINY), _images(1), TINY, remat=bad)
 
 
 def test_dropout_masks_benchmark_sees_which_prngs_keep_the_per_example_rule(capsys):

@@ -12,7 +12,7 @@ from vit_pure import distributed
 from vit_pure import plan
 from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.model import ATTENTION_IMPLS, REMAT_MODES
+from vit_pure.model import ATTENTION_IMPLS, REMAT_SAVE_NAMES, remat_saved_names
 from vit_pure.policy import Policy
 
 
@@ -55,9 +55,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="lax.scan over the encoder layers (faster compile) instead of a Python "
                         "loop (default: per backend, vit_pure/hardware.py: unrolled on CPU and "
                         "GPU)")
-    g.add_argument("--remat", default="none", choices=list(REMAT_MODES),
-                   help="recompute in the backward pass: each whole encoder block (block), or all "
-                        "but its matmul outputs (block-save-dots); same results, less memory")
+    g.add_argument("--remat", default="none", type=_remat,
+                   help="recompute in the backward pass: each whole encoder block (block), all "
+                        "but its matmul outputs (block-save-dots), or all but the values named "
+                        f"(block-save:NAMES, NAMES from {'+'.join(REMAT_SAVE_NAMES)}, e.g. "
+                        "block-save:dot+mask); same results, less memory")
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
@@ -242,6 +244,15 @@ def use_cpu_devices(n: int) -> None:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def _remat(text: str) -> str:
+    """--remat: a mode `model.encoder` takes (model.remat_saved_names)."""
+    try:
+        remat_saved_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _randaugment(text: str) -> tuple[int, int]:

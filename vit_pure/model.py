@@ -75,12 +75,18 @@ F32 = jnp.float32
 _INIT_STD = 0.02
 # Dropout sites, folded into each example's key with the layer index.
 _SITE_EMBED, _SITE_ATTN, _SITE_MLP, _SITE_PATH_ATTN, _SITE_PATH_MLP = range(5)
-# Rematerialisation modes of `encoder` (the --remat flag).
+# Rematerialisation modes of `encoder` (the --remat flag): these, or "block-save:" and
+# names from REMAT_SAVE_NAMES joined by "+" (see `remat_saved_names`).
 REMAT_MODES = ("none", "block", "block-save-dots")
+REMAT_SAVE = "block-save:"
+# What a block may keep for its backward pass under "block-save:NAMES", each a
+# `checkpoint_name` put on values in `_block`: matmul and attention outputs, LayerNorm
+# outputs, the GELU output, dropout and drop-path masks.
+REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
 # Attention implementations of `encoder` (the --attention flag): see `_attention_fused`.
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 _TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
-_DOT = "dot"  # the checkpoint name of every matmul / attention-einsum output in `_block`
+_DOT, _LN, _GELU, _MASK = REMAT_SAVE_NAMES
 # JAX's cuDNN attention binds its forward kernel as a primitive of this name (plus
 # "_wrapper"); its outputs are the context and the softmax statistics the backward reads.
 _CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"
@@ -197,6 +203,7 @@ def _dropout(x, rate, ex_keys, layer, site):
         return x
     keys = _site_keys(ex_keys, layer, site)
     keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    keep = checkpoint_name(keep, _MASK)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
@@ -205,7 +212,7 @@ def _drop_path(x, rate, ex_keys, layer, site):
     if ex_keys is None:
         return x
     keys = _site_keys(ex_keys, layer, site)
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys)  # (B,)
+    keep = checkpoint_name(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys), _MASK)
     return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
 
 
@@ -216,11 +223,28 @@ def _cudnn_attention_outputs(prim, *_, **__) -> bool:
     return prim.name.startswith(_CUDNN_ATTENTION_FWD)
 
 
-# remat="block-save-dots": keep what a matmul or an attention kernel computed, recompute
-# the elementwise work around it. Without the cuDNN outputs the backward pass would rerun
-# the whole attention forward to get its softmax statistics back.
-_SAVE_DOTS = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.save_only_these_names(_DOT), _cudnn_attention_outputs)
+def remat_saved_names(remat: str) -> tuple[str, ...]:
+    """The names `remat` keeps for the backward pass: () for "none" and "block" (which
+    keep nothing inside a block), ("dot",) for "block-save-dots", the names listed in
+    "block-save:NAME+NAME..." (from REMAT_SAVE_NAMES). ValueError for anything else."""
+    if remat in REMAT_MODES:
+        return (_DOT,) if remat == "block-save-dots" else ()
+    names = remat[len(REMAT_SAVE):].split("+") if remat.startswith(REMAT_SAVE) else []
+    if not names or any(n not in REMAT_SAVE_NAMES for n in names) or len(set(names)) < len(names):
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)} or {REMAT_SAVE}NAMES "
+                         f"with distinct NAMES from {'+'.join(REMAT_SAVE_NAMES)}, got {remat!r}")
+    return tuple(names)
+
+
+def _save_policy(names: tuple[str, ...]):
+    """The remat policy that keeps the values named `names` (and, with "dot", the outputs
+    of cuDNN's attention kernel: without them the backward pass would rerun the whole
+    attention forward to get its softmax statistics back) and recomputes the rest."""
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    if _DOT in names:
+        policy = jax.checkpoint_policies.save_from_both_policies(policy,
+                                                                _cudnn_attention_outputs)
+    return policy
 
 
 def _dot_out(y):
@@ -331,7 +355,7 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
         ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                            implementation=implementation)  # (B, Tp, Hl, D)
     ctx = ctx[:, :T].astype(policy.compute_dtype)
-    if implementation != "cudnn":  # cuDNN's output is saved as it is (`_SAVE_DOTS`)
+    if implementation != "cudnn":  # cuDNN's output is saved as it is (`_save_policy`)
         ctx = _dot_out(ctx)
     return rearrange(ctx, "b t h d -> b t (h d)")
 
@@ -393,7 +417,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
 
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
-    h = _copy_to_tp(_layer_norm(x, p["ln1"], cfg.ln_eps), tp_axis)
+    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), _LN), tp_axis)
     qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
     qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
     if attention == "einsum":
@@ -410,9 +434,9 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
-    h = _copy_to_tp(_layer_norm(x, p["ln2"], cfg.ln_eps), tp_axis)
+    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), _LN), tp_axis)
     h = _dot_out(matmul(h, m["fc1"]["kernel"], policy)) + m["fc1"]["bias"].astype(md)  # (B, T, Ml)
-    h = jax.nn.gelu(h).astype(cd)
+    h = checkpoint_name(jax.nn.gelu(h).astype(cd), _GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
     y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP)
@@ -436,7 +460,11 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
       "block-save-dots"  keep the outputs of the block's matmuls and attention products
                          (with cuDNN attention, its kernel's outputs), recompute only the
                          cheap elementwise work between them (LayerNorm, softmax, GELU,
-                         dropout masks); in between in memory.
+                         dropout masks); in between in memory;
+      "block-save:NAMES" keep the values named (REMAT_SAVE_NAMES joined by "+": "dot" as
+                         above, "ln" the LayerNorm outputs, "gelu" the GELU output, "mask"
+                         the dropout and drop-path masks) and recompute the rest, e.g.
+                         "block-save:dot+mask"; "block-save:dot" is "block-save-dots".
     Under tensor parallelism "block" also repeats a forward all-reduce in the backward
     pass (the attention output's, which the MLP's input is recomputed from);
     "block-save-dots" keeps its result (the name sits after the psum) and repeats none.
@@ -444,8 +472,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
     `attention`: "einsum" (default), "xla" or "cudnn", see `_attention_fused`; the same
     results either way, within the rounding of the compute dtype.
     """
-    if remat not in REMAT_MODES:
-        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    saved = remat_saved_names(remat)  # raises on an unknown mode
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
                          f"got {attention!r}")
@@ -458,8 +485,8 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 
     if remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
-    elif remat == "block-save-dots":
-        body = jax.checkpoint(body, policy=_SAVE_DOTS)
+    elif saved:
+        body = jax.checkpoint(body, policy=_save_policy(saved))
     layers = layer_offset + jnp.arange(num_layers)
     if scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
