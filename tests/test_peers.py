@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import peers
 from benchmarks import profile_breakdown as pb
-from vit_pure import hostmem
+from vit_pure import PRESETS, hostmem
 
 
 # --------------------------------------------------------------------------------- peers
@@ -192,3 +192,31 @@ def test_breakdown_bad_paths(tmp_path, capsys):
     assert pb.main([str(tmp_path)]) == 2  # a directory without traces
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_gemm_epilogues_counts_gemms_by_library_and_epilogue():
+    """benchmarks/gemm_epilogues.py reads XLA:GPU's optimized HLO (lines written the way
+    XLA prints its GEMM custom calls and fusions) and, on a CPU, the real compiled step."""
+    from benchmarks import gemm_epilogues as ge
+    gpu = "\n".join([
+        '  %cublas-lt-matmul.3 = (bf16[266240,1536]{1,0}, s8[4194304]{0}) custom-call('
+        'bf16[266240,384]{1,0} %a, bf16[384,1536]{1,0} %b, bf16[1536]{0} %c), '
+        'custom_call_target="__cublas$lt$matmul", backend_config={"operation_queue_id":"0",'
+        '"gemm_backend_config":{"alpha_real":1,"beta":0,"epilogue":"BIAS_GELU_AUX"}}',
+        '  %cublas-gemm.1 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(bf16[8,4]{1,0} %a, '
+        'bf16[4,8]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={'
+        '"gemm_backend_config":{"epilogue":"DEFAULT"}}',
+        '  %gemm_fusion_dot.2 = bf16[8,8]{1,0} fusion(bf16[8,4]{1,0} %a, bf16[4,8]{1,0} %b), '
+        'kind=kCustom, calls=%gemm_fusion_dot.2_computation, backend_config={'
+        '"fusion_backend_config":{"kind":"__triton_gemm"}}',
+        '  %dot.1 = bf16[8,8]{1,0} dot(bf16[8,4]{1,0} %p0, bf16[4,8]{1,0} %p1), '
+        'lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  %custom-call.9 = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="Sharding"'])
+    assert ge.count_gemms(gpu) == {("__cublas$lt$matmul", "BIAS_GELU_AUX"): 1,
+                                   ("__cublas$gemm", "DEFAULT"): 1, ("__triton_gemm", "-"): 1}
+    assert "| __cublas$lt$matmul | BIAS_GELU_AUX | 1 |" in ge.format_table(ge.count_gemms(gpu))
+    # On a CPU: the tiny model's real step, one dot per product: per block 6 forward
+    # products (qkv, scores, context, output, fc1, fc2) and 2 backward each; the patch
+    # embedding's forward and weight gradient; the head's forward and 2 backward.
+    counts = ge.main(["--model", "tiny", "--batch", "8"])
+    assert counts == {("dot", "-"): 6 * 3 * PRESETS["tiny"].depth + 2 + 3}

@@ -1,0 +1,115 @@
+"""Which library runs each matrix product of the compiled training step, with which epilogue.
+
+    python -m benchmarks.gemm_epilogues --batch 4096 --dtype bf16
+    XLA_FLAGS=--xla_gpu_enable_cublaslt=true \
+        python -m benchmarks.gemm_epilogues --batch 4096 --dtype bf16
+    python -m benchmarks.gemm_epilogues --model tiny --batch 8          # on a CPU: dot ops only
+
+Compiles (does not run) the kit's training step exactly as `benchmarks.peers` builds a kit
+row (`train_shardmap.py --batch B --dtype D --dataset synthetic --accum-steps 1 [--flags]`
+on one device) and reads XLA's optimized HLO. On a GPU, XLA turns each dot into a cuBLAS
+call (`__cublas$gemm`), a cuBLASLt call (`__cublas$lt$matmul`, which can fuse a bias add
+and a GELU into the GEMM as its "epilogue": BIAS, GELU, BIAS_GELU, their _AUX forms that
+also write the pre-activation for the backward pass, ...), or a fusion XLA generates itself
+(Triton, `__triton_gemm`; cuDNN, `__cudnn$fusion`). The table counts them by target and
+epilogue. The kit's MLP is written so that the pattern is there to match: fc1's product
+in the matmul dtype, its bias added in that dtype, then `jax.nn.gelu`'s tanh form. Whether
+XLA takes it depends on its flags (`--xla_gpu_enable_cublaslt`; docs/performance.md).
+On a CPU there are no such calls; the table counts XLA:CPU's dot instructions.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shlex
+
+# custom_call_target="__cublas$lt$matmul", backend_config={... "epilogue":"BIAS_GELU" ...}
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_EPILOGUE = re.compile(r'"epilogue":"([A-Z_0-9]+)"')
+_FUSION_KIND = re.compile(r'"kind":"(__triton_gemm|__cudnn\$fusion|__triton_nested_gemm_fusion)"')
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+
+
+def count_gemms(hlo_text: str) -> collections.Counter:
+    """(library, epilogue) -> how many, over the instructions of an optimized HLO module.
+    Library: a cuBLAS custom-call target or a GEMM fusion kind; where there are none (a
+    CPU), "dot" for XLA's dot instructions. (On a GPU the dots left in the text are the
+    insides of the GEMM fusions, already counted as their fusion.)"""
+    counts, dots = collections.Counter(), 0
+    for line in hlo_text.splitlines():
+        target = _TARGET.search(line)
+        if target and target.group(1) in _GEMM_TARGETS:
+            epilogue = _EPILOGUE.search(line)
+            counts[(target.group(1), epilogue.group(1) if epilogue else "DEFAULT")] += 1
+            continue
+        kind = _FUSION_KIND.search(line)
+        if kind and " fusion(" in line:
+            counts[(kind.group(1), "-")] += 1
+        elif re.search(r"= \S+ dot\(", line):
+            dots += 1
+    if not counts and dots:
+        counts[("dot", "-")] = dots
+    return counts
+
+
+def format_table(counts: collections.Counter) -> str:
+    rows = ["| library | epilogue | GEMMs |", "|---|---|---:|"]
+    for (library, epilogue), n in sorted(counts.items()):
+        rows.append(f"| {library} | {epilogue} | {n} |")
+    rows.append(f"| all | | {sum(counts.values())} |")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vit_pure.config import PRESETS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=4096, help="batch (one device)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--flags", default="", help="more training-script flags, e.g. '--dropout 0'")
+    p.add_argument("--hlo", default=None, metavar="PATH",
+                   help="also write the optimized HLO text to PATH")
+    return p
+
+
+def compiled_step_text(job: dict) -> str:
+    """The optimized HLO of the kit row `job` (as benchmarks.peers builds it)."""
+    import jax
+    import numpy as np
+
+    from benchmarks import peers
+    from vit_pure import data, step
+    sc, optimizer, strategy = peers.build_kit(job)
+    state = strategy.put_state(step.init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
+    split = data.synthetic_cifar10(n_train=job["batch"], n_val=0, n_test=0)["train"]
+    images, labels = next(iter(data.train_batches(split, job["batch"], seed=0, epoch=0)))
+    ids = np.arange(job["batch"], dtype=np.int32)
+    inputs = (*strategy.put_batch(images, labels, ids),
+              strategy.put_replicated(step.step_key(0, 0, 0)))
+    return strategy.train_step.lower(state, *inputs).compile().as_text()
+
+
+def main(argv=None) -> collections.Counter:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error("--batch must be positive")
+    job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
+           "precision": "default", "kit_flags": shlex.split(args.flags)}
+    text = compiled_step_text(job)
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(text)
+    import jax
+    counts = count_gemms(text)
+    print(f"# {args.model}, batch {args.batch}, {args.dtype} {args.flags}; "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print(format_table(counts))
+    return counts
+
+
+if __name__ == "__main__":
+    main()
