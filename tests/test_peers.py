@@ -195,8 +195,8 @@ def test_breakdown_bad_paths(tmp_path, capsys):
 
 
 def test_gemm_epilogues_counts_gemms_by_library_and_epilogue():
-    """benchmarks/gemm_epilogues.py reads XLA:GPU's optimized HLO (lines written the way
-    XLA prints its GEMM custom calls and fusions) and, on a CPU, the real compiled step."""
+    """benchmarks/gemm_epilogues.py reads XLA:GPU's optimized HLO: lines written the way
+    XLA prints its GEMM custom calls and fusions."""
     from benchmarks import gemm_epilogues as ge
     gpu = "\n".join([
         '  %cublas-lt-matmul.3 = (bf16[266240,1536]{1,0}, s8[4194304]{0}) custom-call('
@@ -215,8 +215,13 @@ def test_gemm_epilogues_counts_gemms_by_library_and_epilogue():
     assert ge.count_gemms(gpu) == {("__cublas$lt$matmul", "BIAS_GELU_AUX"): 1,
                                    ("__cublas$gemm", "DEFAULT"): 1, ("__triton_gemm", "-"): 1}
     assert "| __cublas$lt$matmul | BIAS_GELU_AUX | 1 |" in ge.format_table(ge.count_gemms(gpu))
-    # On a CPU: the tiny model's real step, one dot per product: per block 6 forward
-    # products (qkv, scores, context, output, fc1, fc2) and 2 backward each; the patch
-    # embedding's forward and weight gradient; the head's forward and 2 backward.
+
+
+@pytest.mark.slow
+def test_gemm_epilogues_on_the_cpu_step():
+    """The tiny model's real compiled step on a CPU, one dot per product: per block 6
+    forward products (qkv, scores, context, output, fc1, fc2) and 2 backward each; the
+    patch embedding's forward and weight gradient; the head's forward and 2 backward."""
+    from benchmarks import gemm_epilogues as ge
     counts = ge.main(["--model", "tiny", "--batch", "8"])
     assert counts == {("dot", "-"): 6 * 3 * PRESETS["tiny"].depth + 2 + 3}

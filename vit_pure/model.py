@@ -466,8 +466,9 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
                          the dropout and drop-path masks) and recompute the rest, e.g.
                          "block-save:dot+mask"; "block-save:dot" is "block-save-dots".
     Under tensor parallelism "block" also repeats a forward all-reduce in the backward
-    pass (the attention output's, which the MLP's input is recomputed from);
-    "block-save-dots" keeps its result (the name sits after the psum) and repeats none.
+    pass (the attention output's, which the MLP's input is recomputed from), as does a
+    "block-save:NAMES" without "dot"; "block-save-dots" keeps its result (the name sits
+    after the psum) and repeats none.
 
     `attention`: "einsum" (default), "xla" or "cudnn", see `_attention_fused`; the same
     results either way, within the rounding of the compute dtype.
