@@ -1,12 +1,14 @@
-"""Time and check the PRNG implementations that could draw the kit's dropout masks.
+"""Time and check the ways the kit's dropout masks can be drawn.
 
     python -m benchmarks.dropout_masks                               # vit-cifar, batch 128
     python -m benchmarks.dropout_masks --batch 4096 --dtype bf16     # the GPU's headline shape
 
 The model draws each dropout mask from per-example keys (model._dropout: fold_in of the
-example id, the layer and the site, then `jax.random.bernoulli` under a vmap), with
-whatever PRNG implementation the keys carry; the training step hands it JAX's default,
-threefry2x32. For each implementation named in --impls, one table row:
+example id, the layer and the site, then model._keep_mask under a vmap), by one of two
+methods (--dropout-masks): "threefry16", four 16-bit uniforms per Threefry hash of the
+key, or "bernoulli", `jax.random.bernoulli` with whatever PRNG implementation the keys
+carry (the training step's keys are JAX's default, threefry2x32). One table row for
+threefry16, then one for bernoulli with each implementation named in --impls:
 
     per example  does example i get the same mask in a batch of 4 as in a batch of 2?
                  The kit's rule (1, 2 or 8 devices give the same numbers) needs "yes".
@@ -65,20 +67,21 @@ def example_keys(impl: str, ids):
     return jax.vmap(lambda i: jax.random.fold_in(root, i))(ids)
 
 
-def site(x, keys, rate):
+def site(x, keys, rate, masks):
     """One dropout site, exactly as the model runs it (layer 1, the attention branch)."""
     from vit_pure import model
-    return model._dropout(x, rate, keys, 1, model._SITE_ATTN)
+    return model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
 
 
-def per_example(impl: str, rate: float) -> bool:
+def per_example(masks: str, impl: str, rate: float) -> bool:
     import jax.numpy as jnp
     keys = example_keys(impl, jnp.arange(4))
     x = jnp.ones((4, 17, 24), jnp.float32)
-    return bool(jnp.array_equal(site(x, keys, rate)[2:], site(x[2:], keys[2:], rate)))
+    return bool(jnp.array_equal(site(x, keys, rate, masks)[2:],
+                                site(x[2:], keys[2:], rate, masks)))
 
 
-def under_shard_map(impl: str, rate: float) -> str:
+def under_shard_map(masks: str, impl: str, rate: float) -> str:
     """"yes", or the first line of the error."""
     import jax
     import jax.numpy as jnp
@@ -92,7 +95,7 @@ def under_shard_map(impl: str, rate: float) -> str:
     with jax.default_device(cpus[0]):
         keys = jax.device_put(example_keys(impl, jnp.arange(4)), split)
         x = jax.device_put(jnp.ones((4, 17, 24), jnp.float32), split)
-    f = jax.jit(jax.shard_map(lambda x, k: site(x, k, rate), mesh=mesh,
+    f = jax.jit(jax.shard_map(lambda x, k: site(x, k, rate, masks), mesh=mesh,
                               in_specs=(P("data"), P("data")), out_specs=P("data")))
     try:
         jax.block_until_ready(f(x, keys))
@@ -101,18 +104,18 @@ def under_shard_map(impl: str, rate: float) -> str:
         return "no: " + " ".join(str(e).split("\n")[0].split())[:100]
 
 
-def timed(impl: str, args, cfg) -> tuple[float, float]:
+def timed(masks: str, impl: str, args, cfg) -> tuple[float, float]:
     """Median ms of one site forward, and forward + backward."""
     import jax
     import jax.numpy as jnp
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     x = jnp.ones((args.batch, cfg.seq_len, cfg.width), dtype)
     keys = example_keys(impl, jnp.arange(args.batch))
-    fwd = jax.jit(lambda x, k: site(x, k, cfg.dropout))
+    fwd = jax.jit(lambda x, k: site(x, k, cfg.dropout, masks))
 
     @jax.jit
     def fwd_bwd(x, k):
-        y, vjp = jax.vjp(lambda x: site(x, k, cfg.dropout), x)
+        y, vjp = jax.vjp(lambda x: site(x, k, cfg.dropout, masks), x)
         return y, vjp(y)[0]
 
     out = []
@@ -138,17 +141,17 @@ def main(argv=None) -> list[dict]:
           f"{cfg.width}) {args.dtype}, rate {rate}, {args.steps} timed calls; "
           f"device {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
     rows = []
-    for impl in args.impls:
-        row = {"impl": impl, "per_example": per_example(impl, rate),
-               "shard_map": under_shard_map(impl, rate)}
-        row["fwd_ms"], row["fwd_bwd_ms"] = timed(impl, args, cfg)
+    for masks, impl in [("threefry16", "threefry2x32")] + [("bernoulli", i) for i in args.impls]:
+        row = {"masks": masks, "impl": impl, "per_example": per_example(masks, impl, rate),
+               "shard_map": under_shard_map(masks, impl, rate)}
+        row["fwd_ms"], row["fwd_bwd_ms"] = timed(masks, impl, args, cfg)
         rows.append(row)
-        print(f"# {impl}: done", flush=True)
-    print("\n| PRNG | per example | shard_map (2 CPU devices) | fwd ms | fwd+bwd ms |")
-    print("|---|---|---|---:|---:|")
+        print(f"# {masks}, {impl}: done", flush=True)
+    print("\n| masks | PRNG | per example | shard_map (2 CPU devices) | fwd ms | fwd+bwd ms |")
+    print("|---|---|---|---|---:|---:|")
     for r in rows:
-        print(f"| {r['impl']} | {'yes' if r['per_example'] else 'no'} | {r['shard_map']} | "
-              f"{r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
+        print(f"| {r['masks']} | {r['impl']} | {'yes' if r['per_example'] else 'no'} | "
+              f"{r['shard_map']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
     return rows
 
 

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_pure import PRESETS, Policy, apply, count_params, init_params, param_axes
+from vit_pure import (PRESETS, Policy, apply, cli, count_params, init_params, model, param_axes,
+                      step)
 from vit_pure.config import ViTConfig
+from vit_pure.model import DROPOUT_MASKS
 from vit_pure.params_table import format_param_table
 
 TINY = PRESETS["tiny"]
@@ -113,15 +115,53 @@ def test_scan_equals_unrolled(tiny_params):
     np.testing.assert_allclose(remat, loop, rtol=1e-6, atol=1e-6)
 
 
-def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params):
+@pytest.mark.parametrize("masks", DROPOUT_MASKS)
+def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params, masks):
     x, rng = _images(8), jax.random.key(7)
-    whole = apply(tiny_params, x, TINY, train=True, rng=rng)
+    whole = apply(tiny_params, x, TINY, train=True, rng=rng, dropout_masks=masks)
     halves = [apply(tiny_params, x[i:i + 4], TINY, train=True, rng=rng,
-                    example_ids=jnp.arange(i, i + 4)) for i in (0, 4)]
+                    example_ids=jnp.arange(i, i + 4), dropout_masks=masks) for i in (0, 4)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
     # ...and the masks really are per example: shifting the ids changes the result.
-    shifted = apply(tiny_params, x[:4], TINY, train=True, rng=rng, example_ids=jnp.arange(4, 8))
+    shifted = apply(tiny_params, x[:4], TINY, train=True, rng=rng, example_ids=jnp.arange(4, 8),
+                    dropout_masks=masks)
     assert np.abs(shifted - whole[:4]).max() > 1e-3
+
+
+def test_dropout_masks_flag_reaches_the_step():
+    parser = cli.build_parser("test")
+    for argv, expected in [([], "bernoulli"), (["--dropout-masks", "threefry16"], "threefry16")]:
+        args = cli.parse_args(parser, ["--model", "tiny", *argv])
+        assert step.StepConfig.from_args(args, platform="cpu").dropout_masks == expected
+    assert step.StepConfig(TINY, Policy()).dropout_masks == "bernoulli"
+
+
+@pytest.mark.parametrize("masks", DROPOUT_MASKS)
+def test_dropout_masks_keep_the_rate_and_the_mean(masks):
+    """Each way of drawing masks keeps 1 - rate of the elements, independently: the
+    kept fraction, the fraction of adjacent pairs both dropped (threefry16 cuts each
+    32-bit word into two neighbours), and the mean of the output (kept values scaled by
+    1 / the keep probability) all within 5 standard errors, over 64 examples of 65 x 97
+    elements (an odd count, so the last word is cut short)."""
+    rate, shape = 0.1, (65, 97)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(64))
+    keep = np.asarray(jax.vmap(lambda k: model._keep_mask(k, shape, rate, masks))(keys))
+    n = keep.size
+    assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
+    flat = keep.reshape(64, -1)[:, :-1].reshape(-1, 2)
+    both = (~flat).all(axis=1).mean()
+    assert abs(both - rate ** 2) < 5 * np.sqrt(rate ** 2 / len(flat))
+    x = jnp.full((64, *shape), 1.0)
+    out = model._dropout(x, rate, jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3),
+                                                                      i))(jnp.arange(64)),
+                         1, model._SITE_ATTN, masks)
+    assert abs(float(out.mean()) - 1.0) < 5 * np.sqrt(rate / (1 - rate) / n)
+    # Examples and sites draw different masks.
+    assert (keep[0] != keep[1]).mean() > 0.1
+    other = model._dropout(x, rate, jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3),
+                                                                        i))(jnp.arange(64)),
+                           1, model._SITE_MLP, masks)
+    assert float(jnp.mean((out == 0) != (other == 0))) > 0.1
 
 
 def _saved_names(params, remat, capsys) -> collections.Counter:
@@ -162,12 +202,13 @@ def test_dropout_masks_benchmark_sees_which_prngs_keep_the_per_example_rule(caps
     on any batch split and runs inside shard_map; RBG's vmap draws the whole batch from
     the first key, which the check must catch."""
     from benchmarks import dropout_masks
-    rows = {r["impl"]: r for r in dropout_masks.main(
+    rows = {(r["masks"], r["impl"]): r for r in dropout_masks.main(
         ["--model", "tiny", "--batch", "4", "--steps", "1", "--impls", "threefry2x32,rbg"])}
-    assert rows["threefry2x32"]["per_example"] and rows["threefry2x32"]["shard_map"] == "yes"
-    assert not rows["rbg"]["per_example"]
+    for kit in [("threefry16", "threefry2x32"), ("bernoulli", "threefry2x32")]:
+        assert rows[kit]["per_example"] and rows[kit]["shard_map"] == "yes"
+    assert not rows[("bernoulli", "rbg")]["per_example"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows.values())
-    assert "| threefry2x32 | yes | yes |" in capsys.readouterr().out
+    assert "| threefry16 | threefry2x32 | yes | yes |" in capsys.readouterr().out
 
 
 def test_gradients_match_finite_differences():

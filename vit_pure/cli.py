@@ -12,7 +12,7 @@ from vit_pure import distributed
 from vit_pure import plan
 from vit_pure.checkpoint import CheckpointError
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.model import ATTENTION_IMPLS, REMAT_SAVE_NAMES, remat_saved_names
+from vit_pure.model import ATTENTION_IMPLS, DROPOUT_MASKS, REMAT_SAVE_NAMES, remat_saved_names
 from vit_pure.policy import Policy
 
 
@@ -66,6 +66,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/hardware.py): cudnn on NVIDIA GPUs in bf16, else "
                         "einsum")
+    g.add_argument("--dropout-masks", default="bernoulli", choices=list(DROPOUT_MASKS),
+                   help="how dropout masks are drawn, per example either way: "
+                        "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
+                        "four 16-bit uniforms per hash (threefry16; keep probability rounded "
+                        "to 2^-16); other masks, the same distribution (docs/performance.md)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.random import threefry_2x32
 
 from vit_pure.config import ViTConfig
 from vit_pure.policy import Policy, einsum, matmul
@@ -83,6 +84,8 @@ REMAT_SAVE = "block-save:"
 # `checkpoint_name` put on values in `_block`: matmul and attention outputs, LayerNorm
 # outputs, the GELU output, dropout and drop-path masks.
 REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
+# How dropout masks are drawn (the --dropout-masks flag): see `_keep_mask`.
+DROPOUT_MASKS = ("bernoulli", "threefry16")
 # Attention implementations of `encoder` (the --attention flag): see `_attention_fused`.
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 _TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
@@ -198,13 +201,40 @@ def _site_keys(ex_keys, layer, site):
     return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, layer), site))(ex_keys)
 
 
-def _dropout(x, rate, ex_keys, layer, site):
+def _keep_probability(rate: float, masks: str) -> float:
+    """The probability that `_keep_mask` keeps an element: 1 - rate, or for "threefry16"
+    1 - rate rounded to a multiple of 2^-16 (0.1 -> keep 58982 / 65536 = 0.899994)."""
+    if masks == "bernoulli":
+        return 1.0 - rate
+    return max(1, round((1.0 - rate) * 65536)) / 65536
+
+
+def _keep_mask(key, shape, rate: float, masks: str):
+    """One example's dropout mask (True: keep) of `shape`, drawn from its `key`.
+
+    "bernoulli": `jax.random.bernoulli`, a float32 uniform per element; JAX's Threefry
+    (partitionable, its default) spends one 2x32 hash on each element.
+    "threefry16": 16-bit uniforms, four per hash: `threefry_2x32` over a counter gives
+    two 32-bit words per hash, each cut into two 16-bit halves, compared with the keep
+    probability in units of 2^-16 (`_keep_probability`). A quarter of the hashes; on a
+    CPU, where JAX lowers Threefry as a loop, that is most of dropout's cost.
+    Either way the mask depends only on the example's key, not on the batch around it.
+    """
+    if masks == "bernoulli":
+        return jax.random.bernoulli(key, 1.0 - rate, shape)
+    n = math.prod(shape)
+    words = threefry_2x32(jax.random.key_data(key), jnp.arange(-(-n // 2), dtype=jnp.uint32))
+    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
+    return (halves < round(_keep_probability(rate, masks) * 65536)).reshape(shape)
+
+
+def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
     if ex_keys is None or rate == 0.0:
         return x
     keys = _site_keys(ex_keys, layer, site)
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    keep = jax.vmap(lambda k: _keep_mask(k, x.shape[1:], rate, masks))(keys)
     keep = checkpoint_name(keep, _MASK)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    return jnp.where(keep, x / _keep_probability(rate, masks), 0).astype(x.dtype)
 
 
 def _drop_path(x, rate, ex_keys, layer, site):
@@ -389,7 +419,8 @@ def _conv3x3_stride2(x, p, policy: Policy):
     return jax.nn.gelu(y.astype(F32) + p["bias"].astype(F32)).astype(policy.compute_dtype)
 
 
-def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
+def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
+          dropout_masks="bernoulli"):
     """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
     cd = policy.compute_dtype
     x = images.astype(cd)
@@ -401,11 +432,11 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None):
     x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
     cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"].astype(F32)  # (B, T, E)
-    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED)
+    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, dropout_masks)
 
 
 def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
-           attention="einsum"):
+           attention="einsum", dropout_masks="bernoulli"):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
     # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
@@ -429,7 +460,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
         ctx = _attention_fused(qkv.astype(cd), cfg, policy, attention)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
     y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, dropout_masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
@@ -439,13 +470,13 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
     h = checkpoint_name(jax.nn.gelu(h).astype(cd), _GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
     y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, dropout_masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
 
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=False,
             remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None,
-            attention="einsum"):
+            attention="einsum", dropout_masks="bernoulli"):
     """Run the stacked blocks (leading axis = layers) over x (B, T, E).
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
@@ -472,17 +503,22 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 
     `attention`: "einsum" (default), "xla" or "cudnn", see `_attention_fused`; the same
     results either way, within the rounding of the compute dtype.
+    `dropout_masks`: "bernoulli" (default) or "threefry16", see `_keep_mask`: other masks,
+    the same distribution.
     """
     saved = remat_saved_names(remat)  # raises on an unknown mode
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
                          f"got {attention!r}")
+    if dropout_masks not in DROPOUT_MASKS:
+        raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
+                         f"got {dropout_masks!r}")
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
         p = compute_params(p, policy, gather, "blocks")
-        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis, attention)
+        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis, attention, dropout_masks)
 
     if remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
@@ -526,17 +562,19 @@ def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int)
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
           scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-          gather: Callable | None = None, attention: str = "einsum") -> jax.Array:
+          gather: Callable | None = None, attention: str = "einsum",
+          dropout_masks: str = "bernoulli") -> jax.Array:
     """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
 
     train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
     so a batch split over devices gives the same masks as one device. `scan`, `remat`,
-    `tp_axis`, `gather` and `attention`: see `encoder`.
+    `tp_axis`, `gather`, `attention` and `dropout_masks`: see `encoder`.
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
-    x = embed(top, images, cfg, policy, ex_keys)
+    x = embed(top, images, cfg, policy, ex_keys, dropout_masks)
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
-                tp_axis=tp_axis, gather=gather, attention=attention)
+                tp_axis=tp_axis, gather=gather, attention=attention,
+                dropout_masks=dropout_masks)
     return head(top, x, cfg, policy)

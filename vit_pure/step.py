@@ -173,6 +173,8 @@ class StepConfig:
     remat: str = "none"
     # The attention implementation (--attention; model.ATTENTION_IMPLS, see model.encoder).
     attention: str = "einsum"
+    # How dropout masks are drawn (--dropout-masks; model.DROPOUT_MASKS, see model._keep_mask).
+    dropout_masks: str = "bernoulli"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
     # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (augment.mix_batch),
@@ -211,6 +213,7 @@ class StepConfig:
         _check_attention(choices.attention, choices.policy, platform, args.cfg)
         return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
                    args.remat, attention=choices.attention,
+                   dropout_masks=getattr(args, "dropout_masks", "bernoulli"),
                    randaugment=tuple(getattr(args, "randaugment", (0, 0))),
                    mixup_alpha=getattr(args, "mixup", 0.0),
                    cutmix_alpha=getattr(args, "cutmix", 0.0),
@@ -249,7 +252,8 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
                        example_ids=example_ids, scan=sc.scan, remat=sc.remat,
-                       tp_axis=tp_axis, gather=gather, attention=sc.attention)
+                       tp_axis=tp_axis, gather=gather, attention=sc.attention,
+                       dropout_masks=sc.dropout_masks)
         return train_metrics(sc, logits, labels, targets)
 
     return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
