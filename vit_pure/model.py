@@ -216,8 +216,8 @@ def _keep_mask(key, shape, rate: float, masks: str):
     (partitionable, its default) spends one 2x32 hash on each element.
     "threefry16": 16-bit uniforms, four per hash: `threefry_2x32` over a counter gives
     two 32-bit words per hash, each cut into two 16-bit halves, compared with the keep
-    probability in units of 2^-16 (`_keep_probability`). A quarter of the hashes; on a
-    CPU, where JAX lowers Threefry as a loop, that is most of dropout's cost.
+    probability in units of 2^-16 (`_keep_probability`): a quarter of the hashes
+    (docs/performance.md, "Dropout masks on a CPU", measures what that buys).
     Either way the mask depends only on the example's key, not on the batch around it.
     """
     if masks == "bernoulli":
