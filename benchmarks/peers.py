@@ -171,10 +171,10 @@ def run_child(job: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
     t0 = time.perf_counter()
     # The kit's rows run with the host malloc setting its training scripts choose (huge
-    # pages, vit_pure/hostmem.py) and the row's own NAME=VALUE words; the ceiling and the
-    # peers with the environment as given.
-    env = ({**hostmem.environ(), **job.get("kit_env", {})} if job["entry"] == "kit"
-           else None)
+    # pages, vit_pure/hostmem.py) and the row's own NAME=VALUE words (its profile too); the
+    # ceiling and the peers with the environment as given.
+    env = ({**hostmem.environ(), **job.get("kit_env", {})}
+           if job["entry"] in ("kit", "profile-kit") else None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=str(REPO), env=env)
     try:

@@ -152,15 +152,11 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     both = (~flat).all(axis=1).mean()
     assert abs(both - rate ** 2) < 5 * np.sqrt(rate ** 2 / len(flat))
     x = jnp.full((64, *shape), 1.0)
-    out = model._dropout(x, rate, jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3),
-                                                                      i))(jnp.arange(64)),
-                         1, model._SITE_ATTN, masks)
+    out = model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
     assert abs(float(out.mean()) - 1.0) < 5 * np.sqrt(rate / (1 - rate) / n)
     # Examples and sites draw different masks.
     assert (keep[0] != keep[1]).mean() > 0.1
-    other = model._dropout(x, rate, jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3),
-                                                                        i))(jnp.arange(64)),
-                           1, model._SITE_MLP, masks)
+    other = model._dropout(x, rate, keys, 1, model._SITE_MLP, masks)
     assert float(jnp.mean((out == 0) != (other == 0))) > 0.1
 
 
