@@ -142,11 +142,11 @@ def _initial_state(policy_text: str, cfg=CFG) -> dict:
 
 @functools.cache
 def run(layout: str, policy_text: str, scan: bool, remat: str, cfg=CFG,
-        attention: str = "einsum") -> dict:
+        attention: str = "einsum", dropout_masks: str = "bernoulli") -> dict:
     """Two steps of one cell from the same initial state and batches: the host metrics
     of each step and the final host params. layout "dp" is the reference, data=8."""
     sc = step.StepConfig(cfg, Policy.parse(policy_text), scan=scan, remat=remat,
-                         attention=attention)
+                         attention=attention, dropout_masks=dropout_masks)
     optimizer = _optimizer()
     if layout == "pmap":
         strategy = train_pmap.PmapStrategy(sc, optimizer, devices=jax.devices()[:8])

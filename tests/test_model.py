@@ -160,6 +160,21 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     assert float(jnp.mean((out == 0) != (other == 0))) > 0.1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pmap", "pp+tp+fsdp"])
+def test_threefry16_masks_match_data_parallel_under_other_strategies(layout):
+    """--dropout-masks threefry16 reaches every strategy's step: two training steps under
+    pmap and under pipeline x tensor x FSDP match data parallel with the same masks,
+    within the layout matrix's tolerances (a strategy that drew bernoulli masks instead
+    would be far outside them)."""
+    import test_layout_matrix as matrix
+    ref = matrix.run("dp", "fp32", False, "none", dropout_masks="threefry16")
+    matrix.assert_matches(ref, matrix.run(layout, "fp32", False, "none",
+                                          dropout_masks="threefry16"), "fp32")
+    other = matrix.run("dp", "fp32", False, "none", dropout_masks="bernoulli")
+    assert other["metrics"][0]["loss"] != ref["metrics"][0]["loss"]
+
+
 def _saved_names(params, remat, capsys) -> collections.Counter:
     """How many residuals of each checkpoint name the tiny model's gradient keeps."""
     x, rng = _images(2), jax.random.key(7)
