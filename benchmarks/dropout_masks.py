@@ -63,8 +63,9 @@ def parse(argv):
 def example_keys(impl: str, ids):
     """Per-example keys of implementation `impl`, as model.dropout_keys makes them."""
     import jax
-    root = jax.random.key(0, impl=impl)
-    return jax.vmap(lambda i: jax.random.fold_in(root, i))(ids)
+
+    from vit_pure import model
+    return model._example_keys(jax.random.key(0, impl=impl), ids)
 
 
 def site(x, keys, rate, masks):

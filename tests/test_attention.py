@@ -17,10 +17,10 @@ import functools
 import os
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 
@@ -159,21 +159,9 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
 def _count_primitives(jaxpr, prefix: str) -> int:
     """Equations whose primitive's name starts with `prefix`, in `jaxpr` and every jaxpr
     nested in it (jit, checkpoint, custom VJP)."""
-    def subjaxprs(value):
-        if isinstance(value, jax.extend.core.ClosedJaxpr):
-            yield value.jaxpr
-        elif isinstance(value, jax.extend.core.Jaxpr):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            for v in value:
-                yield from subjaxprs(v)
-
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name.startswith(prefix)
-        for value in eqn.params.values():
-            count += sum(_count_primitives(j, prefix) for j in subjaxprs(value))
-    return count
+    return sum(eqn.primitive.name.startswith(prefix)
+               + sum(_count_primitives(sub, prefix) for sub in jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 @pytest.mark.parametrize("remat, forwards", [("none", 1), ("block-save-dots", 1), ("block", 2)])

@@ -144,7 +144,7 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     1 / the keep probability) all within 5 standard errors, over 64 examples of 65 x 97
     elements (an odd count, so the last word is cut short)."""
     rate, shape = 0.1, (65, 97)
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(64))
+    keys = model._example_keys(jax.random.key(3), jnp.arange(64))
     keep = np.asarray(jax.vmap(lambda k: model._keep_mask(k, shape, rate, masks))(keys))
     n = keep.size
     assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
