@@ -87,6 +87,7 @@ SHARED = [
     (["--randaugment", "1,2,3"], "argument --randaugment: expected N,M"),
     (["--randaugment", "-1,5"], "argument --randaugment"),
     (["--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    (["--pool", "max"], "argument --pool: invalid choice: 'max'"),
     (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
     (["--policy", "garbage"], "--policy: unknown dtype 'garbage'"),
     (["--policy", "p=f32,c=bf17"], "--policy: unknown dtype 'bf17'"),

@@ -231,3 +231,13 @@ class TestBf16MatmulBf16(_PolicyColumn):
 
 class TestFp16(_PolicyColumn):
     POLICY = "fp16"
+
+
+def test_gap_pool_under_pipeline_tensor_and_fsdp_matches_data_parallel():
+    """The model without a class token (pool "gap": 16 tokens, no cls_token parameter, the
+    head on the mean of every token) under the layout that splits the most (pipeline x
+    tensor x FSDP, where the embedding and the head sit on different stages) matches data
+    parallel."""
+    cfg = CFG.replace(name="matrix-test-gap", pool="gap")
+    assert_matches(run("dp", "fp32", False, "none", cfg),
+                   run("pp+tp+fsdp", "fp32", False, "none", cfg), "fp32", cfg)

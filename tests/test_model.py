@@ -136,6 +136,14 @@ def test_dropout_masks_flag_reaches_the_step():
     assert step.StepConfig(TINY, Policy()).dropout_masks == "bernoulli"
 
 
+def test_pool_flag_replaces_the_presets_pool():
+    parser = cli.build_parser("test")
+    for argv, expected in [([], "cls"), (["--pool", "gap"], "gap"), (["--pool", "mean"], "mean")]:
+        cfg = step.StepConfig.from_args(cli.parse_args(parser, ["--model", "vit-cifar", *argv]),
+                                        platform="cpu").cfg
+        assert cfg.pool == expected and cfg.seq_len == (64 if expected == "gap" else 65)
+
+
 @pytest.mark.parametrize("masks", DROPOUT_MASKS)
 def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     """Each way of drawing masks keeps 1 - rate of the elements, independently: the
@@ -327,15 +335,18 @@ def test_stem_config_errors(bad):
         TINY.replace(**bad)
 
 
-def test_mean_pool_head_reads_the_mean_of_the_patch_tokens():
-    """pool "mean": the head's LayerNorm and projection see the mean of the patch tokens
-    (not the class token), computed here by hand from the encoder's output."""
+@pytest.mark.parametrize("pool, first", [("mean", 1), ("gap", 0)])
+def test_pooled_head_reads_the_mean_of_the_patch_tokens(pool, first):
+    """pool "mean" and "gap": the head's LayerNorm and projection see the mean of the patch
+    tokens (not the class token; under "gap" there is none, so every token), computed here
+    by hand from the encoder's output."""
     from vit_pure import model
 
-    cfg = TINY.replace(pool="mean")
+    cfg = TINY.replace(pool=pool)
     params = init_params(jax.random.key(0), cfg)
     x = jax.random.normal(jax.random.key(2), (3, cfg.seq_len, cfg.width))
-    feature = x[:, 1:].mean(axis=1)
+    assert x.shape[1] == cfg.num_patches + first
+    feature = x[:, first:].mean(axis=1)
     mean = feature.mean(-1, keepdims=True)
     normed = (feature - mean) / jnp.sqrt(((feature - mean) ** 2).mean(-1, keepdims=True)
                                          + cfg.ln_eps)
@@ -347,6 +358,36 @@ def test_mean_pool_head_reads_the_mean_of_the_patch_tokens():
     assert np.abs(np.asarray(cls_logits) - np.asarray(got)).max() > 1e-3
     with pytest.raises(ValueError, match="pool"):
         TINY.replace(pool="max")
+
+
+def test_gap_pool_has_no_class_token_and_draws_the_rest_as_before(tiny_params):
+    """pool "gap": no cls_token parameter and one position fewer (vit-cifar: 64 tokens,
+    10,695,562 - 2 x 384 parameters); every other param is drawn exactly as with the class
+    token, the axes cover the new tree, and the embedding is the patch embedding plus the
+    position embedding, with nothing in front."""
+    cfg = PRESETS["vit-cifar"].replace(pool="gap")
+    assert cfg.seq_len == 64 and not cfg.class_token and PRESETS["vit-cifar"].seq_len == 65
+    assert count_params(jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))) == (
+        10_695_562 - 2 * 384)
+    gap = TINY.replace(pool="gap")
+    params = init_params(jax.random.key(0), gap)
+    assert "cls_token" not in params and params["pos_embed"].shape == (16, TINY.width)
+    assert jax.tree.structure(params) == jax.tree.structure(
+        param_axes(gap), is_leaf=lambda x: isinstance(x, tuple))
+    for name in ("patch_embed", "blocks", "final_ln", "head"):
+        for a, b in zip(jax.tree.leaves(params[name]), jax.tree.leaves(tiny_params[name]),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    images = _images(2, gap)
+    policy = Policy(matmul_precision="highest")
+    tokens = model.embed(params, images, gap, policy)
+    patches = model.embed({**params, "pos_embed": jnp.zeros_like(params["pos_embed"])},
+                          images, gap, policy)
+    assert tokens.shape == (2, 16, TINY.width)
+    np.testing.assert_allclose(np.asarray(tokens - patches),
+                               np.broadcast_to(params["pos_embed"], tokens.shape), atol=1e-6)
+    logits = apply(params, images, gap, train=True, rng=jax.random.key(3))
+    assert logits.shape == (2, 10) and bool(jnp.all(jnp.isfinite(logits)))
 
 
 # Locality self-attention (ViTConfig.lsa).

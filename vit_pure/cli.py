@@ -11,7 +11,7 @@ from vit_pure import data as data_lib
 from vit_pure import distributed
 from vit_pure import plan
 from vit_pure.checkpoint import CheckpointError
-from vit_pure.config import PRESETS, get_preset
+from vit_pure.config import POOLS, PRESETS, get_preset
 from vit_pure.model import ATTENTION_IMPLS, DROPOUT_MASKS, REMAT_SAVE_NAMES, remat_saved_names
 from vit_pure.policy import Policy
 
@@ -43,6 +43,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and precision")
     g.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--pool", default=None, choices=list(POOLS),
+                   help="what the head reads: the class token (cls), the mean of the patch "
+                        "tokens (mean), or the mean of all tokens with no class token at all "
+                        "(gap: one token fewer and no cls_token parameter, a different model); "
+                        "default: the model preset's (cls for every preset)")
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
                    help="f32 master params computing in this dtype; auto: bf16 where the hardware "
                         "has fast bf16 (accelerators, CPUs with avx512_bf16/amx_bf16), else fp32")
@@ -222,6 +227,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             if not 0.0 <= rate < 1.0:
                 parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {rate}")
             args.cfg = args.cfg.replace(**{name: rate})
+    if args.pool is not None:
+        args.cfg = args.cfg.replace(pool=args.pool)
     _check_process_flags(parser, args)
     _check_paths(parser, args)
     return args

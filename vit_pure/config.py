@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 
+POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """Everything that fixes the shapes (and the regularisation) of a ViT."""
@@ -30,8 +33,11 @@ class ViTConfig:
     # resolution. () is the plain ViT. patch_size stays in image pixels: the patch
     # embedding reads patches of patch_size / 2**len(stem) positions of the stem's output.
     stem: tuple[int, ...] = ()
-    # What the head reads: "cls", the class token (the ViT paper's choice), or "mean", the
-    # mean of the patch tokens (the class token is then still in the sequence, unread).
+    # What the head reads: "cls", the class token (the ViT paper's choice); "mean", the mean
+    # of the patch tokens (the class token is then still in the sequence, unread); or
+    # "gap", global average pooling with no class token at all (Beyer et al. 2022, "Better
+    # plain ViT baselines for ImageNet-1k", arXiv:2205.01580): one token fewer (64 instead
+    # of vit-cifar's 65) and no cls_token parameter, so a different model.
     pool: str = "cls"
     # Locality self-attention (Lee et al. 2021, "Vision Transformer for Small-Size Datasets",
     # arXiv:2112.13492): a learned temperature per layer and head in place of the fixed
@@ -44,8 +50,9 @@ class ViTConfig:
             raise ValueError(
                 f"{self.name}: image_size {self.image_size} is not divisible by "
                 f"patch_size {self.patch_size}")
-        if self.pool not in ("cls", "mean"):
-            raise ValueError(f"{self.name}: pool must be 'cls' or 'mean', got {self.pool!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"{self.name}: pool must be one of {', '.join(POOLS)}, "
+                             f"got {self.pool!r}")
         if any(c < 1 for c in self.stem) or self.patch_size % (2 ** len(self.stem)):
             raise ValueError(
                 f"{self.name}: a stem of {len(self.stem)} stride-2 convolutions needs "
@@ -63,8 +70,12 @@ class ViTConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @property
-    def seq_len(self) -> int:  # patches + the class token
-        return self.num_patches + 1
+    def class_token(self) -> bool:  # whether the sequence starts with a class token
+        return self.pool != "gap"
+
+    @property
+    def seq_len(self) -> int:  # patches + the class token, if any
+        return self.num_patches + int(self.class_token)
 
     @property
     def head_dim(self) -> int:

@@ -12,7 +12,7 @@ def forward_flops_per_image(cfg: ViTConfig) -> int:
     the convolutional stem if any (per layer: output pixels x 9 C_in x C_out), the patch
     embedding (Np x P x E), then per block: qkv projection (T x E x 3E), attention
     scores (H x T x T x D), attention-weighted values (H x T x T x D), output projection
-    (T x E x E), MLP (T x E x M twice); the head reads the class token only (E x K).
+    (T x E x E), MLP (T x E x M twice); the head projects one feature per image (E x K).
     Elementwise work (LayerNorm, softmax, GELU, residual adds) is left out, as usual.
     """
     T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim

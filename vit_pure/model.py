@@ -4,7 +4,7 @@
     logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
 
 Axis letters in shape comments:
-    B batch   T tokens (patches + class token)   E embedding width   H heads
+    B batch   T tokens (patches + class token, if any)   E embedding width   H heads
     D head dim (E = H * D)   M MLP hidden   L encoder layers   P patch pixels (p*p*C)
     K classes
 
@@ -14,7 +14,7 @@ shards it):
 
     stem/conv{i}/kernel (3, 3, C_in, C_out)  stem/conv{i}/bias (C_out,)   (cfg.stem only)
     patch_embed/kernel (P, E)   patch_embed/bias (E,)
-    cls_token (E,)              pos_embed (T, E)
+    cls_token (E,)              pos_embed (T, E)         (no cls_token with cfg.pool "gap")
     blocks/ln1/{scale,bias} (L, E)
     blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
     blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)
@@ -117,7 +117,7 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
 
     params = {
         "patch_embed": {"kernel": w((cfg.patch_dim, E)), "bias": zeros(E)},
-        "cls_token": zeros(E),
+        **({"cls_token": zeros(E)} if cfg.class_token else {}),
         "pos_embed": w((cfg.seq_len, E)),
         "blocks": {
             "ln1": {"scale": ones(L, E), "bias": zeros(L, E)},
@@ -156,7 +156,7 @@ def param_axes(cfg: ViTConfig) -> dict:
     return {
         **stem,
         "patch_embed": {"kernel": ("patch", "embed"), "bias": ("embed",)},
-        "cls_token": ("embed",),
+        **({"cls_token": ("embed",)} if cfg.class_token else {}),
         "pos_embed": ("tokens", "embed"),
         "blocks": {
             "ln1": dict(ln),
@@ -429,9 +429,11 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
     p = cfg.stem_patch
     patches = rearrange(x, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
     x = matmul(patches, params["patch_embed"]["kernel"], policy)
-    x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, T-1, E) f32
-    cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"].astype(F32)  # (B, T, E)
+    x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, patches, E) f32
+    if cfg.class_token:
+        cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
+        x = jnp.concatenate([cls, x], axis=1)
+    x = x + params["pos_embed"].astype(F32)  # (B, T, E)
     return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, dropout_masks)
 
 
@@ -534,12 +536,14 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=Fal
 
 
 def head(params, x, cfg: ViTConfig, policy: Policy):
-    """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or
-    (cfg.pool "mean") from the mean of the patch tokens, taken in float32."""
-    if cfg.pool == "mean":
-        feature = jnp.mean(x[:, 1:].astype(F32), axis=1).astype(x.dtype)  # (B, E)
-    else:
+    """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or from
+    the mean of the patch tokens, taken in float32 (cfg.pool "mean": every token but the
+    class token; "gap": every token, there being no class token)."""
+    if cfg.pool == "cls":
         feature = x[:, 0]
+    else:
+        patches = x[:, 1:] if cfg.class_token else x
+        feature = jnp.mean(patches.astype(F32), axis=1).astype(x.dtype)  # (B, E)
     feature = _layer_norm(feature, params["final_ln"], cfg.ln_eps)
     logits = matmul(feature, params["head"]["kernel"], policy)
     logits = logits.astype(F32) + params["head"]["bias"].astype(F32)
