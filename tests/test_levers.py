@@ -328,6 +328,31 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
     assert "--lr differs" in resume.first_difference({**old, "--lr": 0.5}, now)
 
 
+# What a checkpoint's trajectory recorded before the flags in resume.ADDED_FLAG_DEFAULTS.
+RECORDED_BEFORE_ADDED_FLAGS = {
+    "--batch", "--cutmix", "--dataset", "--drop-path", "--dropout", "--grad-clip",
+    "--label-smoothing", "--lr", "--mixup", "--model", "--randaugment", "--recipe", "--seed",
+    "--warmup-steps", "--weight-decay", "dtype policy", "model config", "total steps",
+    "training set"}
+
+
+def test_every_flag_added_since_can_resume_an_older_checkpoint():
+    """A flag added to the training scripts is either in RESUMABLE_ACROSS (not compared) or
+    in ADDED_FLAG_DEFAULTS (a checkpoint that predates it continues at its default): so no
+    checkpoint written before it is refused for not recording it. The communication plan's
+    flags, recorded by checkpoints written before they joined RESUMABLE_ACROSS, are ignored
+    even if they differ."""
+    from vit_pure import resume
+    for parser in (ts.build_parser(), ts.cli.build_parser("train_pmap.py")):
+        args = ts.cli.parse_args(parser, ["--model", "tiny", "--dataset", "synthetic"])
+        sc = step.StepConfig.from_args(args, platform="cpu")
+        train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
+        now = resume.trajectory(args, sc, train, 10)
+        assert set(now) - RECORDED_BEFORE_ADDED_FLAGS <= set(resume.ADDED_FLAG_DEFAULTS)
+    written_with_plan_flags = {**now, "--plan": None, "--efficiency": 0.3, "--hardware": "a100"}
+    assert resume.first_difference(written_with_plan_flags, now) is None
+
+
 def test_eval_flip_scores_the_mean_logits_of_each_image_and_its_mirror():
     split = SPLITS["test"]
     params = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, _optimizer(),

@@ -34,7 +34,8 @@ from vit_pure.step import StepConfig
 # attention implementation -- the same math, though float sums may round differently),
 # what is logged and evaluated, and the checkpoint / profiling plumbing. Every other flag
 # fixes the trajectory and must match; a flag added later is compared unless it is listed
-# here.
+# here. A checkpoint written while one of these was still compared records it: it is
+# ignored there too (`first_difference`).
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
     "attention",
@@ -43,6 +44,9 @@ RESUMABLE_ACROSS = frozenset({
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",
     "coordinator", "num_processes", "process_id", "distributed",
+    # The communication plan's flags (vit_pure/plan.py): `--plan N` trains nothing.
+    "plan", "plan_json", "hardware", "gpus_per_node", "efficiency", "peak_tflops",
+    "intra_gbps", "inter_gbps", "latency_us",
     # Compared through what they determine (see `trajectory`):
     "epochs", "steps",                                 # -> total steps
     "dtype", "policy", "matmul_precision",             # -> dtype policy
@@ -53,7 +57,8 @@ RESUMABLE_ACROSS = frozenset({
 # Flags added after checkpoints were first written, with the value that runs what a
 # checkpoint without them ran: a checkpoint that does not record one of these continues in
 # a run that leaves it at this value (a run that sets another value is refused as usual).
-ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1}
+ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1,
+                       "--dropout-masks": "bernoulli", "--pool": None}
 
 
 def run_config(args) -> dict:
@@ -193,8 +198,9 @@ def first_difference(saved: dict, current: dict) -> str | None:
     """None if a checkpoint's trajectory `saved` may be continued by a run with trajectory
     `current`, else one line naming the first difference. A flag that the checkpoint does
     not record (it predates the flag) matches when this run leaves it at the value in
-    ADDED_FLAG_DEFAULTS."""
-    for name in [*current, *(k for k in saved if k not in current)]:
+    ADDED_FLAG_DEFAULTS; one it records that is now in RESUMABLE_ACROSS is not compared."""
+    resumable = {f"--{k.replace('_', '-')}" for k in RESUMABLE_ACROSS}
+    for name in [*current, *(k for k in saved if k not in current and k not in resumable)]:
         if (name not in saved and name in ADDED_FLAG_DEFAULTS
                 and current.get(name) == ADDED_FLAG_DEFAULTS[name]):
             continue
