@@ -281,6 +281,20 @@ def _host_batches(batch: int, seed: int):
         epoch += 1
 
 
+def step_inputs(strategy, batch: int, seed: int = 0):
+    """The training step's inputs after the state, placed as loop.run places them: a
+    function of the step index i -> (images, labels, example ids, step key) on the
+    strategy's devices, the images from `_host_batches`."""
+    batches = _host_batches(batch, seed)
+    example_ids = np.arange(batch, dtype=np.int32)
+
+    def inputs(i):
+        images, labels = next(batches)
+        return (*strategy.put_batch(images, labels, example_ids),
+                strategy.put_replicated(step.step_key(seed, 0, i)))
+    return inputs
+
+
 def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
                        steps: int, warmup: int, seed: int = 0) -> dict:
     """Compile the strategy's train_step and time it as loop.run drives it.
@@ -294,13 +308,7 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
     opt_state_bytes = tree_bytes(host_state["opt_state"])
     # (put_state may reuse host_state's buffers, which donation then deletes.)
     state = strategy.put_state(host_state)
-    batches = _host_batches(batch, seed)
-    example_ids = np.arange(batch, dtype=np.int32)
-
-    def inputs(i):
-        images, labels = next(batches)
-        return (*strategy.put_batch(images, labels, example_ids),
-                strategy.put_replicated(step.step_key(seed, 0, i)))
+    inputs = step_inputs(strategy, batch, seed)
 
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = strategy.train_step.lower(state, *inputs(0))

@@ -78,17 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 def compiled_step_text(job: dict) -> str:
     """The optimized HLO of the kit row `job` (as benchmarks.peers builds it)."""
     import jax
-    import numpy as np
 
-    from benchmarks import peers
-    from vit_pure import data, step
+    from benchmarks import bench, peers
+    from vit_pure import step
     sc, optimizer, strategy = peers.build_kit(job)
     state = strategy.put_state(step.init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
-    split = data.synthetic_cifar10(n_train=job["batch"], n_val=0, n_test=0)["train"]
-    images, labels = next(iter(data.train_batches(split, job["batch"], seed=0, epoch=0)))
-    ids = np.arange(job["batch"], dtype=np.int32)
-    inputs = (*strategy.put_batch(images, labels, ids),
-              strategy.put_replicated(step.step_key(0, 0, 0)))
+    inputs = bench.step_inputs(strategy, job["batch"])(0)
     return strategy.train_step.lower(state, *inputs).compile().as_text()
 
 

@@ -529,23 +529,18 @@ def run_kit(job: dict) -> dict:
 def run_profile_kit(job: dict) -> dict:
     """Compile the kit's step, run --warmup steps, then trace PROFILE_STEPS steps."""
     import jax
-    import numpy as np
-    from vit_pure import data, step
+
+    from benchmarks import bench
+    from vit_pure import step
     sc, optimizer, strategy = build_kit(job)
     state = strategy.put_state(step.init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
-    split = data.synthetic_cifar10(n_train=2 * job["batch"], n_val=0, n_test=0)["train"]
-    batches = [b for epoch in range(2)
-               for b in data.train_batches(split, job["batch"], seed=0, epoch=epoch)]
-    ids = np.arange(job["batch"], dtype=np.int32)
+    inputs = bench.step_inputs(strategy, job["batch"])
     metrics = None
     for i in range(max(job["warmup"], 2) + PROFILE_STEPS):
         if i == max(job["warmup"], 2):
             jax.block_until_ready(state)
             jax.profiler.start_trace(job["profile_dir"])
-        images, labels = batches[i % len(batches)]
-        state, metrics = strategy.train_step(
-            state, *strategy.put_batch(images, labels, ids),
-            strategy.put_replicated(step.step_key(0, 0, i)))
+        state, metrics = strategy.train_step(state, *inputs(i))
     jax.block_until_ready((state, metrics))
     jax.profiler.stop_trace()
     return {**_jax_device_info(), "profile_dir": job["profile_dir"]}
