@@ -348,13 +348,11 @@ def _log_setup(log: Logger, args, sc: StepConfig, strategy: Strategy, ckpts: Che
     log(f"{strategy.name}: {layout}")
     policy = sc.policy
     pool = "" if sc.cfg.pool == "cls" else f" (pool {sc.cfg.pool}: {sc.cfg.seq_len} tokens)"
-    log(f"model {sc.cfg.name}{pool}: {count_params(host_state['params']):,} params, "
-        f"policy {policy} "
-        f"(matmul precision {policy.matmul_precision}), global batch {args.batch}, "
+    log(f"model {sc.cfg.name}{pool}: {count_params(host_state['params']):,} params, policy "
+        f"{policy} (matmul precision {policy.matmul_precision}), global batch {args.batch}, "
         f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch, {plan.epochs} epochs)",
         event="config", model=sc.cfg.name, pool=sc.cfg.pool, policy=str(policy),
-        batch=args.batch,
-        matmul_precision=policy.matmul_precision, steps=plan.total_steps,
+        batch=args.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (hardware.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
