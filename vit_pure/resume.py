@@ -54,6 +54,14 @@ RESUMABLE_ACROSS = frozenset({
 })
 
 
+def _flag(name: str) -> str:
+    """An argparse attribute as a trajectory names it: "mix_off_epochs" -> "--mix-off-epochs"."""
+    return "--" + name.replace("_", "-")
+
+
+_RESUMABLE_FLAGS = frozenset(_flag(name) for name in RESUMABLE_ACROSS)
+
+
 # Flags added after checkpoints were first written, with the value that runs what a
 # checkpoint without them ran: a checkpoint that does not record one of these continues in
 # a run that leaves it at this value (a run that sets another value is refused as usual).
@@ -69,7 +77,7 @@ def run_config(args) -> dict:
 
 def trajectory(args, sc: StepConfig, train: data_lib.Split, total_steps: int) -> dict:
     """What a checkpoint must share with this run to continue it, by display name."""
-    flags = {f"--{k.replace('_', '-')}": v for k, v in run_config(args).items()
+    flags = {_flag(k): v for k, v in run_config(args).items()
              if k not in RESUMABLE_ACROSS}
     labels = np.ascontiguousarray(train.labels)
     derived = {
@@ -199,8 +207,8 @@ def first_difference(saved: dict, current: dict) -> str | None:
     `current`, else one line naming the first difference. A flag that the checkpoint does
     not record (it predates the flag) matches when this run leaves it at the value in
     ADDED_FLAG_DEFAULTS; one it records that is now in RESUMABLE_ACROSS is not compared."""
-    resumable = {f"--{k.replace('_', '-')}" for k in RESUMABLE_ACROSS}
-    for name in [*current, *(k for k in saved if k not in current and k not in resumable)]:
+    for name in [*current,
+                 *(k for k in saved if k not in current and k not in _RESUMABLE_FLAGS)]:
         if (name not in saved and name in ADDED_FLAG_DEFAULTS
                 and current.get(name) == ADDED_FLAG_DEFAULTS[name]):
             continue
