@@ -158,7 +158,7 @@ def main(argv=None) -> bool:
                          f"{', '.join(ATTENTION_IMPLS[1:])}")
     for name in ("batch", "check_batch", "steps", "warmup"):
         if getattr(args, name) < 0 or (name == "batch" and args.batch < 1):
-            parser.error(f"--{name.replace('_', '-')} must be "
+            parser.error(f"{cli.flag_name(name)} must be "
                          f"{'positive' if name == 'batch' else '>= 0'}")
     for impl in impls:  # refuse what cannot run here before any compile
         step_config(args, impl, 1 if args.check_batch == 0 else args.check_batch)

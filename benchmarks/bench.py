@@ -542,7 +542,7 @@ def main(argv=None) -> list[dict]:
         sys.exit(_child(args.child))
     for name in ("batch", "steps", "accum_steps"):
         if getattr(args, name) <= 0:
-            raise cli.UsageError(f"--{name.replace('_', '-')} must be positive")
+            raise cli.UsageError(f"{cli.flag_name(name)} must be positive")
     if args.warmup < 0:
         raise cli.UsageError("--warmup must be >= 0")
     if args.cpu_devices is not None and args.cpu_devices < 1:

@@ -225,7 +225,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         rate = getattr(args, name)
         if rate is not None:
             if not 0.0 <= rate < 1.0:
-                parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {rate}")
+                parser.error(f"{flag_name(name)} must be in [0, 1), got {rate}")
             args.cfg = args.cfg.replace(**{name: rate})
     if args.pool is not None:
         args.cfg = args.cfg.replace(pool=args.pool)
@@ -302,13 +302,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _check_numbers(parser, args) -> None:
     """Every numeric flag within its range: counts, rates, coefficients (NaN never is)."""
-    def flag(name):
-        return "--" + name.replace("_", "-")
-
     def at_least(name, low, what):  # None means "not given" (a default chosen later)
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value >= low):
-            parser.error(f"{flag(name)} must be {what}, got {value}")
+            parser.error(f"{flag_name(name)} must be {what}, got {value}")
 
     for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices",
                  "stop_after"):
@@ -443,6 +440,11 @@ def _check_process_flags(parser, args) -> None:
 
 class UsageError(ValueError):
     """A bad flag combination, reported as one line."""
+
+
+def flag_name(name: str) -> str:
+    """The flag an argparse attribute comes from: "drop_path" -> "--drop-path"."""
+    return "--" + name.replace("_", "-")
 
 
 class Interrupted(Exception):

@@ -109,11 +109,11 @@ def target_hardware(args) -> ic.Hardware:
     for flag in ("plan", "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise cli.UsageError(f"{cli.flag_name(flag)} must be >= 1, got {value}")
     for flag in ("peak_tflops", "intra_gbps", "inter_gbps"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
-            raise cli.UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+            raise cli.UsageError(f"{cli.flag_name(flag)} must be positive, got {value}")
     if args.latency_us is not None and args.latency_us < 0:
         raise cli.UsageError(f"--latency-us must be >= 0, got {args.latency_us}")
     if not 0 < args.efficiency <= 1:

@@ -26,7 +26,7 @@ import numpy as np
 
 from vit_pure import checkpoint
 from vit_pure import data as data_lib
-from vit_pure.cli import UsageError
+from vit_pure.cli import UsageError, flag_name
 from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
@@ -54,12 +54,7 @@ RESUMABLE_ACROSS = frozenset({
 })
 
 
-def _flag(name: str) -> str:
-    """An argparse attribute as a trajectory names it: "mix_off_epochs" -> "--mix-off-epochs"."""
-    return "--" + name.replace("_", "-")
-
-
-_RESUMABLE_FLAGS = frozenset(_flag(name) for name in RESUMABLE_ACROSS)
+_RESUMABLE_FLAGS = frozenset(flag_name(name) for name in RESUMABLE_ACROSS)
 
 
 # Flags added after checkpoints were first written, with the value that runs what a
@@ -77,7 +72,7 @@ def run_config(args) -> dict:
 
 def trajectory(args, sc: StepConfig, train: data_lib.Split, total_steps: int) -> dict:
     """What a checkpoint must share with this run to continue it, by display name."""
-    flags = {_flag(k): v for k, v in run_config(args).items()
+    flags = {flag_name(k): v for k, v in run_config(args).items()
              if k not in RESUMABLE_ACROSS}
     labels = np.ascontiguousarray(train.labels)
     derived = {
