@@ -509,9 +509,7 @@ def machine_line() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(__doc__)
     a = p.add_argument
     a("--config", action="append", default=[], metavar="STRATEGY:LAYOUT:POLICY[:OPTIONS]",
       help="a configuration to measure (repeatable; ';' separates several)")

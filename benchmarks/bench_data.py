@@ -9,7 +9,6 @@ Prints one table row (images/s, median of --runs timed runs after a warm-up):
   train batches      train_batches(): shuffled gather of global batches on the host
   eval batches       eval_batches(): in-order slices, last one padded
 """
-import argparse
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_pure import augment as A
+from vit_pure import cli
 from vit_pure import data as D
 from vit_pure import step as S
 
@@ -33,7 +33,7 @@ def median_seconds(fn, runs: int) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.doc_parser(__doc__)
     ap.add_argument("--batch", type=int, default=4096, help="global batch (images)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs (median reported)")
     ap.add_argument("--data-dir", default=None,

@@ -7,7 +7,6 @@ layer should cost about the sum of the single-op times; the printout shows both,
 rand_augment with one warp per op slot (its default) against a warp per geometric op.
 Prints timings only; asserts nothing.
 """
-import argparse
 import time
 
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_pure import augment as aug
+from vit_pure import cli
 from vit_pure import randaugment as ra
 
 
@@ -31,14 +31,14 @@ def time_jitted(fn, *args, repeats):
     return first, float(np.median(runs))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    parser = cli.doc_parser(__doc__)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--num-ops", type=int, default=2)
     parser.add_argument("--magnitude", type=float, default=9)
     parser.add_argument("--skip-ops", action="store_true", help="skip the per-op timings")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = jax.devices()[0]
     print(f"device: {device.platform} {device.device_kind}, jax {jax.__version__}")

@@ -34,10 +34,9 @@ IMPLS = ("threefry2x32", "philox4x32", "rbg")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vit_pure import cli
     from vit_pure.config import PRESETS
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=128, help="examples in the timed activation")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],

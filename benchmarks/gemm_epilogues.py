@@ -62,10 +62,9 @@ def format_table(counts: collections.Counter) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vit_pure import cli
     from vit_pure.config import PRESETS
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4096, help="batch (one device)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])

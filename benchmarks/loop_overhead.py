@@ -16,7 +16,6 @@ both; the last line prints both medians and the ratio loop / step. docs/performa
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import platform
@@ -27,7 +26,7 @@ import time
 import jax
 
 from benchmarks import bench
-from vit_pure import hostmem
+from vit_pure import cli, hostmem
 
 
 def loop_rates(args, log: pathlib.Path) -> list[float]:
@@ -55,7 +54,7 @@ def step_rates(args) -> list[float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dtype", default="fp32", help="the scripts' --policy (fp32, bf16, ...)")

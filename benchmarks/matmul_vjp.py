@@ -15,7 +15,6 @@ each, and prints the median step time and images per second of each, and their r
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vit_pure import cli
 from vit_pure import policy as policy_lib
 from vit_pure import step
 from vit_pure.config import PRESETS
@@ -56,7 +56,7 @@ def build(cfg, batch: int, plain: bool):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=5, help="timed calls of each (median)")

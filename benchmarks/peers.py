@@ -88,7 +88,7 @@ import subprocess
 import sys
 import time
 
-from vit_pure import hostmem
+from vit_pure import cli, hostmem  # imports jax, but starts no backend
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -249,9 +249,7 @@ def write_json(path: str, record: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from vit_pure.config import PRESETS
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(__doc__)
     a = p.add_argument
     a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset (all rows)")
     a("--batch", type=int, default=4096, help="batch (one device)")
@@ -281,7 +279,7 @@ def parse(argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("batch", "steps", "entry_timeout"):
         if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
+            p.error(f"{cli.flag_name(name)} must be positive")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if args.matmul_size is not None and args.matmul_size < 1:
@@ -493,7 +491,7 @@ def build_kit(job: dict):
     import jax
 
     import train_shardmap
-    from vit_pure import accum, cli, data, step
+    from vit_pure import accum, data, step
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
     sc = step.StepConfig.from_args(args)

@@ -30,7 +30,6 @@ counts as "convert" even if it also adds and multiplies.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -209,9 +208,8 @@ def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vit_pure import cli
+    p = cli.doc_parser(__doc__)
     p.add_argument("trace", help="a *.trace.json.gz, or a --profile directory (newest run)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list")
     p.add_argument("--json", default=None, help="also write the breakdown to this JSON file")

@@ -295,9 +295,7 @@ def _dtype_list(text: str, flag: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(__doc__)
     a = p.add_argument
     a("--param-dtypes", default="f32,bf16,f16")
     a("--compute-dtypes", default="f32,bf16,f16")

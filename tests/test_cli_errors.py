@@ -10,6 +10,7 @@ compile), so they run in this process through the script's own `main` and
 `cli.main_guard`, on conftest's 8 fake devices (`--cpu-devices 8` matches them). A few run
 as real processes, to show the exit code and the whole of stderr end to end.
 """
+import importlib
 import os
 import pathlib
 import subprocess
@@ -280,3 +281,34 @@ def test_bad_flag_in_a_real_process(script, flags, message):
                           capture_output=True, text=True, timeout=120)
     _assert_one_line(proc.returncode, proc.stderr, message)
     assert "Traceback" not in proc.stdout
+
+
+TOOLS = ["benchmarks.attention_check", "benchmarks.bench", "benchmarks.bench_data",
+         "benchmarks.bench_randaugment", "benchmarks.dropout_masks",
+         "benchmarks.gemm_epilogues", "benchmarks.loop_overhead", "benchmarks.matmul_vjp",
+         "benchmarks.peers", "benchmarks.profile_breakdown", "benchmarks.study",
+         "vit_pure.params_table", "vit_pure.plot"]
+POSITIONAL = {"benchmarks.profile_breakdown": ["run.trace.json.gz"], "vit_pure.plot": ["run.jsonl"]}
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_tools_give_one_line_errors(module, capsys):
+    """The benchmarks and the two small tools parse their flags like the training scripts:
+    a flag they do not know is one line on stderr and exit code 2, no usage block."""
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(POSITIONAL.get(module, []) + ["--no-such-flag"])
+    _assert_one_line(exit_info.value.code, capsys.readouterr().err,
+                     "error: unrecognized arguments: --no-such-flag")
+
+
+def test_tool_help_is_its_docstring(capsys):
+    """A tool's --help opens with its docstring's first paragraph and ends with the rest
+    (usage lines, notes) as written."""
+    from benchmarks import gemm_epilogues
+    with pytest.raises(SystemExit) as exit_info:
+        gemm_epilogues.main(["--help"])
+    out = capsys.readouterr().out
+    head, _, rest = gemm_epilogues.__doc__.strip().partition("\n\n")
+    assert exit_info.value.code == 0
+    assert head in out and out.rstrip().endswith(rest.rstrip())

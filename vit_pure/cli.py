@@ -300,6 +300,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def doc_parser(doc: str) -> OneLineErrorParser:
+    """The parser of a tool run as a module, from its docstring: the first paragraph is the
+    description, the rest (usage lines, notes) the epilog, kept as written."""
+    head, _, rest = doc.strip().partition("\n\n")
+    return OneLineErrorParser(description=head, epilog=rest or None,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def _check_numbers(parser, args) -> None:
     """Every numeric flag within its range: counts, rates, coefficients (NaN never is)."""
     def at_least(name, low, what):  # None means "not given" (a default chosen later)

@@ -4,12 +4,12 @@
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import jax
 import jax.numpy as jnp
 
+from vit_pure import cli
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.model import init_params
 from vit_pure.policy import parse_dtype
@@ -42,7 +42,7 @@ def format_param_table(params, title: str = "") -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.doc_parser(__doc__)
     parser.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     parser.add_argument("--param-dtype", default="f32", nargs="+",
                         help="one or more of f32, bf16, f16")

@@ -4,10 +4,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
+
+from vit_pure import cli
 
 
 def read_log(path: pathlib.Path) -> tuple[list[dict], list[dict]]:
@@ -58,7 +59,7 @@ def plot(train: list[dict], evals: list[dict], out: pathlib.Path, title: str = "
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.doc_parser(__doc__)
     parser.add_argument("log", type=pathlib.Path, help="a --log-json file")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="PNG path (default: LOG.png)")
