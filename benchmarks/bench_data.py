@@ -40,8 +40,7 @@ def main(argv=None):
                     help="CIFAR-10 folder for the host batching figure (default: synthetic "
                          "45,000-image train split)")
     args = ap.parse_args(argv)
-    if args.batch <= 0 or args.runs <= 0:
-        ap.error("--batch and --runs must be positive")
+    cli.require_positive(ap, args, "batch", "runs")
 
     b = args.batch
     rng = np.random.default_rng(0)

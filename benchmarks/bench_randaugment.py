@@ -39,6 +39,10 @@ def main(argv=None):
     parser.add_argument("--magnitude", type=float, default=9)
     parser.add_argument("--skip-ops", action="store_true", help="skip the per-op timings")
     args = parser.parse_args(argv)
+    cli.require_positive(parser, args, "batch", "repeats")
+    if args.num_ops < 0 or not 0 <= args.magnitude <= 10:
+        parser.error(f"--num-ops must be >= 0 and --magnitude in [0, 10], got {args.num_ops} "
+                     f"and {args.magnitude}")
 
     device = jax.devices()[0]
     print(f"device: {device.platform} {device.device_kind}, jax {jax.__version__}")

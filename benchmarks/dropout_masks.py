@@ -30,11 +30,12 @@ import argparse
 import statistics
 import time
 
+from vit_pure import cli
+
 IMPLS = ("threefry2x32", "philox4x32", "rbg")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vit_pure import cli
     from vit_pure.config import PRESETS
     p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
@@ -50,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv):
     p = build_parser()
     args = p.parse_args(argv)
-    if args.batch < 1 or args.steps < 1:
-        p.error("--batch and --steps must be positive")
+    cli.require_positive(p, args, "batch", "steps")
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     unknown = [s for s in args.impls if s not in IMPLS]
     if unknown or not args.impls:

@@ -24,6 +24,8 @@ import collections
 import re
 import shlex
 
+from vit_pure import cli
+
 # custom_call_target="__cublas$lt$matmul", backend_config={... "epilogue":"BIAS_GELU" ...}
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _EPILOGUE = re.compile(r'"epilogue":"([A-Z_0-9]+)"')
@@ -62,7 +64,6 @@ def format_table(counts: collections.Counter) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vit_pure import cli
     from vit_pure.config import PRESETS
     p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
@@ -89,8 +90,7 @@ def compiled_step_text(job: dict) -> str:
 def main(argv=None) -> collections.Counter:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.batch < 1:
-        p.error("--batch must be positive")
+    cli.require_positive(p, args, "batch")
     job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
            "precision": "default", "kit_flags": shlex.split(args.flags)}
     text = compiled_step_text(job)

@@ -20,6 +20,7 @@ import json
 import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -27,6 +28,8 @@ import jax
 
 from benchmarks import bench
 from vit_pure import cli, hostmem
+from vit_pure.config import PRESETS
+from vit_pure.policy import Policy
 
 
 def loop_rates(args, log: pathlib.Path) -> list[float]:
@@ -55,7 +58,7 @@ def step_rates(args) -> list[float]:
 
 def main(argv=None) -> dict:
     p = cli.doc_parser(__doc__)
-    p.add_argument("--model", default="vit-cifar")
+    p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dtype", default="fp32", help="the scripts' --policy (fp32, bf16, ...)")
     p.add_argument("--steps", type=int, default=240, help="the loop's --steps (> 100, so "
@@ -68,6 +71,14 @@ def main(argv=None) -> dict:
     p.add_argument("--bench-steps", type=int, default=40, help="timed steps of the step alone")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
+    cli.require_positive(p, args, "batch", "steps", "log_every", "bench_steps", "repeats")
+    for name in ("eval_every", "synthetic_val"):
+        if (getattr(args, name) or 0) < 0:
+            p.error(f"{cli.flag_name(name)} must be >= 0, got {getattr(args, name)}")
+    try:
+        Policy.parse(args.dtype)
+    except ValueError as e:
+        p.error(f"--dtype: {e}")
     if args.synthetic_val is None:
         args.synthetic_val = -(-10 * args.batch * 5000 // 45000)
     print(f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
@@ -91,4 +102,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     hostmem.use_huge_pages()  # as the training scripts do
-    main()
+    sys.exit(cli.main_guard(main))  # flags the training script refuses: one line, exit 2

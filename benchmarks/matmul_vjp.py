@@ -61,6 +61,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=5, help="timed calls of each (median)")
     args = p.parse_args(argv)
+    cli.require_positive(p, args, "batch", "steps")
     cfg = PRESETS[args.model]
     variants = {"custom VJP (bf16 backward)": build(cfg, args.batch, plain=False),
                 "plain autodiff (f32 backward)": build(cfg, args.batch, plain=True)}

@@ -277,9 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("batch", "steps", "entry_timeout"):
-        if getattr(args, name) <= 0:
-            p.error(f"{cli.flag_name(name)} must be positive")
+    cli.require_positive(p, args, "batch", "steps", "entry_timeout")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if args.matmul_size is not None and args.matmul_size < 1:

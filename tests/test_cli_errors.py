@@ -302,6 +302,31 @@ def test_tools_give_one_line_errors(module, capsys):
                      "error: unrecognized arguments: --no-such-flag")
 
 
+# (tool, flags, what its one line must say): values a tool refuses before it runs anything.
+TOOL_CASES = [
+    ("benchmarks.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
+    ("benchmarks.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
+    ("benchmarks.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),
+    ("benchmarks.dropout_masks", ["--steps", "0"], "--steps must be positive, got 0"),
+    ("benchmarks.gemm_epilogues", ["--batch", "-1"], "--batch must be positive, got -1"),
+    ("benchmarks.loop_overhead", ["--bench-steps", "0"], "--bench-steps must be positive"),
+    ("benchmarks.loop_overhead", ["--eval-every", "-1"], "--eval-every must be >= 0"),
+    ("benchmarks.loop_overhead", ["--dtype", "f33"], "--dtype: unknown dtype 'f33'"),
+    ("benchmarks.matmul_vjp", ["--steps", "0"], "--steps must be positive, got 0"),
+    ("benchmarks.peers", ["--entry-timeout", "nan"], "--entry-timeout must be positive"),
+    ("vit_pure.params_table", ["--param-dtype", "f32", "int3"], "--param-dtype: unknown dtype"),
+]
+
+
+@pytest.mark.parametrize("module, flags, message", TOOL_CASES,
+                         ids=[f"{m}:{' '.join(f)}" for m, f, _ in TOOL_CASES])
+def test_tools_refuse_bad_values_in_one_line(module, flags, message, capsys):
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    _assert_one_line(exit_info.value.code, capsys.readouterr().err, message)
+
+
 def test_tool_help_is_its_docstring(capsys):
     """A tool's --help opens with its docstring's first paragraph and ends with the rest
     (usage lines, notes) as written."""

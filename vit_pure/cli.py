@@ -308,6 +308,15 @@ def doc_parser(doc: str) -> OneLineErrorParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def require_positive(parser, args, *names: str) -> None:
+    """A tool's counts and durations: a one-line parser.error for the first of `names`
+    whose value is not positive (NaN is not)."""
+    for name in names:
+        value = getattr(args, name)
+        if not value > 0:
+            parser.error(f"{flag_name(name)} must be positive, got {value}")
+
+
 def _check_numbers(parser, args) -> None:
     """Every numeric flag within its range: counts, rates, coefficients (NaN never is)."""
     def at_least(name, low, what):  # None means "not given" (a default chosen later)

@@ -51,8 +51,11 @@ def main(argv=None):
     # Shapes only: no arrays are materialised for the table.
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
     dtypes = args.param_dtype if isinstance(args.param_dtype, list) else [args.param_dtype]
-    for name in dtypes:
-        dtype = parse_dtype(name)
+    try:
+        dtypes = [parse_dtype(name) for name in dtypes]
+    except ValueError as e:
+        parser.error(f"--param-dtype: {e}")
+    for dtype in dtypes:
         cast = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)
         print(format_param_table(cast, f"# {cfg.name}, params in {jnp.dtype(dtype).name}"))
         print()
