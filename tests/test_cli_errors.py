@@ -194,6 +194,11 @@ AFTER_PARSE = [
     (["--accum-steps", "3"], "--accum-steps 3 does not divide the per-device batch 2"),
     (["--synthetic-train", "8"], "--batch 16 is larger than the 8 training images"),
     (["--eval-only", "--ckpt-dir", "{tmp}"], "--eval-only: no intact checkpoint in {tmp}"),
+    # past the end of a run whose length --epochs gives (64 images / 16 = 4 steps an epoch)
+    (["--steps", "100", "--epochs", "1", "--stop-after", "5"],
+     "--stop-after 5: the run ends sooner, at step 4 (1 epoch x 4 steps)"),
+    (["--steps", "100", "--epochs", "1", "--profile", "{tmp}", "--profile-steps", "5:6"],
+     "--profile-steps 5:6: the run ends sooner, at step 4 (1 epoch x 4 steps)"),
     (["--batch", "8", "--mixup", "0.2"], "mixup / CutMix pair examples 2k and 2k+1 on one "
                                          "device: the per-device batch 1 must be even"),
 ]

@@ -215,6 +215,14 @@ def plan_steps(args, n_train: int) -> StepPlan:
     total_steps = args.epochs * steps_per_epoch
     if args.steps is not None:
         total_steps = min(total_steps, args.steps)
+    # cli checks these against --steps; the length that --epochs gives is known only here.
+    ends = (f"the run ends sooner, at step {total_steps:,} "
+            f"({args.epochs} epoch{'s' * (args.epochs != 1)} x {steps_per_epoch:,} steps)")
+    if args.stop_after is not None and args.stop_after > total_steps:
+        raise UsageError(f"--stop-after {args.stop_after}: {ends}")
+    if args.profile_range is not None and args.profile_range[0] > total_steps:
+        first, last = args.profile_range
+        raise UsageError(f"--profile-steps {first}:{last}: {ends}")
     return StepPlan(steps_per_epoch, total_steps, epochs=-(-total_steps // steps_per_epoch),
                     log_every=1 if total_steps <= 100 else args.log_every)
 
