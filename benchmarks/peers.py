@@ -47,7 +47,12 @@ it) exists in the kit only.
 Columns:
     img/s, step ms   median over --steps timed steps after --warmup untimed ones; a step
                      is the interval between two consecutive steps' completions, one
-                     step in flight while the next is dispatched (as the training loop)
+                     step in flight while the next is dispatched (as the training loop).
+                     With --rounds N every entry runs N times, the rounds in the given
+                     order and reversed alternately (A B, B A, ...: a machine that speeds
+                     up or slows down during the run favours no row), and the figure is
+                     the median of the rounds' medians; each round's img/s is printed
+                     below the table
     MFU              model FLOP/s (bench.train_flops_per_image: matmuls, training = 3 x
                      forward) over the FLOP/s of one large matmul measured by JAX in the
                      same run on the same device in the compute dtype (bf16: bf16 output;
@@ -258,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="float32 matmuls on GPU: default = TF32, highest = true float32")
     a("--steps", type=int, default=20, help="timed steps per entry (median reported)")
     a("--warmup", type=int, default=5, help="untimed steps after compilation")
+    a("--rounds", type=int, default=1,
+      help="run every entry this many times, in the given order and then reversed, "
+           "alternately; the table shows the median over rounds")
     a("--only", default=",".join(PEERS), help=f"entries to run, comma-separated: {PEERS}")
     a("--kit", action="append", default=[], metavar="LABEL=FLAGS",
       help="a kit row with these extra training-script flags, after any NAME=VALUE "
@@ -277,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    cli.require_positive(p, args, "batch", "steps", "entry_timeout")
+    cli.require_positive(p, args, "batch", "steps", "rounds", "entry_timeout")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if args.matmul_size is not None and args.matmul_size < 1:
@@ -325,20 +333,68 @@ def main(argv=None) -> dict:
               f"{ceiling_flops / 1e12:.4g} TFLOP/s", flush=True)
     else:
         print(f"# ceiling matmul failed ({ceiling.get('error')}): MFU n/a", flush=True)
-    for job in jobs:
-        r = skipped(job) or run_child(job, args.entry_timeout)
-        record["results"].append(r)
-        _report(r)
+    rounds = []  # rounds[k][i]: job i's row in round k + 1
+    for k in range(args.rounds):
+        rows = [None] * len(jobs)
+        order = round_order(len(jobs), k)
+        if args.rounds > 1:
+            print(f"# round {k + 1}/{args.rounds}: "
+                  + ", ".join(jobs[i]["name"] for i in order), flush=True)
+        for i in order:
+            rows[i] = skipped(jobs[i]) or run_child(jobs[i], args.entry_timeout)
+            _report(rows[i])
+            if k == 0:  # a run cut short keeps the rows finished so far
+                record["results"] = [r for r in rows if r is not None]
+            if args.rounds > 1:
+                record["rounds"] = rounds + [rows]  # null: not run yet
+            if args.json:
+                write_json(args.json, record)
+        rounds.append(rows)
+        record["results"] = combine_rounds(rounds)
         if args.json:
             write_json(args.json, record)
     print()
     print(markdown_table(record["results"], flops, ceiling_flops))
+    if args.rounds > 1:
+        print(f"\nimg/s in each round (rounds {args.rounds}; the table: their median)")
+        for r in record["results"]:
+            if "round_img_s" in r:
+                print(f"  {r['name']}: " + ", ".join(f"{x:,.1f}" for x in r["round_img_s"]))
     print(f"\nGFLOP/img {flops / 1e9:.4g} (matmuls, training = 3 x forward)")
     if args.profile_kit:
         record["profile"] = profile_kit(args, jobs)
     if args.json:
         write_json(args.json, record)
     return record
+
+
+def round_order(n_jobs: int, k: int) -> list[int]:
+    """The jobs' order in round k + 1: as given, then reversed, alternately (A B, B A,
+    A B, ...), so that a machine that speeds up or slows down over a run favours no row."""
+    return list(range(n_jobs)) if k % 2 == 0 else list(range(n_jobs))[::-1]
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Each job's row over the rounds (rounds[k][i]: job i in round k + 1). One round: the
+    rows as they are. Several: `step_s` holds each round's median step time (so the
+    table's median is the median over rounds), `round_img_s` each round's img/s, compile
+    time their median, peak memory their maximum; loss and the rest are the first round's.
+    A row that failed or was skipped in some round is shown as it was there."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for runs in zip(*rounds):
+        bad = next((r for r in runs if "error" in r or "skipped" in r), None)
+        if bad is not None:
+            combined.append(bad)
+            continue
+        medians = [statistics.median(r["step_s"]) for r in runs]
+        peaks = [r["peak_bytes"] for r in runs if r.get("peak_bytes") is not None]
+        combined.append({**runs[0], "step_s": medians,
+                         "round_img_s": [runs[0]["batch"] / m for m in medians],
+                         "compile_s": statistics.median(r["compile_s"] for r in runs),
+                         "peak_bytes": max(peaks) if peaks else None})
+    return combined
 
 
 def _report(r: dict) -> None:

@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import statistics
 
 import pytest
 
@@ -30,6 +31,26 @@ def test_table_rows_mfu_and_failures():
     assert lines[5].startswith("| torch-compile | skipped: torch not installed |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert "| n/a |" in peers.markdown_table([ok], 1e9, None)  # no ceiling: MFU n/a
+
+
+def test_rounds_alternate_and_combine():
+    assert [peers.round_order(3, k) for k in range(3)] == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    row = {"name": "kit", "batch": 100, "compile_s": 3.0, "peak_bytes": None, "loss": 2.5,
+           "params": 1}
+    one = [{**row, "step_s": [1.0, 2.0, 4.0]}, {"name": "nnx", "skipped": "skipped: x"}]
+    assert peers.combine_rounds([one]) == one  # one round: the rows as they are
+    rounds = [one,
+              [{**row, "step_s": [0.5, 0.5], "compile_s": 5.0, "loss": 9.0}, one[1]],
+              [{**row, "step_s": [1.0], "compile_s": 4.0, "peak_bytes": 7}, one[1]]]
+    kit, nnx = peers.combine_rounds(rounds)
+    assert kit["step_s"] == [2.0, 0.5, 1.0]  # each round's median
+    assert kit["round_img_s"] == [50.0, 200.0, 100.0]
+    assert (kit["compile_s"], kit["peak_bytes"], kit["loss"]) == (4.0, 7, 2.5)
+    assert nnx == one[1]
+    # the table: the median over rounds (1 s -> 100 img/s)
+    assert "| kit | 100 | 1000.0 |" in peers.markdown_table([kit], 1e9, None)
+    failed = {"name": "kit", "error": "error: boom"}
+    assert peers.combine_rounds([one, [failed, one[1]]])[0] == failed
 
 
 def test_kit_variant_flags():
@@ -88,6 +109,23 @@ def test_installed_peer_runs(entry):
     (row,) = record["results"]
     assert "error" not in row, row
     assert row["params"] == 23_282 and 0 < row["loss"] < 10  # the same model as the kit
+
+
+@pytest.mark.slow
+def test_rounds_run_each_row_again_in_reverse(tmp_path, capsys):
+    out = tmp_path / "peers.json"
+    record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
+                         "--only", "kit", "--kit", "a=", "--kit", "b=--dropout 0",
+                         "--rounds", "2", "--matmul-size", "64", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "# round 1/2: kit: a, kit: b" in printed and "# round 2/2: kit: b, kit: a" in printed
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert [[r["name"] for r in rows] for rows in record["rounds"]] == [["kit: a", "kit: b"]] * 2
+    for i, row in enumerate(record["results"]):
+        runs = [rows[i] for rows in record["rounds"]]
+        assert row["step_s"] == [statistics.median(r["step_s"]) for r in runs]
+        assert len(row["round_img_s"]) == 2
+        assert f"  {row['name']}: " in printed
 
 
 @pytest.mark.slow
