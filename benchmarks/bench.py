@@ -535,16 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.child is not None:
         sys.exit(_child(args.child))
-    for name in ("batch", "steps", "accum_steps"):
-        if getattr(args, name) <= 0:
-            raise cli.UsageError(f"{cli.flag_name(name)} must be positive")
+    cli.require_positive(p, args, "batch", "steps", "accum_steps")
     if args.warmup < 0:
-        raise cli.UsageError("--warmup must be >= 0")
+        p.error("--warmup must be >= 0")
     if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise cli.UsageError("--cpu-devices must be >= 1")
+        p.error("--cpu-devices must be >= 1")
     defaults = {"scan": {None: "auto", True: "1", False: "0"}[args.scan], "remat": args.remat,
                 "accum": str(args.accum_steps), "precision": args.matmul_precision}
     jobs = []

@@ -309,6 +309,8 @@ def test_tools_give_one_line_errors(module, capsys):
 
 # (tool, flags, what its one line must say): values a tool refuses before it runs anything.
 TOOL_CASES = [
+    ("benchmarks.bench", ["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
+    ("benchmarks.bench", ["--warmup", "-1"], "--warmup must be >= 0"),
     ("benchmarks.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
     ("benchmarks.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
     ("benchmarks.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),
