@@ -19,7 +19,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vit_pure import accum, cli, hostmem, loop, step
+from vit_pure import step
+
+from vit_pure.run import accum, cli, hostmem, loop
 
 AXIS = "data"
 
@@ -30,7 +32,7 @@ class PmapStrategy:
     def __init__(self, sc: step.StepConfig, optimizer, devices=None):
         if devices is None:
             # Every device of every process, grouped by process: with several processes
-            # (vit_pure/distributed.py) process p feeds the devices at [p*L, (p+1)*L).
+            # (vit_pure/run/distributed.py) process p feeds the devices at [p*L, (p+1)*L).
             devices = [d for p in range(jax.process_count())
                        for d in jax.local_devices(process_index=p)]
         self.devices = list(devices)
@@ -118,7 +120,7 @@ class PmapStrategy:
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        from vit_pure import plan
+        from vit_pure.plan import build as plan
         return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
@@ -127,5 +129,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/run/hostmem.py
     sys.exit(cli.main_guard(main))

@@ -65,7 +65,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import accum, cli, distributed, hostmem, layout, loop, pipeline, step
+from vit_pure import layout, pipeline, step
+
+from vit_pure.run import accum, cli, distributed, hostmem, loop
 from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
@@ -414,7 +416,7 @@ def build_parser():
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        from vit_pure import plan
+        from vit_pure.plan import build as plan
         return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
@@ -429,5 +431,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/run/hostmem.py
     sys.exit(cli.main_guard(main))

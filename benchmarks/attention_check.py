@@ -44,7 +44,8 @@ import numpy as np
 
 import train_shardmap
 from benchmarks import bench
-from vit_pure import cli, step
+from vit_pure import step
+from vit_pure.run import cli
 from vit_pure.model import ATTENTION_IMPLS, apply, init_params
 from vit_pure.policy import Policy
 

@@ -16,10 +16,10 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
 Give several with repeated --config flags or separated by ';' (or both).
 
 What is timed is what training runs. Each configuration parses its settings with the
-training scripts' own parser (vit_pure.cli), so every default of the recipe is in
+training scripts' own parser (vit_pure.run.cli), so every default of the recipe is in
 (augmentation and RandAugment, label smoothing, clipping, AdamW and its schedule), builds
 the script's own strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy)
-and drives its compiled `train_step` as vit_pure.loop.run does: host batches cut from a
+and drives its compiled `train_step` as vit_pure.run.loop.run does: host batches cut from a
 synthetic CIFAR-shaped uint8 split by data.train_batches and put on the devices every
 step, the state donated, dropout, the gradient all-reduce and the metric reductions
 included, one step in flight while the next is dispatched. A step's time is the
@@ -85,10 +85,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import cli, data, hostmem, step
-from vit_pure.accum import StepMemory
+from vit_pure import step
+
+from vit_pure.run import cli, hostmem
+
+from vit_pure.data import cifar10 as data
+from vit_pure.run.accum import StepMemory
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
+from vit_pure.xla.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
 from vit_pure.policy import Policy
 
 RESULT_TAG = "BENCH_RESULT "
@@ -235,7 +239,7 @@ def training_setup(model: str, batch: int, policy: str, *, precision: str = "def
     """The step's settings and the optimizer exactly as the training scripts build them:
     their own parser, so every default of the real recipe (augmentation, RandAugment,
     label smoothing, clipping, AdamW and its schedule) is in, plus these flags. `scan`
-    None leaves the layer loop to the backend, as the scripts do (vit_pure/hardware.py)."""
+    None leaves the layer loop to the backend, as the scripts do (vit_pure/run/backend.py)."""
     argv = ["--model", model, "--batch", str(batch), "--policy", policy,
             "--matmul-precision", precision,
             *([] if scan is None else ["--scan" if scan else "--no-scan"]),
@@ -519,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=2, help="untimed steps after compilation")
     a("--scan", action=argparse.BooleanOptionalAction, default=None,
       help="lax.scan over the encoder layers (default: as the training scripts choose "
-           "per backend, vit_pure/hardware.py: unrolled on CPU and GPU)")
+           "per backend, vit_pure/run/backend.py: unrolled on CPU and GPU)")
     a("--remat", default="none", help="rematerialisation policy (as the scripts' --remat)")
     a("--accum-steps", type=int, default=1, help="gradient accumulation micro-batches")
     a("--matmul-precision", default="default", choices=["default", "high", "highest"])
@@ -583,5 +587,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/run/hostmem.py
     sys.exit(cli.main_guard(main))

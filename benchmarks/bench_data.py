@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import augment as A
-from vit_pure import cli
-from vit_pure import data as D
+from vit_pure.data import augment as A
+from vit_pure.run import cli
+from vit_pure.data import cifar10 as D
 from vit_pure import step as S
 
 

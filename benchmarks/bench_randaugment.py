@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_pure import augment as aug
-from vit_pure import cli
-from vit_pure import randaugment as ra
+from vit_pure.data import augment as aug
+from vit_pure.run import cli
+from vit_pure.data import randaugment as ra
 
 
 def time_jitted(fn, *args, repeats):

@@ -30,7 +30,7 @@ import argparse
 import statistics
 import time
 
-from vit_pure import cli
+from vit_pure.run import cli
 
 IMPLS = ("threefry2x32", "philox4x32", "rbg")
 
@@ -156,6 +156,6 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from vit_pure.cli import use_cpu_devices
+    from vit_pure.run.cli import use_cpu_devices
     use_cpu_devices(2)  # for the shard_map check (only the CPU backend reads it)
     main()

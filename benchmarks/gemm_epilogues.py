@@ -24,7 +24,7 @@ import collections
 import re
 import shlex
 
-from vit_pure import cli
+from vit_pure.run import cli
 
 # custom_call_target="__cublas$lt$matmul", backend_config={... "epilogue":"BIAS_GELU" ...}
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')

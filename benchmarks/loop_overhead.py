@@ -27,7 +27,7 @@ import time
 import jax
 
 from benchmarks import bench
-from vit_pure import cli, hostmem
+from vit_pure.run import cli, hostmem
 from vit_pure.config import PRESETS
 from vit_pure.policy import Policy
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vit_pure import cli
+from vit_pure.run import cli
 from vit_pure import policy as policy_lib
 from vit_pure import step
 from vit_pure.config import PRESETS

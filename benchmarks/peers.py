@@ -67,7 +67,7 @@ Each entry runs in its own Python process (JAX preallocates device memory; JAX a
 torch never share a process), only if its package imports (else the row says
 "skipped"), under --entry-timeout seconds; a failing entry shows its last error line.
 Each entry runs as its users run it: the kit's rows with the huge-page malloc tunable
-that its training scripts set (vit_pure/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
+that its training scripts set (vit_pure/run/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
 the ceiling and the peers in the environment as given (on a CPU the tunable makes the
 kit's step ~20% faster and did not speed up the peers: docs/performance.md; the header
 prints both settings).
@@ -93,7 +93,7 @@ import subprocess
 import sys
 import time
 
-from vit_pure import cli, hostmem  # imports jax, but starts no backend
+from vit_pure.run import cli, hostmem  # imports jax, but starts no backend
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ RESULT_TAG = "PEERS_RESULT "
 PEERS = ("kit", "nnx", "torch-eager", "torch-compile")
 NEEDS = {"nnx": "flax", "torch-eager": "torch", "torch-compile": "torch"}
 LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING = 1e-3, 0.05, (0.9, 0.999), 1.0, 0.1
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # as vit_pure.data
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # as vit_pure.data.cifar10
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 PROFILE_STEPS = 3
 
@@ -176,7 +176,7 @@ def run_child(job: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
     t0 = time.perf_counter()
     # The kit's rows run with the host malloc setting its training scripts choose (huge
-    # pages, vit_pure/hostmem.py) and the row's own NAME=VALUE words (its profile too); the
+    # pages, vit_pure/run/hostmem.py) and the row's own NAME=VALUE words (its profile too); the
     # ceiling and the peers with the environment as given.
     env = ({**hostmem.environ(), **job.get("kit_env", {})}
            if job["entry"] in ("kit", "profile-kit") else None)
@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
     if args.child is not None:
         sys.exit(child_main(json.loads(args.child)))
     from vit_pure.config import get_preset
-    from vit_pure.flops import train_flops_per_image  # imports no jax backend
+    from vit_pure.xla.flops import train_flops_per_image  # imports no jax backend
     jobs = build_jobs(args)
     flops = train_flops_per_image(get_preset(args.model))
     record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -545,7 +545,9 @@ def build_kit(job: dict):
     import jax
 
     import train_shardmap
-    from vit_pure import accum, data, step
+    from vit_pure import step
+    from vit_pure.run import accum
+    from vit_pure.data import cifar10 as data
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
     sc = step.StepConfig.from_args(args)

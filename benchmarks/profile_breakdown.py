@@ -6,7 +6,7 @@
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
 
 Reads the `*.trace.json.gz` that `jax.profiler` writes (the training scripts' `--profile
-DIR`, vit_pure/loop.py's Profiler, or `benchmarks/peers.py --profile-kit DIR`): under
+DIR`, vit_pure/run/loop.py's Profiler, or `benchmarks/peers.py --profile-kit DIR`): under
 DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
 
 Which events count as device time:
@@ -208,7 +208,7 @@ def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:
 
 
 def main(argv=None) -> int:
-    from vit_pure import cli
+    from vit_pure.run import cli
     p = cli.doc_parser(__doc__)
     p.add_argument("trace", help="a *.trace.json.gz, or a --profile directory (newest run)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list")

@@ -47,8 +47,8 @@ import re
 import sys
 
 from benchmarks import bench
-from vit_pure import cli, hostmem
-from vit_pure.accum import StepMemory
+from vit_pure.run import cli, hostmem
+from vit_pure.run.accum import StepMemory
 from vit_pure.config import PRESETS, get_preset
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
@@ -370,5 +370,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    hostmem.use_huge_pages()  # restarts once; see vit_pure/hostmem.py
+    hostmem.use_huge_pages()  # restarts once; see vit_pure/run/hostmem.py
     sys.exit(cli.main_guard(main))

@@ -27,7 +27,8 @@ from jax.extend import core as jax_core
 
 import train_pmap
 import train_shardmap
-from vit_pure import PRESETS, Policy, accum, cli, step
+from vit_pure import PRESETS, Policy, step
+from vit_pure.run import accum, cli
 from vit_pure.policy import LossScale
 
 # dropout 0.1 and drop path 0.1: per-example randomness is on; two blocks, not four.

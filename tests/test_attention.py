@@ -24,8 +24,10 @@ from jax.extend.core import jaxprs_in_params
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 
-from vit_pure import cli, model, step
-from vit_pure.cli import UsageError
+from vit_pure import model, step
+
+from vit_pure.run import cli
+from vit_pure.run.cli import UsageError
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 

@@ -1,4 +1,4 @@
-"""vit_pure.checkpoint: bitwise round trip, atomic save, corruption, retention, no pickle."""
+"""vit_pure.run.checkpoint: bitwise round trip, atomic save, corruption, retention, no pickle."""
 import hashlib
 import json
 import os
@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from vit_pure import checkpoint as ckpt
-from vit_pure.checkpoint import CheckpointError
+from vit_pure.run import checkpoint as ckpt
+from vit_pure.run.checkpoint import CheckpointError
 
 META = {"config": {"model": "vit-tiny", "dim": 7, "lr": 1e-3}, "note": "test"}
 

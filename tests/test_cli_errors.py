@@ -20,7 +20,8 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import cli, download
+from vit_pure.run import cli
+from vit_pure.data import download
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).
@@ -292,8 +293,9 @@ TOOLS = ["benchmarks.attention_check", "benchmarks.bench", "benchmarks.bench_dat
          "benchmarks.bench_randaugment", "benchmarks.dropout_masks",
          "benchmarks.gemm_epilogues", "benchmarks.loop_overhead", "benchmarks.matmul_vjp",
          "benchmarks.peers", "benchmarks.profile_breakdown", "benchmarks.study",
-         "vit_pure.params_table", "vit_pure.plot"]
-POSITIONAL = {"benchmarks.profile_breakdown": ["run.trace.json.gz"], "vit_pure.plot": ["run.jsonl"]}
+         "vit_pure.tools.params_table", "vit_pure.tools.plot"]
+POSITIONAL = {"benchmarks.profile_breakdown": ["run.trace.json.gz"],
+              "vit_pure.tools.plot": ["run.jsonl"]}
 
 
 @pytest.mark.parametrize("module", TOOLS)
@@ -321,7 +323,8 @@ TOOL_CASES = [
     ("benchmarks.loop_overhead", ["--dtype", "f33"], "--dtype: unknown dtype 'f33'"),
     ("benchmarks.matmul_vjp", ["--steps", "0"], "--steps must be positive, got 0"),
     ("benchmarks.peers", ["--entry-timeout", "nan"], "--entry-timeout must be positive"),
-    ("vit_pure.params_table", ["--param-dtype", "f32", "int3"], "--param-dtype: unknown dtype"),
+    ("vit_pure.tools.params_table", ["--param-dtype", "f32", "int3"],
+     "--param-dtype: unknown dtype"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""vit_pure/data.py (loading, splits, batching), vit_pure/augment.py (flip + crop) and
-vit_pure/download.py."""
+"""vit_pure/data/cifar10.py (loading, splits, batching), vit_pure/data/augment.py (flip + crop) and
+vit_pure/data/download.py."""
 import functools
 import hashlib
 import http.server
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import augment as A
-from vit_pure import data as D
-from vit_pure import download as DL
+from vit_pure.data import augment as A
+from vit_pure.data import cifar10 as D
+from vit_pure.data import download as DL
 
 # ---------------------------------------------------------------- helpers
 

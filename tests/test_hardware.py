@@ -1,9 +1,13 @@
-"""Backend-aware defaults (vit_pure/hardware.py): what each backend gets for the flags a
+"""Backend-aware defaults (vit_pure/run/backend.py): what each backend gets for the flags a
 user leaves alone, and that explicit flags always win."""
 import jax.numpy as jnp
 import pytest
 
-from vit_pure import cli, hardware, step
+from vit_pure import step
+
+from vit_pure.run import cli
+
+from vit_pure.run import backend as hardware
 
 BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2_CPU = frozenset({"avx2", "fma"})

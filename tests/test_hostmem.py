@@ -1,4 +1,4 @@
-"""vit_pure.hostmem: the scripts restart once with glibc's huge-page malloc tunable."""
+"""vit_pure.run.hostmem: the scripts restart once with glibc's huge-page malloc tunable."""
 import os
 import subprocess
 import sys
@@ -6,14 +6,14 @@ import textwrap
 
 import pytest
 
-from vit_pure import hostmem
+from vit_pure.run import hostmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})
-    from vit_pure import hostmem
+    from vit_pure.run import hostmem
     print("start", os.getpid(), flush=True)
     hostmem.use_huge_pages()
     print("tunables", os.environ.get("GLIBC_TUNABLES"), "argv", sys.argv[1:], os.getpid())

@@ -24,7 +24,9 @@ import pytest
 
 import train_shardmap as ts
 from test_layout_matrix import CFG, FAST, tolerances
-from vit_pure import apply, checkpoint, data, loop, step
+from vit_pure import apply, step
+from vit_pure.run import checkpoint, loop
+from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
 
 DECAY = 0.9
@@ -313,7 +315,7 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
     """A checkpoint written before --ema / --mix-off-epochs / --repeat-aug existed records
     none of them: a run that leaves them at their defaults continues it,
     a run that sets one is refused naming it."""
-    from vit_pure import resume
+    from vit_pure.run import resume
     args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])
     sc = step.StepConfig.from_args(args)
     train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
@@ -342,7 +344,7 @@ def test_every_flag_added_since_can_resume_an_older_checkpoint():
     checkpoint written before it is refused for not recording it. The communication plan's
     flags, recorded by checkpoints written before they joined RESUMABLE_ACROSS, are ignored
     even if they differ."""
-    from vit_pure import resume
+    from vit_pure.run import resume
     for parser in (ts.build_parser(), ts.cli.build_parser("train_pmap.py")):
         args = ts.cli.parse_args(parser, ["--model", "tiny", "--dataset", "synthetic"])
         sc = step.StepConfig.from_args(args, platform="cpu")

@@ -21,8 +21,8 @@ import pytest
 from jax._src import array as jax_array
 
 import train_shardmap
-from vit_pure import checkpoint, cli, loop
-from vit_pure import data as data_lib
+from vit_pure.run import checkpoint, cli, loop
+from vit_pure.data import cifar10 as data_lib
 from vit_pure import step as step_lib
 
 STEPS, LOG_EVERY = 24, 4

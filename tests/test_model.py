@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_pure import (PRESETS, Policy, apply, cli, count_params, init_params, model, param_axes,
+from vit_pure import (PRESETS, Policy, apply, count_params, init_params, model, param_axes,
                       step)
+from vit_pure.run import cli
 from vit_pure.config import ViTConfig
 from vit_pure.model import DROPOUT_MASKS
-from vit_pure.params_table import format_param_table
+from vit_pure.tools.params_table import format_param_table
 
 TINY = PRESETS["tiny"]
 

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import FAST, grads_step
 import train_shardmap as ts
-from vit_pure import cli, step
+from vit_pure import step
+from vit_pure.run import cli
 from vit_pure import layout as layout_lib
 from vit_pure.config import PRESETS
 from vit_pure.policy import LossScale, Policy

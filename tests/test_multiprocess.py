@@ -37,9 +37,10 @@ import pytest
 import train_pmap
 import train_shardmap
 from conftest import subprocess_env
-from vit_pure import checkpoint, cli, loop, step
+from vit_pure import step
 
 # Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
+from vit_pure.run import checkpoint, cli, loop
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

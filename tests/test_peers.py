@@ -11,10 +11,11 @@ import pytest
 
 from benchmarks import peers
 from benchmarks import profile_breakdown as pb
-from vit_pure import PRESETS, hostmem
+from vit_pure import PRESETS
 
 
 # --------------------------------------------------------------------------------- peers
+from vit_pure.run import hostmem
 def test_table_rows_mfu_and_failures():
     ok = {"name": "kit", "batch": 100, "step_s": [2.0, 0.5, 1.0], "compile_s": 3.25,
           "peak_bytes": 3 * 2 ** 30, "params": 1234, "loss": 2.5}

@@ -1,4 +1,4 @@
-"""The communication plan (`--plan N`, vit_pure/plan.py) against closed forms and runs.
+"""The communication plan (`--plan N`, vit_pure/plan/build.py) against closed forms and runs.
 
 Each layout's step is compiled once (module fixtures) with the tiny model on the 8 fake
 devices of conftest.py, built for an H100 target (bf16 matmul outputs), without the
@@ -34,8 +34,10 @@ from benchmarks import bench
 from conftest import subprocess_env
 import train_pmap
 import train_shardmap as ts
-from vit_pure import cli, layout, plan, step
-from vit_pure import interconnect as ic
+from vit_pure import layout, step
+from vit_pure.run import cli
+from vit_pure.plan import build as plan
+from vit_pure.plan import interconnect as ic
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from vit_pure import plot
+from vit_pure.tools import plot
 
 
 def _write_log(path):

@@ -1,4 +1,4 @@
-"""Tests for vit_pure/randaugment.py: every op's contract and behaviour, RandAugment's
+"""Tests for vit_pure/data/randaugment.py: every op's contract and behaviour, RandAugment's
 per-example randomness (split-independent, shard_map-ready), mixup, CutMix and mix_batch.
 
 Images use odd, distinct heights and widths so that a swapped axis fails.
@@ -10,9 +10,11 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from vit_pure import PRESETS, LossScale, Policy, cli, step
-from vit_pure import augment as aug
-from vit_pure import randaugment as ra
+from vit_pure import PRESETS, LossScale, Policy, step
+
+from vit_pure.run import cli
+from vit_pure.data import augment as aug
+from vit_pure.data import randaugment as ra
 
 H, W = 9, 11
 NO_MAGNITUDE_OPS = (ra.identity, ra.auto_contrast, ra.equalize, ra.invert)

@@ -6,7 +6,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import cli
+from vit_pure.run import cli
 
 SMALL = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "64",
          "--synthetic-val", "32", "--synthetic-test", "48", "--batch", "16", "--no-progress",

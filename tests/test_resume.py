@@ -22,7 +22,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import checkpoint, cli, loop, monitor
+from vit_pure.run import checkpoint, cli, loop, monitor
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
 

@@ -52,7 +52,7 @@ forward, all-reduce of the gradient backward: "f") before each column-parallel m
 
 Attention (`attention`, the --attention flag; `_attention_einsum`, `_attention_fused`):
 "einsum" (`apply`'s default and the reference; the scripts pick "cudnn" on NVIDIA GPUs in
-bf16, vit_pure/hardware.py) writes the attention as two `policy.einsum` products on
+bf16, vit_pure/run/backend.py) writes the attention as two `policy.einsum` products on
 (B, H, T, D), with the head transposes that layout needs; "xla" and "cudnn" call
 `jax.nn.dot_product_attention` on (B, T, H, D), straight from the qkv matmul's layout,
 with the token axis padded to a multiple of 8 around the call and the padded keys masked.

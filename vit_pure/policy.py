@@ -28,7 +28,7 @@ The matmul output dtype is a speed choice with two right answers, one per backen
     so this is the faster one there; its backward pass needs the custom VJP in `matmul`.
 
 When the policy string leaves ``m`` out, the training scripts pick it per backend
-(vit_pure/hardware.py) and say so at startup; `Policy.parse` alone gives ``m=f32``.
+(vit_pure/run/backend.py) and say so at startup; `Policy.parse` alone gives ``m=f32``.
 
 Fixed rules, whatever the policy says:
   * only floating leaves are cast (integer step counters, RNG keys are left alone);

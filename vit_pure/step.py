@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from vit_pure import augment as augment_lib
-from vit_pure import data as data_lib
-from vit_pure import hardware
-from vit_pure import randaugment as randaugment_lib
-from vit_pure.cli import UsageError
+from vit_pure.data import augment as augment_lib
+from vit_pure.data import cifar10 as data_lib
+from vit_pure.run import backend as hardware
+from vit_pure.data import randaugment as randaugment_lib
+from vit_pure.run.cli import UsageError
 from vit_pure.config import ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
@@ -121,8 +121,8 @@ def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
                    randaugment: tuple[int, int] = (0, 0)):
     """uint8 batch -> normalised float32, with the training augmentation (on device).
 
-    Training: random flip + resized crop (vit_pure.data), then, if `randaugment` =
-    (num_ops, magnitude) has num_ops > 0, RandAugment (vit_pure.randaugment), all on
+    Training: random flip + resized crop (vit_pure.data.cifar10), then, if `randaugment` =
+    (num_ops, magnitude) has num_ops > 0, RandAugment (vit_pure.data.randaugment), all on
     [0, 1] pixels, each example's draws keyed by its global id; then the CIFAR-10
     normalisation. Models with another input size (the 224 px presets) get the batch resized.
     """
@@ -198,11 +198,11 @@ class StepConfig:
     @classmethod
     def from_args(cls, args, platform: str | None = None) -> "StepConfig":
         """The step's settings from the parsed flags, with the backend-aware defaults
-        (vit_pure/hardware.py: the layer loop, the matmul output dtype, --dtype auto)
+        (vit_pure/run/backend.py: the layer loop, the matmul output dtype, --dtype auto)
         resolved for `platform` (default: the backend JAX runs on, so call this after
         jax.distributed is started). `notes` says what the hardware decided."""
         # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
-        # vit_pure.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
+        # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
         platform = platform or jax.default_backend()
         attention = getattr(args, "attention", None)
         # Locality self-attention (cfg.lsa) runs on the einsum attention only.

@@ -1,7 +1,7 @@
 """Resuming a run: which checkpoint belongs to it, and writing its checkpoints.
 
-The files themselves are vit_pure/checkpoint.py's plain format; this is the policy on top,
-used by the training loop (vit_pure/loop.py):
+The files themselves are vit_pure/run/checkpoint.py's plain format; this is the policy on top,
+used by the training loop (vit_pure/run/loop.py):
 
 * A run is a function of (seed, epoch, step) -- the batch order, each step's random key,
   the learning rate -- so the state plus the step number is all there is to restore.
@@ -24,9 +24,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from vit_pure import checkpoint
-from vit_pure import data as data_lib
-from vit_pure.cli import UsageError, flag_name
+from vit_pure.run import checkpoint
+from vit_pure.data import cifar10 as data_lib
+from vit_pure.run.cli import UsageError, flag_name
 from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
@@ -44,7 +44,7 @@ RESUMABLE_ACROSS = frozenset({
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",
     "coordinator", "num_processes", "process_id", "distributed",
-    # The communication plan's flags (vit_pure/plan.py): `--plan N` trains nothing.
+    # The communication plan's flags (vit_pure/plan/build.py): `--plan N` trains nothing.
     "plan", "plan_json", "hardware", "gpus_per_node", "efficiency", "peak_tflops",
     "intra_gbps", "inter_gbps", "latency_us",
     # Compared through what they determine (see `trajectory`):

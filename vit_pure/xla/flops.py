@@ -1,5 +1,5 @@
 """Matmul FLOPs of the ViT, counted from its shapes: the one convention the kit's
-benchmarks (benchmarks/bench.py, MFU) and the communication plan (vit_pure/plan.py) share.
+benchmarks (benchmarks/bench.py, MFU) and the communication plan (vit_pure/plan/build.py) share.
 """
 from __future__ import annotations
 

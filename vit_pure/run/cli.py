@@ -7,10 +7,10 @@ import os
 import sys
 from typing import Any, Callable
 
-from vit_pure import data as data_lib
-from vit_pure import distributed
-from vit_pure import plan
-from vit_pure.checkpoint import CheckpointError
+from vit_pure.data import cifar10 as data_lib
+from vit_pure.run import distributed
+from vit_pure.plan import build as plan
+from vit_pure.run.checkpoint import CheckpointError
 from vit_pure.config import POOLS, PRESETS, get_preset
 from vit_pure.model import ATTENTION_IMPLS, DROPOUT_MASKS, REMAT_SAVE_NAMES, remat_saved_names
 from vit_pure.policy import Policy
@@ -58,7 +58,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--matmul-precision", default="default", choices=["default", "high", "highest"])
     g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                    help="lax.scan over the encoder layers (faster compile) instead of a Python "
-                        "loop (default: per backend, vit_pure/hardware.py: unrolled on CPU and "
+                        "loop (default: per backend, vit_pure/run/backend.py: unrolled on CPU and "
                         "GPU)")
     g.add_argument("--remat", default="none", type=_remat,
                    help="recompute in the backward pass: each whole encoder block (block), all "
@@ -69,7 +69,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
-                        "backend (vit_pure/hardware.py): cudnn on NVIDIA GPUs in bf16, else "
+                        "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         "einsum")
     g.add_argument("--dropout-masks", default="bernoulli", choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
@@ -79,9 +79,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),
-                   help="a named training recipe (vit_pure/cli.py RECIPES); flags given explicitly"
-                        " override it. --preset is its old name, still accepted until the next "
-                        "release")
+                   help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
+                        "explicitly override it. --preset is its old name, still accepted until "
+                        "the next release")
     g.add_argument("--batch", type=int, default=128,
                    help="global batch (divisible by the device count)")
     g.add_argument("--epochs", type=int, default=200)

@@ -1,6 +1,6 @@
 """What a collective costs on hardware you do not have: a small cited table, stated formulas.
 
-Used by vit_pure/plan.py (`--plan N`) to turn the collectives of a compiled training step
+Used by vit_pure/plan/build.py (`--plan N`) to turn the collectives of a compiled training step
 into seconds. Pure arithmetic: no JAX here.
 
 THE FORMULAS. V is the collective's buffer per device, in bytes: the whole array an

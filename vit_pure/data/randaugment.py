@@ -1,4 +1,4 @@
-"""On-device RandAugment, in pure jax.numpy (flip + crop and mixup / CutMix: vit_pure/augment.py).
+"""On-device RandAugment, in pure jax.numpy (flip + crop and mixup / CutMix: data/augment.py).
 
 Everything here runs inside jit / vmap / shard_map: no host callbacks, no Python loops over
 images. Images are float32 HWC (one image) or NHWC (a batch) with pixel values in [0, 1],

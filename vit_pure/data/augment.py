@@ -1,6 +1,6 @@
 """On-device augmentation of a training batch, in pure jax.numpy (inside jit / shard_map):
 random horizontal flip + random resized crop, and mixup / CutMix. RandAugment's ops are
-vit_pure/randaugment.py; `step.prepare_images` runs them in order (flip + crop, then
+vit_pure/data/randaugment.py; `step.prepare_images` runs them in order (flip + crop, then
 RandAugment, then mixup / CutMix on the one-hot targets too).
 
 Per-example randomness comes from ``fold_in(key, example_id)`` with the example's *global*

@@ -1,6 +1,6 @@
 """Print a parameter table: path, shape, dtype, bytes, and the total.
 
-    python -m vit_pure.params_table --model vit-cifar --param-dtype bf16
+    python -m vit_pure.tools.params_table --model vit-cifar --param-dtype bf16
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from vit_pure import cli
+from vit_pure.run import cli
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.model import init_params
 from vit_pure.policy import parse_dtype

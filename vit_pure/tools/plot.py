@@ -1,6 +1,6 @@
 """Plot loss and accuracy curves from a training run's --log-json file (needs matplotlib).
 
-    python -m vit_pure.plot runs/quick.jsonl --out runs/quick.png
+    python -m vit_pure.tools.plot runs/quick.jsonl --out runs/quick.png
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pathlib
 import sys
 
-from vit_pure import cli
+from vit_pure.run import cli
 
 
 def read_log(path: pathlib.Path) -> tuple[list[dict], list[dict]]:

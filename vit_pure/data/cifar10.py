@@ -4,13 +4,13 @@ Read the official python-format folder ``<data-dir>/cifar-10-batches-py/`` once 
 arrays, split it into train / val / test, and cut global batches: shuffled per epoch with
 the last partial batch dropped for training, zero-padded with a mask for evaluation.
 Pickles are read with a restricted unpickler, so a crafted file cannot run code. If the
-folder is missing, vit_pure/download.py fetches it (md5-checked, extracted atomically).
-The device side, flip + crop and mixup / CutMix, is vit_pure/augment.py; RandAugment is
-vit_pure/randaugment.py.
+folder is missing, vit_pure/data/download.py fetches it (md5-checked, extracted atomically).
+The device side, flip + crop and mixup / CutMix, is vit_pure/data/augment.py; RandAugment is
+vit_pure/data/randaugment.py.
 
 Shapes: images are NHWC, N examples of H=W=32 pixels and C=3 channels.
 
-Usage (one host; vit_pure/loop.py is the full loop)::
+Usage (one host; vit_pure/run/loop.py is the full loop)::
 
     splits = load_dataset("cifar10", "data/")            # {'train','val','test'}
     ids = np.arange(4096, dtype=np.int32)                 # global positions in the batch
@@ -236,7 +236,7 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     if not folder.is_dir():
         if not download:
             raise DataError(f"CIFAR-10 not found at {folder} (download disabled); {HOW_TO_PROVIDE}")
-        from vit_pure.download import download_cifar10  # (it imports this module)
+        from vit_pure.data.download import download_cifar10  # (it imports this module)
         download_cifar10(data_dir, url=url, md5=md5, log=log)
 
     parts = [read_batch_file(folder / f) for f in TRAIN_FILES]

@@ -10,7 +10,7 @@ compiled per-device program, not out of a description of the model:
 
 1. Every collective the program runs (`read_collectives`): kind; mesh axes (its replica
    groups, which name mesh positions, mapped through the mesh's shape); dtype; bytes per
-   device per execution (V, see vit_pure/interconnect.py); executions per optimizer step
+   device per execution (V, see vit_pure/plan/interconnect.py); executions per optimizer step
    (the product of the `known_trip_count`s of the while loops around it: `--scan`,
    `--accum-steps`); and the kit's file:line that wrote it (the op's metadata points into
    the stack-frame table at the top of the HLO text; the innermost frame in the kit).
@@ -23,7 +23,7 @@ compiled per-device program, not out of a description of the model:
    upcasts bf16 all-reduces to f32: where the lowered StableHLO (what JAX asked for) has
    another dtype than the compiled op at the same source line and size, the lowered dtype
    counts. The report lists each correction.
-3. Time per mesh axis from the formulas in vit_pure/interconnect.py and its cited table.
+3. Time per mesh axis from the formulas in vit_pure/plan/interconnect.py and its cited table.
 4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
    trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
    body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
@@ -50,17 +50,17 @@ import time
 
 import numpy as np
 
-from vit_pure import cli  # (cli.build_parser calls add_flags: the module, not its names)
-from vit_pure import interconnect as ic
+from vit_pure.run import cli  # (cli.build_parser calls add_flags: the module, not its names)
+from vit_pure.plan import interconnect as ic
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 # XLA:GPU's default combine threshold for all-reduce, all-gather and reduce-scatter
 # (xla/service/collective_utils.h: kDefaultAllReduceCombineThreshold = 30 MiB + 7).
 GPU_COMBINE_BYTES = 30 * 2**20 + 7
 # The CPU pass that would merge the per-array all-reduces (and lose their source lines).
 CPU_COMBINER = "cpu-all-reduce-combiner"
 DEFAULT_EFFICIENCY = 0.4
-# The images the training loop feeds: CIFAR-10's (vit_pure/data.py), whatever the model's
+# The images the training loop feeds: CIFAR-10's (vit_pure/data/cifar10.py), whatever the model's
 # input size; the step resizes them on the device (the 224-pixel presets).
 DATASET_IMAGE_SHAPE = (32, 32, 3)
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -580,7 +580,7 @@ class Plan:
 
     @property
     def memory_bytes(self) -> int:
-        from vit_pure.accum import StepMemory  # (accum imports cli, which imports this module)
+        from vit_pure.run.accum import StepMemory  # (accum imports cli, which imports this module)
         return StepMemory(1, **self.memory).total
 
     # -- verdict
@@ -768,7 +768,7 @@ def params_per_device(strategy, sc) -> int:
 
 def model_flops_per_device(cfg, global_batch: int, devices: int) -> float:
     """bench.py's count (matmuls, training = 3 x forward) for this device's share."""
-    from vit_pure.flops import train_flops_per_image  # the kit's one FLOP convention
+    from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
     return train_flops_per_image(cfg) * global_batch / devices
 
 
@@ -789,7 +789,7 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     if module.unknown_trips:
         notes.append(f"{module.unknown_trips} while loop(s) without a known trip count: "
                      "their collectives are counted once")
-    from vit_pure.accum import StepMemory  # (accum imports cli, which imports this module)
+    from vit_pure.run.accum import StepMemory  # (accum imports cli, which imports this module)
     m = StepMemory.of(compiled)
     memory = {"argument": m.argument, "output": m.output, "alias": m.alias, "temp": m.temp}
     per_device_batch = global_batch // mesh.get("data", 1)

@@ -10,8 +10,8 @@ the pytrees from a template of the same structure (the caller places them on dev
 is pickled, so loading a checkpoint never runs code from the file.
 
 Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
-``jax.Array`` in full, and the training loop (vit_pure/loop.py) saves
-``strategy.host_state(state)`` (vit_pure/resume.py) and lays a restored state out with
+``jax.Array`` in full, and the training loop (vit_pure/run/loop.py) saves
+``strategy.host_state(state)`` (vit_pure/run/resume.py) and lays a restored state out with
 ``strategy.put_state``.
 That keeps the file independent of the layout that wrote it: a checkpoint of
 ``train_pmap.py`` resumes in ``train_shardmap.py`` and back, on another device count, mesh
@@ -118,7 +118,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from vit_pure.data import _one_line  # one copy: an exception's message as one line
+from vit_pure.data.cifar10 import _one_line  # one copy: an exception's message as one line
 
 FORMAT = "vit_pure.checkpoint"
 VERSION = 1
@@ -512,7 +512,7 @@ def _decode(entry: dict[str, Any], stored: np.ndarray) -> np.ndarray:
     except ImportError:
         raise CheckpointError(
             f"{entry['key']}: dtype {entry['dtype']} needs the ml_dtypes package "
-            "(or read the raw bits as described in vit_pure/checkpoint.py)"
+            "(or read the raw bits as described in vit_pure/run/checkpoint.py)"
         ) from None
     dtype = getattr(ml_dtypes, entry["dtype"], None)
     if dtype is None or np.dtype(dtype).itemsize != stored.dtype.itemsize:

@@ -16,7 +16,7 @@ once, each process driving its own devices, and the collectives written in the s
 cross hosts (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the
 step.
 
-What does change is the host side, all of it here or in vit_pure/loop.py:
+What does change is the host side, all of it here or in vit_pure/run/loop.py:
 
 * Data: every process computes the same global batch order from (seed, epoch, step) and
   takes only its share, rows [i*B/P, (i+1)*B/P) for process i (`local_rows`); the
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from vit_pure import data as data_lib
+from vit_pure.data import cifar10 as data_lib
 
 
 def initialize(coordinator: str | None, num_processes: int | None,

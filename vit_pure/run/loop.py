@@ -4,11 +4,11 @@ A script hands `run` its parallel mechanics as a `Strategy` (how state and batch
 placed on devices, and its compiled train / eval steps); the rest of a run is here, with
 two neighbours:
 
-* vit_pure/resume.py: checkpoints (`--ckpt-dir`, `--ckpt-every`, `--ckpt-keep`,
+* vit_pure/run/resume.py: checkpoints (`--ckpt-dir`, `--ckpt-every`, `--ckpt-keep`,
   `--resume`), saved unsharded so any script, device count or mesh layout resumes them,
   exactly: the run is a function of (seed, epoch, step), so the state plus the step
   number is all there is to restore.
-* vit_pure/monitor.py: the log, the NaN / inf check of every step's loss, profiling
+* vit_pure/run/monitor.py: the log, the NaN / inf check of every step's loss, profiling
   (`--profile`, `--profile-steps`) and memory figures.
 
 Preemption: SIGTERM / SIGINT finish the current step, write a checkpoint and return
@@ -30,16 +30,16 @@ from typing import Any, Callable, Protocol
 import jax
 import numpy as np
 
-from vit_pure import accum, checkpoint
-from vit_pure import data as data_lib
-from vit_pure import distributed
-from vit_pure.cli import Interrupted, UsageError
+from vit_pure.run import accum, checkpoint
+from vit_pure.data import cifar10 as data_lib
+from vit_pure.run import distributed
+from vit_pure.run.cli import Interrupted, UsageError
 from vit_pure.config import ViTConfig
 from vit_pure.model import count_params
-from vit_pure.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
+from vit_pure.run.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
                               progress_bar)
 from vit_pure.policy import Policy
-from vit_pure.resume import Checkpoints
+from vit_pure.run.resume import Checkpoints
 from vit_pure.step import StepConfig, init_state, make_optimizer, step_key
 
 
@@ -73,7 +73,7 @@ def run(args, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
     cli.Interrupted. The signal handlers are installed only while `run` runs, and the
     previous ones put back.
 
-    With several processes (vit_pure/distributed.py) every process calls `run` with the
+    With several processes (vit_pure/run/distributed.py) every process calls `run` with the
     same flags; only the main one (default: process 0) logs and writes checkpoints, and
     all of them return the same result.
     """

@@ -20,7 +20,8 @@ import urllib.parse
 import urllib.request
 from typing import Callable
 
-from vit_pure.data import FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES, DataError, _one_line
+from vit_pure.data.cifar10 import (FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES, DataError,
+                                   _one_line)
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"

@@ -1,0 +1,4 @@
+"""Running the training: the flags (cli.py), the backend-aware defaults (backend.py), the
+batch and accumulation rules (accum.py), the loop (loop.py), what it reports (monitor.py),
+checkpoints (checkpoint.py: the format; resume.py: which one a run continues), several
+processes (distributed.py) and the host allocator (hostmem.py)."""

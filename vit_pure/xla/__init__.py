@@ -1,0 +1,1 @@
+"""Reading what XLA will run: FLOPs of the model (flops.py)."""
