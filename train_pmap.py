@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import step
 
-from vit_pure.run import accum, cli, hostmem, loop
+from vit_pure.plan import build as plan
+from vit_pure.run import accum, backend, cli, hostmem, loop
 
 AXIS = "data"
 
@@ -120,11 +121,10 @@ class PmapStrategy:
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        from vit_pure.plan import build as plan
         return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
-    sc = step.StepConfig.from_args(args)
+    sc = backend.step_config(args)
     return loop.run(args, sc, PmapStrategy)
 
 

@@ -67,7 +67,8 @@ from jax.sharding import PartitionSpec as P
 
 from vit_pure import layout, pipeline, step
 
-from vit_pure.run import accum, cli, distributed, hostmem, loop
+from vit_pure.plan import build as plan
+from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
 from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
@@ -261,12 +262,12 @@ class ShardMapStrategy:
     def describe(self) -> str:
         fsdp = "on" if any(DATA in mesh_axes(s) for s in
                            jax.tree.leaves(self.param_specs, is_leaf=_is_spec)) else "off"
-        plan = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches)
+        schedule = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches)
                 if self.stages > 1 else "")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
                 f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
-                f"  {self._measured()}{plan}")
+                f"  {self._measured()}{schedule}")
 
     def check_batch(self, global_batch: int, flag: str = "--batch", accum_steps: int = 1) -> None:
         """UsageError unless the global batch splits over the processes and the 'data'
@@ -416,12 +417,11 @@ def build_parser():
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        from vit_pure.plan import build as plan
         return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
-    sc = step.StepConfig.from_args(args)
+    sc = backend.step_config(args)
 
     def make_strategy(sc, optimizer):
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,

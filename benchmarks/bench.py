@@ -87,7 +87,7 @@ import numpy as np
 
 from vit_pure import step
 
-from vit_pure.run import cli, hostmem
+from vit_pure.run import backend, cli, hostmem
 
 from vit_pure.data import cifar10 as data
 from vit_pure.run.accum import StepMemory
@@ -257,7 +257,7 @@ def script_setup(argv: list[str], total_steps: int = 1000,
     `parser` (default: the flags both scripts share), with the backend's defaults."""
     args = cli.parse_args(parser or cli.build_parser("bench"), argv)
     optimizer, _ = step.make_optimizer(args, total_steps)
-    return step.StepConfig.from_args(args), optimizer
+    return backend.step_config(args), optimizer
 
 
 def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices, *,

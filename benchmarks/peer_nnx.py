@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
-                              CIFAR10_STD, time_steps, host_batches, _jax_device_info,
-                              _jax_peak_bytes, UsageError)
+from vit_pure.errors import UsageError
+from benchmarks.peer_common import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
+                                    CIFAR10_STD, time_steps, host_batches, jax_device_info,
+                                    jax_peak_bytes)
 
 
 def make_nnx_vit(cfg: dict, dtype, precision, seed: int = 0):
@@ -128,5 +129,5 @@ def run_nnx(job: dict) -> dict:
         return state["loss"]
 
     step_s = time_steps(dispatch, jax.block_until_ready, job["warmup"], job["steps"])
-    return {**_jax_device_info(), "step_s": step_s, "compile_s": compile_s,
-            "loss": float(state["loss"]), "peak_bytes": _jax_peak_bytes(), "params": n_params}
+    return {**jax_device_info(), "step_s": step_s, "compile_s": compile_s,
+            "loss": float(state["loss"]), "peak_bytes": jax_peak_bytes(), "params": n_params}

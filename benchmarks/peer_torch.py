@@ -8,8 +8,9 @@ from __future__ import annotations
 import platform
 import time
 
-from benchmarks.peers import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
-                              CIFAR10_STD, time_steps, host_batches, UsageError)
+from vit_pure.errors import UsageError
+from benchmarks.peer_common import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
+                                    CIFAR10_STD, time_steps, host_batches)
 
 
 def make_torch_vit(cfg: dict):

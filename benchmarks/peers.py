@@ -13,7 +13,7 @@ ways, and prints one markdown table:
 
     kit            this kit's real step, built exactly as `train_shardmap.py --batch B
                    --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
-                   parser, StepConfig.from_args, make_optimizer, ShardMapStrategy on one
+                   parser, backend.step_config, make_optimizer, ShardMapStrategy on one
                    device), timed by benchmarks/bench.py's measure_train_step, which drives the
                    compiled step as the training loop does. So the whole recipe is in:
                    flip + crop and RandAugment on the device, label smoothing, clipping.
@@ -93,6 +93,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.peer_common import jax_device_info, jax_peak_bytes, time_steps  # noqa: F401
+from vit_pure.errors import UsageError
 from vit_pure.run import cli, hostmem  # imports jax, but starts no backend
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -100,14 +102,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULT_TAG = "PEERS_RESULT "
 PEERS = ("kit", "nnx", "torch-eager", "torch-compile")
 NEEDS = {"nnx": "flax", "torch-eager": "torch", "torch-compile": "torch"}
-LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING = 1e-3, 0.05, (0.9, 0.999), 1.0, 0.1
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # as vit_pure.data.cifar10
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 PROFILE_STEPS = 3
-
-
-class UsageError(ValueError):
-    """Bad flags, reported as one line."""
 
 
 # ============================================================================ the parent
@@ -472,53 +467,12 @@ def child_main(job: dict) -> int:
     return 0
 
 
-def time_steps(dispatch, wait, warmup: int, steps: int) -> list[float]:
-    """As bench.measure_train_step: dispatch(i) starts step i and returns something to
-    wait() on; one step stays in flight while the next is dispatched, and a step's time
-    is the interval between two consecutive completions. Returns the timed intervals."""
-    finished, previous = [], None
-    start = time.perf_counter()
-    for i in range(warmup + steps + 1):  # one more: see bench.measure_train_step
-        handle = dispatch(i)
-        if previous is not None:
-            wait(previous)
-            finished.append(time.perf_counter())
-        previous = handle
-    wait(previous)
-    finished.append(time.perf_counter())
-    intervals = [b - a for a, b in zip([start] + finished, finished)]
-    return intervals[warmup:warmup + steps]
-
-
-def host_batches(batch: int, n: int = 2, seed: int = 0):
-    """n random CIFAR-shaped uint8 batches (NHWC) and int32 labels, on the host."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, 256, (batch, 32, 32, 3), dtype=np.uint8),
-             rng.integers(0, 10, (batch,), dtype=np.int32)) for _ in range(n)]
-
-
-def _jax_device_info() -> dict:
-    import jax
-    d = jax.devices()[0]
-    return {"device": f"{d.device_kind} ({d.platform}, jax {jax.__version__})",
-            "platform": d.platform}
-
-
-def _jax_peak_bytes():
-    """Peak device memory of the first JAX device (None where the backend has no figure)."""
-    import jax
-
-    from benchmarks import bench
-    return bench.device_peak_bytes(jax.devices()[0])
-
-
 def run_ceiling(job: dict) -> dict:
     """FLOP/s of a size^3 matmul in the compute dtype (bf16 out for bf16), median of 5
     timings of 10 back-to-back calls."""
     import jax
     import jax.numpy as jnp
-    info = _jax_device_info()
+    info = jax_device_info()
     size = job.get("matmul_size") or (1024 if info["platform"] == "cpu" else 8192)
     dtype = jnp.bfloat16 if job["dtype"] == "bf16" else jnp.float32
     precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}[job["precision"]]
@@ -546,11 +500,11 @@ def build_kit(job: dict):
 
     import train_shardmap
     from vit_pure import step
-    from vit_pure.run import accum
+    from vit_pure.run import accum, backend
     from vit_pure.data import cifar10 as data
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
-    sc = step.StepConfig.from_args(args)
+    sc = backend.step_config(args)
     optimizer, _ = step.make_optimizer(args, 1000)
     devices = jax.devices()[:1]
 
@@ -574,8 +528,8 @@ def run_kit(job: dict) -> dict:
     res = bench.measure_train_step(strategy, sc, optimizer, job["batch"],
                                    steps=job["steps"], warmup=job["warmup"])
     params = count_params(jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg)))
-    return {**_jax_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
-            "loss": res["loss"], "peak_bytes": _jax_peak_bytes(), "params": params,
+    return {**jax_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
+            "loss": res["loss"], "peak_bytes": jax_peak_bytes(), "params": params,
             "step_config": repr(sc), "policy": str(sc.policy), "scan": sc.scan,
             "accum_steps": sc.accum_steps, "notes": list(getattr(sc, "notes", ()))}
 
@@ -597,7 +551,7 @@ def run_profile_kit(job: dict) -> dict:
         state, metrics = strategy.train_step(state, *inputs(i))
     jax.block_until_ready((state, metrics))
     jax.profiler.stop_trace()
-    return {**_jax_device_info(), "profile_dir": job["profile_dir"]}
+    return {**jax_device_info(), "profile_dir": job["profile_dir"]}
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ from jax.extend.core import jaxprs_in_params
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 
-from vit_pure import model, step
+from vit_pure import model
 
-from vit_pure.run import cli
-from vit_pure.run.cli import UsageError
+from vit_pure.run import backend, cli
+from vit_pure.errors import UsageError
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 
@@ -138,9 +138,9 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
     args = cli.parse_args(parser, ["--model", "tiny", "--attention", "cudnn",
                                    "--dtype", "fp32"])
     with pytest.raises(UsageError, match="--attention cudnn needs a 16-bit compute dtype"):
-        step.StepConfig.from_args(args, platform="gpu")
+        backend.step_config(args, platform="gpu")
     args.dtype = "bf16"
-    sc = step.StepConfig.from_args(args, platform="gpu")
+    sc = backend.step_config(args, platform="gpu")
     assert sc.attention == "cudnn" and dataclasses.replace(sc, attention="einsum") != sc
 
 
@@ -155,7 +155,7 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
                                 "which runs on --attention einsum only, not xla")
     parser = cli.build_parser("test")
     args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
-    assert step.StepConfig.from_args(args, platform="gpu").attention == "einsum"
+    assert backend.step_config(args, platform="gpu").attention == "einsum"
 
 
 def _count_primitives(jaxpr, prefix: str) -> int:

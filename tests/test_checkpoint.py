@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from vit_pure.run import checkpoint as ckpt
-from vit_pure.run.checkpoint import CheckpointError
+from vit_pure.errors import CheckpointError
 
 META = {"config": {"model": "vit-tiny", "dim": 7, "lr": 1e-3}, "note": "test"}
 

@@ -25,7 +25,7 @@ import pytest
 import train_shardmap as ts
 from test_layout_matrix import CFG, FAST, tolerances
 from vit_pure import apply, step
-from vit_pure.run import checkpoint, loop
+from vit_pure.run import backend, checkpoint, loop
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
 
@@ -317,7 +317,7 @@ def test_a_checkpoint_from_before_the_levers_resumes_with_them_off():
     a run that sets one is refused naming it."""
     from vit_pure.run import resume
     args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])
-    sc = step.StepConfig.from_args(args)
+    sc = backend.step_config(args)
     train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
     now = resume.trajectory(args, sc, train, 10)
     old = {k: v for k, v in now.items() if k not in resume.ADDED_FLAG_DEFAULTS}
@@ -347,7 +347,7 @@ def test_every_flag_added_since_can_resume_an_older_checkpoint():
     from vit_pure.run import resume
     for parser in (ts.build_parser(), ts.cli.build_parser("train_pmap.py")):
         args = ts.cli.parse_args(parser, ["--model", "tiny", "--dataset", "synthetic"])
-        sc = step.StepConfig.from_args(args, platform="cpu")
+        sc = backend.step_config(args, platform="cpu")
         train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
         now = resume.trajectory(args, sc, train, 10)
         assert set(now) - RECORDED_BEFORE_ADDED_FLAGS <= set(resume.ADDED_FLAG_DEFAULTS)
@@ -408,8 +408,8 @@ def test_good_lever_values_parse():
         "--repeat-aug", "4", "--eval-flip"])
     assert (args.ema, args.mix_off_epochs, args.repeat_aug, args.eval_flip) == (
         0.999, 2, 4, True)
-    assert step.StepConfig.from_args(args).eval_flip
+    assert backend.step_config(args).eval_flip
     defaults = ts.cli.parse_args(ts.cli.build_parser("train_pmap.py's flags"), plain)
     assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug, defaults.eval_flip) == (
         0.0, 0, 1, False)
-    assert not step.StepConfig.from_args(defaults).eval_flip
+    assert not backend.step_config(defaults).eval_flip

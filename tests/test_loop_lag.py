@@ -21,7 +21,7 @@ import pytest
 from jax._src import array as jax_array
 
 import train_shardmap
-from vit_pure.run import checkpoint, cli, loop
+from vit_pure.run import backend, checkpoint, cli, loop
 from vit_pure.data import cifar10 as data_lib
 from vit_pure import step as step_lib
 
@@ -69,7 +69,7 @@ def log_every_as_given(monkeypatch):
 def _run(argv, make_strategy=_strategy):
     """loop.run as the script runs it, on one device; returns main_guard's exit code."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
-    return cli.main_guard(lambda: loop.run(args, step_lib.StepConfig.from_args(args),
+    return cli.main_guard(lambda: loop.run(args, backend.step_config(args),
                                            make_strategy))
 
 
@@ -101,7 +101,7 @@ def _nan_at(step: int):
 def _reference_losses(argv) -> dict[int, dict]:
     """The same steps, each step's metrics read as soon as it is dispatched."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
-    sc = step_lib.StepConfig.from_args(args)
+    sc = backend.step_config(args)
     train = data_lib.load_dataset(args.dataset, args.data_dir, **args.synthetic_sizes)["train"]
     plan = loop.plan_steps(args, len(train))
     optimizer, schedule = step_lib.make_optimizer(args, plan.total_steps)
@@ -194,7 +194,7 @@ def test_inputs_placed_ahead_are_the_steps_batches(depth):
     args = cli.parse_args(train_shardmap.build_parser(), BASE)
     train = data_lib.synthetic_cifar10(n_train=40, n_val=0, n_test=0)["train"]
     plan = loop.StepPlan(steps_per_epoch=5, total_steps=12, epochs=3, log_every=1)
-    strategy = _strategy(step_lib.StepConfig.from_args(args),
+    strategy = _strategy(backend.step_config(args),
                          step_lib.make_optimizer(args, 12)[0])
     got = list(loop._device_inputs(args, strategy, train, plan, start=3, depth=depth))
     assert len(got) == 9

@@ -9,7 +9,7 @@ import pytest
 
 from vit_pure import (PRESETS, Policy, apply, count_params, init_params, model, param_axes,
                       step)
-from vit_pure.run import cli
+from vit_pure.run import backend, cli
 from vit_pure.config import ViTConfig
 from vit_pure.model import DROPOUT_MASKS
 from vit_pure.tools.params_table import format_param_table
@@ -133,14 +133,14 @@ def test_dropout_masks_flag_reaches_the_step():
     parser = cli.build_parser("test")
     for argv, expected in [([], "bernoulli"), (["--dropout-masks", "threefry16"], "threefry16")]:
         args = cli.parse_args(parser, ["--model", "tiny", *argv])
-        assert step.StepConfig.from_args(args, platform="cpu").dropout_masks == expected
+        assert backend.step_config(args, platform="cpu").dropout_masks == expected
     assert step.StepConfig(TINY, Policy()).dropout_masks == "bernoulli"
 
 
 def test_pool_flag_replaces_the_presets_pool():
     parser = cli.build_parser("test")
     for argv, expected in [([], "cls"), (["--pool", "gap"], "gap"), (["--pool", "mean"], "mean")]:
-        cfg = step.StepConfig.from_args(cli.parse_args(parser, ["--model", "vit-cifar", *argv]),
+        cfg = backend.step_config(cli.parse_args(parser, ["--model", "vit-cifar", *argv]),
                                         platform="cpu").cfg
         assert cfg.pool == expected and cfg.seq_len == (64 if expected == "gap" else 65)
 

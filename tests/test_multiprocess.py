@@ -37,10 +37,9 @@ import pytest
 import train_pmap
 import train_shardmap
 from conftest import subprocess_env
-from vit_pure import step
 
 # Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
-from vit_pure.run import checkpoint, cli, loop
+from vit_pure.run import backend, checkpoint, cli, loop
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -121,7 +120,7 @@ def _reference(name: str, out: pathlib.Path) -> None:
         if module is train_pmap:
             return train_pmap.PmapStrategy(sc, optimizer, devices=devices)
         return train_shardmap.ShardMapStrategy(sc, optimizer, args.mesh, devices=devices)
-    loop.run(args, step.StepConfig.from_args(args), make_strategy)
+    loop.run(args, backend.step_config(args), make_strategy)
 
 
 # SIGTERM reaches process 1 only, once process 0 has logged a step (every 50 steps here):

@@ -35,8 +35,10 @@ from conftest import subprocess_env
 import train_pmap
 import train_shardmap as ts
 from vit_pure import layout, step
-from vit_pure.run import cli
+from vit_pure.run import backend, cli
 from vit_pure.plan import build as plan
+from vit_pure.plan import collectives
+from vit_pure.xla import hlo
 from vit_pure.plan import interconnect as ic
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
@@ -60,7 +62,7 @@ def _setup(*flags, accum_steps=1):
     args = cli.parse_args(ts.build_parser(), ["--model", "tiny", "--batch", str(BATCH),
                                               "--dtype", "bf16", "--dropout", "0",
                                               "--drop-path", "0", *flags])
-    sc = step.StepConfig.from_args(args, platform=H100.platform)
+    sc = backend.step_config(args, platform=H100.platform)
     sc = dataclasses.replace(sc, augment=False, accum_steps=accum_steps)
     return sc, step.make_optimizer(args, 100)[0]
 
@@ -116,8 +118,8 @@ def test_data_parallel_gradient_all_reduce_is_4_bytes_per_parameter(dp):
     # All of it fits one 30 MiB bucket of XLA:GPU's combiner: one call per step; with a
     # 1-byte bucket every array is its own call.
     assert dp.per_axis()["data"]["calls"] == 1
-    module = plan.parse_module(dp.compiled.as_text())
-    calls = plan.model_calls(module, dp.collectives, threshold=1)
+    module = hlo.parse_module(dp.compiled.as_text())
+    calls = collectives.model_calls(module, dp.collectives, threshold=1)
     assert sum(calls.values()) == len(dp.collectives)
 
 
@@ -265,12 +267,14 @@ def test_hierarchical_formula_worked_by_hand():
 
 def test_replica_groups_map_to_mesh_axes():
     mesh = {"data": 2, "pipe": 1, "model": 4}
-    groups = plan._replica_groups("replica_groups=[2,4]<=[8], use_global_device_ids=true", 8)
-    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]] and plan.mesh_axes_of(groups, mesh) == "model"
-    groups = plan._replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8)
-    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]] and plan.mesh_axes_of(groups, mesh) == "data"
-    assert plan.mesh_axes_of([[0, 1, 2, 3, 4, 5, 6, 7]], mesh) == "data+model"
-    assert plan.mesh_axes_of([[0, 1], [1, 2]], {"data": 2, "pipe": 4, "model": 1},
+    groups = collectives._replica_groups("replica_groups=[2,4]<=[8], use_global_device_ids=true", 8)
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert collectives.mesh_axes_of(groups, mesh) == "model"
+    groups = collectives._replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8)
+    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert collectives.mesh_axes_of(groups, mesh) == "data"
+    assert collectives.mesh_axes_of([[0, 1, 2, 3, 4, 5, 6, 7]], mesh) == "data+model"
+    assert collectives.mesh_axes_of([[0, 1], [1, 2]], {"data": 2, "pipe": 4, "model": 1},
                              pairs=True) == "pipe"
 
 

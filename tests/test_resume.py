@@ -353,7 +353,7 @@ def test_train_batches_start_skips_exactly_the_first_batches():
     assert tail[0][0].tobytes() == full[3][0].tobytes()
     assert tail[0][1].tobytes() == full[3][1].tobytes()
     assert list(loop.data_lib.train_batches(split, 16, seed=3, epoch=2, start=4)) == []
-    with pytest.raises(loop.data_lib.DataError, match="start batch 5 is outside"):
+    with pytest.raises(loop.DataError, match="start batch 5 is outside"):
         loop.data_lib.train_batches(split, 16, seed=3, epoch=2, start=5)
 
 

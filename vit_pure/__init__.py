@@ -1,4 +1,22 @@
-"""vit_pure: a framework-free Vision Transformer (jax.numpy + einops) and its training kit."""
+"""vit_pure: a framework-free Vision Transformer (jax.numpy + einops) and its training kit.
+
+The reading path is the top of this folder, in this order:
+
+    config.py    the model's sizes: one frozen dataclass, a table of presets
+    model.py     init_params / apply over a dict of arrays; Megatron's two tensor-parallel
+                 operators (_copy_to_tp, _reduce_from_tp)
+    policy.py    the dtype policy: which dtype is stored, computed in and returned
+    step.py      loss, per-device gradients, accumulation, optimizer update: no collectives
+    pipeline.py  the GPipe schedule over the 'pipe' mesh axis (one ppermute a tick)
+    layout.py    where a layout puts the bytes
+
+with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.
+The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
+run/ (flags, loop, checkpoints, several processes), plan/ (the communication plan),
+xla/ (reading compiled programs), tools/ (small command-line tools). Imports run
+downwards only: the reading path imports data/ and errors.py, and run/ and plan/ import
+the reading path.
+"""
 from vit_pure.config import PRESETS, ViTConfig, get_preset
 from vit_pure.model import apply, count_params, init_params, param_axes
 from vit_pure.policy import LossScale, Policy

@@ -29,9 +29,8 @@ import optax
 
 from vit_pure.data import augment as augment_lib
 from vit_pure.data import cifar10 as data_lib
-from vit_pure.run import backend as hardware
 from vit_pure.data import randaugment as randaugment_lib
-from vit_pure.run.cli import UsageError
+from vit_pure.errors import UsageError
 from vit_pure.config import ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
@@ -167,8 +166,8 @@ class StepConfig:
     label_smoothing: float = 0.0
     grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
     # The layer loop: unrolled (False) is what the training scripts resolve to on CPU and
-    # GPU (hardware.resolve, measured faster there), so a StepConfig built directly runs
-    # the program users run; `from_args` sets it per backend (a scan on TPU).
+    # GPU (run/backend.py resolve, measured faster there), so a StepConfig built directly
+    # runs the program users run; `backend.step_config` sets it per backend (a scan on TPU).
     scan: bool = False
     remat: str = "none"
     # The attention implementation (--attention; model.ATTENTION_IMPLS, see model.encoder).
@@ -191,51 +190,9 @@ class StepConfig:
     # --eval-flip: evaluation averages the logits of each image and its mirror image
     # (test-time augmentation; training is unchanged).
     eval_flip: bool = False
-    # What the hardware decided for the flags left to it (hardware.resolve), for the
+    # What the hardware decided for the flags left to it (run/backend.py resolve), for the
     # startup log; not part of the step's identity.
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
-
-    @classmethod
-    def from_args(cls, args, platform: str | None = None) -> "StepConfig":
-        """The step's settings from the parsed flags, with the backend-aware defaults
-        (vit_pure/run/backend.py: the layer loop, the matmul output dtype, --dtype auto)
-        resolved for `platform` (default: the backend JAX runs on, so call this after
-        jax.distributed is started). `notes` says what the hardware decided."""
-        # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
-        # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
-        platform = platform or jax.default_backend()
-        attention = getattr(args, "attention", None)
-        # Locality self-attention (cfg.lsa) runs on the einsum attention only.
-        cudnn = (platform == "gpu" and not args.cfg.lsa
-                 and hardware.cudnn_attention_runs(jax.devices()[0]))
-        choices = hardware.resolve(args.policy or args.dtype, args.matmul_precision, args.scan,
-                                   platform, attention=attention, cudnn=cudnn)
-        _check_attention(choices.attention, choices.policy, platform, args.cfg)
-        return cls(args.cfg, choices.policy, args.label_smoothing, args.grad_clip, choices.scan,
-                   args.remat, attention=choices.attention,
-                   dropout_masks=getattr(args, "dropout_masks", "bernoulli"),
-                   randaugment=tuple(getattr(args, "randaugment", (0, 0))),
-                   mixup_alpha=getattr(args, "mixup", 0.0),
-                   cutmix_alpha=getattr(args, "cutmix", 0.0),
-                   ema_decay=getattr(args, "ema", 0.0),
-                   eval_flip=getattr(args, "eval_flip", False),
-                   notes=choices.notes)
-
-
-def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
-    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
-    A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
-    if cfg.lsa and attention != "einsum":
-        raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
-                         f"--attention einsum only, not {attention}")
-    if attention != "cudnn":
-        return
-    if platform != "gpu":
-        raise UsageError(f"--attention cudnn needs an NVIDIA GPU (cuDNN); this run is on "
-                         f"{platform}: use --attention xla (or einsum)")
-    if policy.compute_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise UsageError(f"--attention cudnn needs a 16-bit compute dtype (--dtype bf16 or "
-                         f"fp16); the policy {policy} computes in float32")
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,

@@ -34,6 +34,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from vit_pure.data.download import (FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES,
+                                    download_cifar10)
+from vit_pure.errors import DataError, one_line
+
 # Per-channel statistics of CIFAR-10 on [0, 1]-scaled pixels, as commonly used.
 # Note: the stds are the dataset mean of *per-image* stds; the pixel std over the
 # whole training set is larger (about 0.247, 0.243, 0.261), so normalised
@@ -44,26 +48,12 @@ CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
 
-FOLDER = "cifar-10-batches-py"
-TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
-TEST_FILE = "test_batch"
 META_FILE = "batches.meta"
 VAL_FRACTION = 0.1                 # 45,000 / 5,000 on the full training set
 
 HEIGHT = WIDTH = 32
 CHANNELS = 3
 NUM_CLASSES = 10
-
-HOW_TO_PROVIDE = (
-    "pass --data-dir DIR where DIR/cifar-10-batches-py/ exists (torchvision's "
-    "torchvision.datasets.CIFAR10(DIR, download=True) writes that folder), "
-    "or run without it with --dataset synthetic"
-)
-
-
-class DataError(ValueError):
-    """A problem with the data or a data flag; the message is one user-facing line."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -140,17 +130,13 @@ def restricted_load(path: str | os.PathLike) -> object:
         # 'latin1' is the documented way to read Python 2 pickles holding numpy arrays.
         return _RestrictedUnpickler(io.BytesIO(raw), encoding="latin1").load()
     except pickle.UnpicklingError as e:
-        raise DataError(f"{path}: not a safe CIFAR-10 pickle: {_one_line(e)}") from None
+        raise DataError(f"{path}: not a safe CIFAR-10 pickle: {one_line(e)}") from None
     except EOFError:
         raise DataError(f"{path} is truncated (unexpected end of pickle data); "
                         f"delete the folder to download it again") from None
     except Exception as e:  # noqa: BLE001 - any other decoding failure is a bad file
         raise DataError(f"{path} is corrupt or not a CIFAR-10 pickle "
-                        f"({type(e).__name__}: {_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+                        f"({type(e).__name__}: {one_line(e)})") from None
 
 
 # --------------------------------------------------------------------------
@@ -236,7 +222,6 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     if not folder.is_dir():
         if not download:
             raise DataError(f"CIFAR-10 not found at {folder} (download disabled); {HOW_TO_PROVIDE}")
-        from vit_pure.data.download import download_cifar10  # (it imports this module)
         download_cifar10(data_dir, url=url, md5=md5, log=log)
 
     parts = [read_batch_file(folder / f) for f in TRAIN_FILES]

@@ -20,9 +20,16 @@ import urllib.parse
 import urllib.request
 from typing import Callable
 
-from vit_pure.data.cifar10 import (FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES, DataError,
-                                   _one_line)
+from vit_pure.errors import DataError, one_line
 
+FOLDER = "cifar-10-batches-py"  # what the archive holds, and what the reader opens
+TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_FILE = "test_batch"
+HOW_TO_PROVIDE = (
+    "pass --data-dir DIR where DIR/cifar-10-batches-py/ exists (torchvision's "
+    "torchvision.datasets.CIFAR10(DIR, download=True) writes that folder), "
+    "or run without it with --dataset synthetic"
+)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
 URL_ENV = "VIT_PURE_CIFAR10_URL"   # overrides CIFAR10_URL when no url= is given
@@ -127,7 +134,7 @@ def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
-        raise DataError(f"could not download CIFAR-10 from {url} ({_one_line(reason)}); "
+        raise DataError(f"could not download CIFAR-10 from {url} ({one_line(reason)}); "
                         f"{HOW_TO_PROVIDE}") from None
     if total and done != total:
         raise DataError(f"download from {url} ended early ({done} of {total} bytes); try again")
@@ -148,7 +155,7 @@ def _safe_extract(archive: pathlib.Path, dest: pathlib.Path, url: str) -> None:
     except DataError:
         raise
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise DataError(f"cannot extract the archive from {url}: {_one_line(e)}") from None
+        raise DataError(f"cannot extract the archive from {url}: {one_line(e)}") from None
 
 
 def _find_folder_in(root: pathlib.Path) -> pathlib.Path | None:

@@ -1,2 +1,4 @@
 """The communication plan (`--plan N`): what a training step will cost on a mesh you do not
-have. build.py compiles the step and reads its collectives; interconnect.py prices them."""
+have. build.py compiles the script's step for N devices (the entry, and the method in its
+docstring); collectives.py reads the compiled program's collectives; interconnect.py prices
+them on a cited hardware table; report.py puts it together as text and JSON."""

@@ -35,9 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
+from vit_pure.config import ViTConfig
+from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
+from vit_pure.step import StepConfig
 
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -146,3 +150,45 @@ def cudnn_attention_runs(device) -> bool:
         return (int(major), int(minor)) >= (8, 0)
     except ValueError:
         return False
+
+
+def step_config(args, platform: str | None = None) -> StepConfig:
+    """The step's settings from the parsed flags, with the backend-aware defaults (`resolve`:
+    the layer loop, the matmul output dtype, --dtype auto) resolved for `platform`
+    (default: the backend JAX runs on, so call this after jax.distributed is started).
+    `notes` says what the hardware decided."""
+    # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
+    # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
+    platform = platform or jax.default_backend()
+    attention = getattr(args, "attention", None)
+    # Locality self-attention (cfg.lsa) runs on the einsum attention only.
+    cudnn = (platform == "gpu" and not args.cfg.lsa
+             and cudnn_attention_runs(jax.devices()[0]))
+    choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
+                      attention=attention, cudnn=cudnn)
+    _check_attention(choices.attention, choices.policy, platform, args.cfg)
+    return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
+                      choices.scan, args.remat, attention=choices.attention,
+                      dropout_masks=getattr(args, "dropout_masks", "bernoulli"),
+                      randaugment=tuple(getattr(args, "randaugment", (0, 0))),
+                      mixup_alpha=getattr(args, "mixup", 0.0),
+                      cutmix_alpha=getattr(args, "cutmix", 0.0),
+                      ema_decay=getattr(args, "ema", 0.0),
+                      eval_flip=getattr(args, "eval_flip", False),
+                      notes=choices.notes)
+
+
+def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
+    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
+    A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
+    if cfg.lsa and attention != "einsum":
+        raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
+                         f"--attention einsum only, not {attention}")
+    if attention != "cudnn":
+        return
+    if platform != "gpu":
+        raise UsageError(f"--attention cudnn needs an NVIDIA GPU (cuDNN); this run is on "
+                         f"{platform}: use --attention xla (or einsum)")
+    if policy.compute_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise UsageError(f"--attention cudnn needs a 16-bit compute dtype (--dtype bf16 or "
+                         f"fp16); the policy {policy} computes in float32")

@@ -118,7 +118,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from vit_pure.data.cifar10 import _one_line  # one copy: an exception's message as one line
+from vit_pure.errors import CheckpointError, one_line
 
 FORMAT = "vit_pure.checkpoint"
 VERSION = 1
@@ -129,10 +129,6 @@ _STEP_DIR = re.compile(r"step_(\d{8,})")
 _TMP_PREFIX = ".tmp-"  # a save in progress, or one that crashed
 _TRASH_PREFIX = ".trash-"  # a checkpoint on its way out (retention, or re-save of a step)
 _NATIVE_KINDS = "biufc"  # bool, signed, unsigned, float, complex: .npy without pickle
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, corrupt or partial, or does not fit the template."""
 
 
 def step_dir_name(step: int) -> str:
@@ -172,7 +168,7 @@ def save(
     try:
         meta_json = json.loads(json.dumps(dict(meta)))
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"meta is not JSON-serialisable: {_one_line(e)}") from None
+        raise CheckpointError(f"meta is not JSON-serialisable: {one_line(e)}") from None
 
     ckpt_dir = pathlib.Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -432,7 +428,7 @@ def _restore_leaf(key: str, like: Any, entry: dict[str, Any], npz: Any) -> Any:
     except (AttributeError, TypeError) as e:
         raise CheckpointError(
             f"{key}: template leaf {type(like).__name__} needs a shape and a numpy dtype "
-            f"({_one_line(e)})"
+            f"({one_line(e)})"
         ) from None
     if like_shape != shape:
         raise CheckpointError(
@@ -453,7 +449,7 @@ def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{MANIFEST_FILE} is missing") from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{MANIFEST_FILE} is unreadable: {_one_line(e)}") from None
+        raise CheckpointError(f"{MANIFEST_FILE} is unreadable: {one_line(e)}") from None
     try:
         if manifest["format"] != FORMAT or manifest["version"] != VERSION:
             raise CheckpointError(
@@ -471,7 +467,7 @@ def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
             ):
                 raise ValueError(f"bad entry for {e.get('key')!r}")
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{MANIFEST_FILE} is malformed: {_one_line(e)}") from None
+        raise CheckpointError(f"{MANIFEST_FILE} is malformed: {one_line(e)}") from None
     return manifest
 
 
@@ -481,7 +477,7 @@ def _open_npz(path: pathlib.Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{ARRAYS_FILE} is missing") from None
     except Exception as e:  # a truncated zip, garbage, ...: all mean "corrupt"
-        raise CheckpointError(f"{ARRAYS_FILE} is unreadable: {_one_line(e)}") from None
+        raise CheckpointError(f"{ARRAYS_FILE} is unreadable: {one_line(e)}") from None
 
 
 def _read_stored(npz: Any, entry: dict[str, Any]) -> np.ndarray:
@@ -492,7 +488,7 @@ def _read_stored(npz: Any, entry: dict[str, Any]) -> np.ndarray:
     try:
         array = npz[key]
     except Exception as e:  # bad CRC, truncated member, an object array (pickle), ...
-        raise CheckpointError(f"{key}: unreadable: {_one_line(e)}") from None
+        raise CheckpointError(f"{key}: unreadable: {one_line(e)}") from None
     if array.dtype != np.dtype(entry["stored_dtype"]) or list(array.shape) != entry["shape"]:
         raise CheckpointError(
             f"{key}: stored as {array.dtype}{list(array.shape)}, manifest says "

@@ -7,13 +7,14 @@ import os
 import sys
 from typing import Any, Callable
 
-from vit_pure.data import cifar10 as data_lib
 from vit_pure.run import distributed
-from vit_pure.plan import build as plan
-from vit_pure.run.checkpoint import CheckpointError
+from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
 from vit_pure.config import POOLS, PRESETS, get_preset
 from vit_pure.model import ATTENTION_IMPLS, DROPOUT_MASKS, REMAT_SAVE_NAMES, remat_saved_names
 from vit_pure.policy import Policy
+
+# The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
+DEFAULT_EFFICIENCY = 0.4
 
 
 # Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
@@ -198,8 +199,36 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process job, letting jax.distributed.initialize detect "
                         "what the three flags above leave out")
-    plan.add_flags(p)  # --plan N: compile for N devices and print the plan (no training)
+    _add_plan_flags(p)  # --plan N: compile for N devices and print the plan (no training)
     return p
+
+
+def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """The planning flags (both scripts; vit_pure/plan/build.py reads them)."""
+    g = parser.add_argument_group(
+        "planning a run at scale (docs/planning.md)",
+        "--plan N compiles the training step for N devices on fake CPU devices, trains "
+        "nothing, and prints its collectives, their cost on --hardware, the compute, the "
+        "memory, the predicted step and a verdict.")
+    g.add_argument("--plan", type=int, default=None, metavar="N",
+                   help="plan the step for N devices instead of training")
+    g.add_argument("--hardware", default="h100", metavar="NAME",
+                   help="target of the plan (vit_pure/plan/interconnect.py HARDWARE; an unknown "
+                        "name lists them)")
+    g.add_argument("--plan-json", default=None, metavar="FILE",
+                   help="also write the plan as JSON")
+    g.add_argument("--gpus-per-node", type=int, default=None, metavar="P",
+                   help="devices per node (fast links inside; default: the hardware's, 8 "
+                        "for GPUs)")
+    g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
+                   help="fraction of the peak the step's matmuls reach (measure it with "
+                        "bench.py on one device: its 'MFU (datasheet)')")
+    g.add_argument("--peak-tflops", type=float, default=None, help="override the peak")
+    g.add_argument("--intra-gbps", type=float, default=None, metavar="GB/S",
+                   help="override the bus bandwidth inside a node")
+    g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
+                   help="override the per-device bandwidth across nodes")
+    g.add_argument("--latency-us", type=float, default=None, help="override the latency per call")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -216,7 +245,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     _check_profile_flags(parser, args)
     _check_synthetic_flags(parser, args)
     try:
-        if (args.policy or args.dtype) != "auto":  # checked here; built by StepConfig.from_args
+        if (args.policy or args.dtype) != "auto":  # checked here; built by backend.step_config
             Policy.parse(args.policy or args.dtype, args.matmul_precision)
     except ValueError as e:
         parser.error(f"--policy: {e}")
@@ -455,26 +484,9 @@ def _check_process_flags(parser, args) -> None:
         parser.error(f"--process-id must be in 0..{args.num_processes - 1}")
 
 
-class UsageError(ValueError):
-    """A bad flag combination, reported as one line."""
-
-
 def flag_name(name: str) -> str:
     """The flag an argparse attribute comes from: "drop_path" -> "--drop-path"."""
     return "--" + name.replace("_", "-")
-
-
-class Interrupted(Exception):
-    """SIGTERM / SIGINT stopped a run that had nowhere to save (no --ckpt-dir).
-
-    `main_guard` prints the message and exits with 128 + the signal number (130 for
-    SIGINT, 143 for SIGTERM), the shell's convention for "killed by this signal", so a
-    wrapper or scheduler does not mistake the run for a finished one.
-    """
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 def main_guard(fn: Callable[[], Any]) -> int:
@@ -486,7 +498,7 @@ def main_guard(fn: Callable[[], Any]) -> int:
     """
     try:
         fn()
-    except (data_lib.DataError, UsageError, FloatingPointError, CheckpointError) as e:
+    except (DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:

@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from vit_pure.data import cifar10 as data_lib
+from vit_pure.errors import DataError
 
 
 def initialize(coordinator: str | None, num_processes: int | None,
@@ -70,7 +71,7 @@ def _check_rows(sharding: jax.sharding.Sharding, n_rows: int) -> None:
     lo, hi = min(b[0] for b in blocks), max(b[1] for b in blocks)
     want = (i * n_rows // p, (i + 1) * n_rows // p)
     if (lo, hi) != want or sum(stop - start for start, stop in blocks) != hi - lo:
-        raise data_lib.DataError(
+        raise DataError(
             f"process {i}'s devices hold rows {sorted(blocks)} of a batch of {n_rows}, not "
             f"its own share [{want[0]}, {want[1]}): the batch axis of the mesh must be split "
             f"across the {p} processes (e.g. --mesh data=D with D a multiple of {p})")

@@ -33,7 +33,7 @@ import numpy as np
 from vit_pure.run import accum, checkpoint
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.run import distributed
-from vit_pure.run.cli import Interrupted, UsageError
+from vit_pure.errors import DataError, Interrupted, UsageError
 from vit_pure.config import ViTConfig
 from vit_pure.model import count_params
 from vit_pure.run.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
@@ -210,7 +210,7 @@ def plan_steps(args, n_train: int) -> StepPlan:
     """--epochs, capped by --steps; every step is a full batch (the remainder is dropped)."""
     steps_per_epoch = data_lib.steps_per_epoch(n_train, args.batch)
     if steps_per_epoch == 0:
-        raise data_lib.DataError(
+        raise DataError(
             f"--batch {args.batch} is larger than the {n_train} training images")
     total_steps = args.epochs * steps_per_epoch
     if args.steps is not None:
@@ -362,7 +362,7 @@ def _log_setup(log: Logger, args, sc: StepConfig, strategy: Strategy, ckpts: Che
         event="config", model=sc.cfg.name, pool=sc.cfg.pool, policy=str(policy),
         batch=args.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
-    for note in sc.notes:  # what the hardware chose for the flags left to it (hardware.py)
+    for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
 
 

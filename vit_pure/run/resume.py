@@ -26,7 +26,8 @@ import numpy as np
 
 from vit_pure.run import checkpoint
 from vit_pure.data import cifar10 as data_lib
-from vit_pure.run.cli import UsageError, flag_name
+from vit_pure.errors import UsageError
+from vit_pure.run.cli import flag_name
 from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*

@@ -1,1 +1,2 @@
-"""Reading what XLA will run: FLOPs of the model (flops.py)."""
+"""Reading what XLA will run: the HLO text of a compiled program (hlo.py) and the model's
+matmul FLOPs counted from its shapes (flops.py)."""

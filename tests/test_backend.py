@@ -3,18 +3,14 @@ user leaves alone, and that explicit flags always win."""
 import jax.numpy as jnp
 import pytest
 
-from vit_pure import step
-
-from vit_pure.run import cli
-
-from vit_pure.run import backend as hardware
+from vit_pure.run import backend, cli
 
 BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2_CPU = frozenset({"avx2", "fma"})
 
 
 def test_headline_command_on_a_gpu_runs_unrolled_with_bf16_matmul_outputs():
-    c = hardware.resolve("bf16", "default", None, "gpu")
+    c = backend.resolve("bf16", "default", None, "gpu")
     assert not c.scan
     assert (c.policy.compute_dtype, c.policy.matmul_dtype) == (jnp.bfloat16, jnp.bfloat16)
     assert any(n.startswith("layers: unrolled") for n in c.notes)
@@ -29,7 +25,7 @@ def test_headline_command_on_a_gpu_runs_unrolled_with_bf16_matmul_outputs():
     ("bf16", True, "einsum", "einsum"),  # explicit flags win
     ("bf16", True, "xla", "xla")])
 def test_attention_is_cudnn_only_where_measured(dtype, cudnn, given, expected):
-    c = hardware.resolve(dtype, "default", None, "gpu", attention=given, cudnn=cudnn)
+    c = backend.resolve(dtype, "default", None, "gpu", attention=given, cudnn=cudnn)
     assert c.attention == expected
     assert any(n.startswith("attention: cuDNN") for n in c.notes) == (given is None
                                                                       and expected == "cudnn")
@@ -45,12 +41,12 @@ class _Device:
     (_Device(compute_capability="7.5"), False), (_Device(compute_capability="12.0"), True),
     (_Device(compute_capability="gfx90a"), False), (_Device(), False)])
 def test_cudnn_attention_needs_a_cuda_device_of_capability_8(device, runs):
-    assert hardware.cudnn_attention_runs(device) == runs
+    assert backend.cudnn_attention_runs(device) == runs
 
 
 @pytest.mark.parametrize("flags", [BF16_CPU, AVX2_CPU])
 def test_cpu_keeps_f32_matmul_outputs_and_says_when_bf16_is_emulated(flags):
-    c = hardware.resolve("bf16", "default", None, "cpu", flags)
+    c = backend.resolve("bf16", "default", None, "cpu", flags)
     assert not c.scan and c.policy.matmul_dtype == jnp.float32
     emulated = any("no bf16 arithmetic" in n for n in c.notes)
     assert emulated == (flags == AVX2_CPU)
@@ -60,33 +56,33 @@ def test_cpu_keeps_f32_matmul_outputs_and_says_when_bf16_is_emulated(flags):
     ("cpu", BF16_CPU, jnp.bfloat16), ("cpu", AVX2_CPU, jnp.float32),
     ("gpu", None, jnp.bfloat16), ("tpu", None, jnp.bfloat16)])
 def test_dtype_auto(platform, flags, dtype):
-    c = hardware.resolve("auto", "default", None, platform, flags)
+    c = backend.resolve("auto", "default", None, platform, flags)
     assert c.policy.compute_dtype == dtype
     assert any(n.startswith("dtype: ") for n in c.notes)
 
 
 def test_explicit_choices_win():
-    c = hardware.resolve("p=f32,c=bf16,o=f32,m=f32", "default", True, "gpu")
+    c = backend.resolve("p=f32,c=bf16,o=f32,m=f32", "default", True, "gpu")
     assert c.scan and c.policy.matmul_dtype == jnp.float32
     assert not any(n.startswith(("layers", "matmul")) for n in c.notes)
-    assert hardware.resolve("fp32", "default", None, "tpu").scan  # not measured: scan stays
-    tf32 = hardware.resolve("fp32", "default", None, "gpu")
+    assert backend.resolve("fp32", "default", None, "tpu").scan  # not measured: scan stays
+    tf32 = backend.resolve("fp32", "default", None, "gpu")
     assert tf32.policy.matmul_dtype == jnp.float32 and any("TF32" in n for n in tf32.notes)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
-    assert hardware.cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
-    assert hardware.cpu_flags(str(tmp_path / "missing")) == frozenset()
+    assert backend.cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
+    assert backend.cpu_flags(str(tmp_path / "missing")) == frozenset()
 
 
 def test_the_scripts_parser_leaves_these_to_the_hardware():
     """What `python train_shardmap.py --batch 4096 --dtype bf16` parses to, resolved as
-    StepConfig.from_args does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
+    backend.step_config does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
     assert args.scan is None and args.attention is None
-    sc = step.StepConfig.from_args(args, platform="gpu")
+    sc = backend.step_config(args, platform="gpu")
     assert not sc.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"

@@ -1,0 +1,189 @@
+"""The plan itself: the collectives priced per mesh axis, the compute, the memory, the
+predicted step with and without overlap, and the verdict; as text and as JSON.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from vit_pure.plan import interconnect as ic
+from vit_pure.plan.collectives import CPU_COMBINER, GPU_COMBINE_BYTES, Collective
+from vit_pure.run.accum import StepMemory
+
+
+@dataclasses.dataclass
+class Plan:
+    script: str
+    devices: int
+    mesh: dict[str, int]
+    hardware: ic.Hardware
+    efficiency: float
+    global_batch: int
+    per_device_batch: int
+    tokens_per_image: int
+    params_per_device: int
+    collectives: list[Collective]
+    calls: dict[int, int]
+    corrections: list[str]
+    program_flops: int
+    model_flops: float
+    memory: dict[str, int]
+    compile_s: float
+    notes: list[str]
+    compiled: object = None  # the executable the plan was read from (tests run it)
+
+    # -- time
+    def seconds(self, c: Collective) -> float:
+        return (c.count * ic.transfer_seconds(c.kind, c.nbytes, c.where, self.hardware)
+                + self.calls.get(id(c), c.count) * ic.latency_seconds(c.where, self.hardware))
+
+    def per_axis(self) -> dict[str, dict]:
+        out = {}
+        for c in self.collectives:
+            row = out.setdefault(c.axes, {"bytes": 0, "wire_bytes": 0.0, "calls": 0,
+                                          "ops": 0, "seconds": 0.0})
+            row["bytes"] += c.nbytes * c.count
+            row["wire_bytes"] += c.count * ic.wire_bytes(c.kind, c.nbytes, c.where.n)
+            row["calls"] += self.calls.get(id(c), c.count)
+            row["ops"] += c.count
+            row["seconds"] += self.seconds(c)
+        return out
+
+    @property
+    def compute_s(self) -> float:
+        return self.program_flops / (self.hardware.peak_flops * self.efficiency)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.seconds(c) for c in self.collectives)
+
+    def mfu(self, step_s: float) -> float:
+        return self.model_flops / (step_s * self.hardware.peak_flops) if step_s else 0.0
+
+    @property
+    def memory_bytes(self) -> int:
+        return StepMemory(1, **self.memory).total
+
+    # -- verdict
+    def verdict(self) -> tuple[str, str]:
+        compute, comm = self.compute_s, self.comm_s
+        axes = self.per_axis()
+        rule = ("rule: ratio = communication / compute (no overlap); ratio > 1: "
+                "communication-bound on the axis with the most time; else compute-bound. "
+                "On 'data' the gradient collectives do not grow with the per-device batch "
+                "and the compute does, so the balance batch is b x t_axis / t_compute")
+        fits = self.memory_bytes <= self.hardware.memory_bytes
+        memory = ("" if fits else
+                  f"; does not fit: {self.memory_bytes / 2**30:.1f} GiB per device > "
+                  f"{self.hardware.memory_bytes / 2**30:.0f} GiB (--accum-steps K or "
+                  f"--remat block)")
+        ratio = comm / compute if compute else math.inf
+        if ratio <= 1 or not axes:
+            return (f"compute-bound: communication is {ratio:.2f}x the compute "
+                    f"({comm * 1e3:.2f} of {compute * 1e3:.2f} ms){memory}", rule)
+        axis, row = max(axes.items(), key=lambda kv: kv[1]["seconds"])
+        share = row["seconds"] / compute
+        advice = self._advice(axis, row["seconds"], compute)
+        return (f"communication-bound {ratio:.2f}x; '{axis}' alone {share:.1f}x the compute "
+                f"({row['seconds'] * 1e3:.2f} vs {compute * 1e3:.2f} ms): {advice}{memory}", rule)
+
+    def _advice(self, axis: str, axis_s: float, compute_s: float) -> str:
+        b = self.per_device_batch
+        if axis == "data" or axis.startswith("data"):
+            need = math.ceil(b * axis_s / compute_s)
+            return (f"raise the per-device batch from {b} to >= {need} images "
+                    f"(>= {need * self.tokens_per_image:,} tokens), or fewer, larger "
+                    f"devices on 'data'")
+        if "model" in axis:
+            return ("tensor parallelism's activation all-reduces grow with the batch: keep "
+                    f"'model' inside a node (<= {self.hardware.devices_per_node}) or use a "
+                    "smaller model= and more data=")
+        if "pipe" in axis:
+            return "fewer pipeline stages, or more micro-batches per stage"
+        return "reduce the collectives on this axis"
+
+    # -- output
+    def record(self) -> dict:
+        verdict, rule = self.verdict()
+        no_overlap = self.compute_s + self.comm_s
+        overlap = max(self.compute_s, self.comm_s)
+        return {
+            "devices": self.devices, "mesh": self.mesh, "script": self.script,
+            "hardware": dataclasses.asdict(self.hardware) | {"efficiency": self.efficiency},
+            "params_per_device": self.params_per_device,
+            "global_batch": self.global_batch, "per_device_batch": self.per_device_batch,
+            "collectives": [c.record() for c in self.collectives],
+            "per_axis": self.per_axis(),
+            "corrections": self.corrections,
+            "flops": {"program_per_device": self.program_flops,
+                      "model_per_device": self.model_flops},
+            "memory": self.memory | {"total": self.memory_bytes},
+            "predicted": {"compute_s": self.compute_s, "comm_s": self.comm_s,
+                          "step_s": no_overlap, "mfu": self.mfu(no_overlap),
+                          "step_overlap_s": overlap, "mfu_overlap": self.mfu(overlap)},
+            "verdict": verdict, "rule": rule, "compile_s": self.compile_s, "notes": self.notes,
+        }
+
+    def report(self) -> str:
+        hw = self.hardware
+        lines = [f"plan: {self.script} for {self.devices} devices, mesh "
+                 + " x ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1 or k == "data")
+                 + f"; global batch {self.global_batch} ({self.per_device_batch} per data "
+                 f"rank); compiled on {self.devices} fake CPU devices in {self.compile_s:.1f} s",
+                 f"hardware {hw.describe()}", f"  sources: {hw.sources}"]
+        lines += [f"  {note}" for note in self.notes]
+        lines.append("corrections for the target:")
+        lines.append(f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
+                     f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
+                     "collectives) modelled for the latency term")
+        lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
+        lines.append("collectives per device (V = bytes per execution; count = executions "
+                     "per optimizer step, loop trip counts included; calls = XLA:GPU calls "
+                     "as modelled, a shared call counted on the row that opens it):")
+        lines.append(f"  {'kind':<19}{'axes':<12}{'dtype':<6}{'ops':>5}{'V min..max':>22}"
+                     f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  source")
+        groups = collections.defaultdict(list)
+        for c in self.collectives:
+            groups[(c.kind, c.axes, c.dtype, c.source)].append(c)
+        for (kind, axes, dtype, source), cs in sorted(
+                groups.items(), key=lambda kv: -sum(self.seconds(c) for c in kv[1])):
+            sizes = [c.nbytes for c in cs]
+            span = (_size(min(sizes)) if min(sizes) == max(sizes)
+                    else f"{_size(min(sizes))}..{_size(max(sizes))}")
+            lines.append(
+                f"  {kind:<19}{axes:<12}{dtype:<6}{len(cs):>5}{span:>22}"
+                f"{sum(c.count for c in cs):>11}"
+                f"{sum(self.calls.get(id(c), c.count) for c in cs):>7}"
+                f"{sum(c.nbytes * c.count for c in cs) / 1e6:>10.1f}"
+                f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {source}")
+        lines.append("per mesh axis (per device per step):")
+        for axis, row in sorted(self.per_axis().items(), key=lambda kv: -kv[1]["seconds"]):
+            lines.append(f"  {axis:<12} V {row['bytes'] / 1e6:9.1f} MB, sent on the wire "
+                         f"{row['wire_bytes'] / 1e6:9.1f} MB, {row['ops']} executions in "
+                         f"{row['calls']} calls: {row['seconds'] * 1e3:.3f} ms")
+        compute = self.compute_s
+        lines.append(f"compute: {self.program_flops / 1e9:,.1f} GFLOP per device per step "
+                     f"(dot ops of the compiled program, trip counts included; model "
+                     f"{self.model_flops / 1e9:,.1f}) / ({hw.peak_flops / 1e12:.0f} TFLOP/s x "
+                     f"{self.efficiency:.2f}) = {compute * 1e3:.2f} ms")
+        m = self.memory
+        lines.append(f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "
+                     f"analysis of the CPU compile: arguments {_size(m['argument'])} + outputs "
+                     f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
+                     f"{_size(m['temp'])}) of {hw.memory_bytes / 2**30:.0f} GiB; params "
+                     f"{self.params_per_device:,} per device")
+        no_overlap, overlap = compute + self.comm_s, max(compute, self.comm_s)
+        lines.append(f"predicted step: {no_overlap * 1e3:.2f} ms with no overlap (MFU "
+                     f"{self.mfu(no_overlap):.1%}), {overlap * 1e3:.2f} ms with full overlap "
+                     f"(MFU {self.mfu(overlap):.1%}); communication {self.comm_s * 1e3:.2f} ms")
+        verdict, rule = self.verdict()
+        lines += [f"verdict: {verdict}", rule]
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"

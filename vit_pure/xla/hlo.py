@@ -1,0 +1,221 @@
+"""One reader of XLA's HLO text (`compiled.as_text()`): computations, instructions, how
+many times each computation runs per step (the `known_trip_count`s of the while loops
+around it), the kit's file:line behind an op, and the matmul FLOPs of a program.
+
+Pure text: nothing here compiles or runs. The communication plan (vit_pure/plan/) reads
+its collectives through it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "token": 0}
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+@dataclasses.dataclass
+class Module:
+    """A compiled HLO module's text, parsed just enough: computations, their
+    instructions, how often each computation runs per execution, the stack frames."""
+    computations: dict[str, list[Instr]]
+    entry: str
+    runs: dict[str, int]          # computation -> executions per step (trip counts)
+    unknown_trips: int            # while loops without a known trip count (counted once)
+    frames: dict[int, tuple[str, int, str, int]]  # frame -> (file, line, function, parent)
+
+
+_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"\b(calls|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _parse_instr(name: str, rest: str) -> Instr | None:
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.find(" ")
+    shape, tail = rest[:end], rest[end:].lstrip()
+    m = re.match(r"([\w\-]+)\(", tail)
+    if not m:
+        return None
+    close = _balanced(tail, m.end() - 1)
+    operands = re.findall(r"%([\w.\-]+)", tail[m.end():close - 1])
+    return Instr(name, shape, m.group(1), operands, tail[close:])
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """'(f32[4,24]{1,0}, bf16[])' -> [('f32', (4, 24)), ('bf16', ())]."""
+    return [(dt, tuple(int(d) for d in dims.split(",") if d))
+            for dt, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape))
+            if dt in DTYPE_BYTES]
+
+
+def shape_bytes(shape: str) -> int:
+    return sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in arrays(shape))
+
+
+def parse_module(text: str) -> Module:
+    computations, entry, current = {}, None, None
+    frames_text = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    table = None
+    for line in text.splitlines():
+        if line in frames_text:
+            table = frames_text[line]
+            continue
+        if table is not None:
+            m = re.match(r"^(\d+)\s+(.*)$", line)
+            if m:
+                table[int(m.group(1))] = m.group(2)
+                continue
+            table = None
+        h = _HEADER.match(line)
+        if h:
+            current = h.group(2)
+            computations[current] = []
+            if h.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            instr = _parse_instr(m.group(1), m.group(2))
+            if instr is not None:
+                computations[current].append(instr)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    runs, unknown = _executions(computations, entry)
+    return Module(computations, entry, runs, unknown, _frames(frames_text))
+
+
+def _executions(computations, entry) -> tuple[dict[str, int], int]:
+    """How many times each computation runs per execution of the entry: a while body
+    runs its known_trip_count times per run of its caller; fusions, calls and branches
+    once (a conditional's branches are all counted: an upper bound)."""
+    runs = collections.Counter()
+    unknown = 0
+
+    def visit(name, times):
+        nonlocal unknown
+        runs[name] += times
+        for instr in computations.get(name, ()):
+            for kind, callee in _CALLEE.findall(instr.attrs):
+                if kind == "to_apply":  # reduction bodies: scalar adds
+                    continue
+                factor = 1
+                if kind == "body":
+                    trip = _TRIP.search(instr.attrs)
+                    if trip is None:
+                        unknown += 1
+                    else:
+                        factor = int(trip.group(1))
+                visit(callee, times * factor)
+            for group in _BRANCHES.findall(instr.attrs):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    visit(callee, times)
+
+    visit(entry, 1)
+    return dict(runs), unknown
+
+
+def _frames(tables) -> dict[int, tuple[str, int, str, int]]:
+    def quoted(s):
+        return s.strip().strip('"')
+
+    files = {k: quoted(v) for k, v in tables["FileNames"].items()}
+    funcs = {k: quoted(v) for k, v in tables["FunctionNames"].items()}
+    locs = {}
+    for k, v in tables["FileLocations"].items():
+        f = dict(re.findall(r"(\w+)=(\d+)", v))
+        locs[k] = (files.get(int(f.get("file_name_id", 0)), "?"), int(f.get("line", 0)),
+                   funcs.get(int(f.get("function_name_id", 0)), "?"))
+    frames = {}
+    for k, v in tables["StackFrames"].items():
+        f = dict(re.findall(r"(\w+)=(\d+)", v))
+        loc = locs.get(int(f.get("file_location_id", 0)), ("?", 0, "?"))
+        frames[k] = (*loc, int(f.get("parent_frame_id", 0)))
+    return frames
+
+
+def kit_path(path: str) -> str | None:
+    """`path` relative to the kit's root, or None outside it (site-packages, jax)."""
+    try:
+        rel = pathlib.Path(path).resolve().relative_to(REPO)
+    except (ValueError, OSError):
+        return None
+    return None if rel.parts[0].startswith(".") else rel.as_posix()
+
+
+def op_source(module: Module, attrs: str) -> str:
+    """'vit_pure/model.py:198 (_reduce_from_tp)': the innermost frame of the op's stack
+    that lies in the kit (a parent id equal to the frame's own marks the outermost)."""
+    m = re.search(r"stack_frame_id=(\d+)", attrs)
+    frame = int(m.group(1)) if m else 0
+    seen = set()
+    while frame in module.frames and frame not in seen:
+        seen.add(frame)
+        path, line, func, parent = module.frames[frame]
+        rel = kit_path(path)
+        if rel is not None:
+            return f"{rel}:{line} ({func.rsplit('.', 1)[-1]})"
+        frame = parent
+    m = re.search(r'source_file="([^"]+)" source_line=(\d+)', attrs)
+    if m and kit_path(m.group(1)):
+        return f"{kit_path(m.group(1))}:{m.group(2)}"
+    return "?"
+
+
+def dot_flops(module: Module) -> int:
+    """Matmul FLOPs per step of the per-device program: 2 x output elements x the
+    contracted size, for every dot, times its computation's executions."""
+    total = 0
+    for comp, instrs in module.computations.items():
+        times = module.runs.get(comp, 0)
+        if not times:
+            continue
+        shapes = {i.name: i.shape for i in instrs}
+        for instr in instrs:
+            if instr.opcode != "dot":
+                continue
+            lhs = arrays(shapes.get(instr.operands[0], ""))
+            out = arrays(instr.shape)
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+            if not lhs or not out or m is None:
+                continue
+            contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
+            total += times * 2 * math.prod(out[0][1]) * contracted
+    return total
