@@ -68,16 +68,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import re
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -85,18 +82,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import train_pmap
+import train_shardmap
+from benchmarks import harness
 from vit_pure import step
-
-from vit_pure.run import backend, cli, hostmem
-
-from vit_pure.data import cifar10 as data
-from vit_pure.run.accum import StepMemory
 from vit_pure.config import PRESETS, get_preset
-from vit_pure.xla.flops import forward_flops_per_image, train_flops_per_image  # noqa: F401
+from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
-
-RESULT_TAG = "BENCH_RESULT "
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # for the children
+from vit_pure.run import backend, cli, hostmem
+from vit_pure.run.accum import StepMemory
+from vit_pure.xla.flops import train_flops_per_image
 
 # Published dense (no sparsity) peak throughput in TFLOP/s, per device, by matmul input
 # type. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16/FP16 989, TF32 495,
@@ -110,28 +105,6 @@ PUBLISHED_PEAK_TFLOPS = {
     "H200": {"half": 989.0, "tf32": 495.0, "f32": 67.0},
     "A100": {"half": 312.0, "tf32": 156.0, "f32": 19.5},
 }
-
-
-# ----------------------------------------------------------------------- FLOP counting
-_DOT_RE = re.compile(r"stablehlo\.dot_general.*?contracting_dims = \[([\d, ]*)\] x .*?"
-                     r": \(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
-
-
-def _dims(tensor_type: str) -> list[int]:
-    """'2x17x24xf32' -> [2, 17, 24]."""
-    return [int(d) for d in tensor_type.split("x")[:-1]]
-
-
-def stablehlo_dot_flops(text: str) -> int:
-    """FLOPs of every dot_general in a lowered StableHLO module (jitted.lower().as_text()):
-    2 x output elements x contracted elements. Each dot is counted once as written, so
-    a loop body (lax.scan) counts once: use it on unrolled programs."""
-    total = 0
-    for lhs_contract, lhs, out in _DOT_RE.findall(text):
-        lhs_dims = _dims(lhs)
-        contracted = math.prod(lhs_dims[int(i)] for i in lhs_contract.split(",") if i.strip())
-        total += 2 * math.prod(_dims(out)) * contracted
-    return total
 
 
 # ---------------------------------------------------------------- configuration syntax
@@ -211,14 +184,9 @@ def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5) -> tuple[
     b = jax.random.normal(kb, (size, size), jnp.float32).astype(compute_dtype)
     f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision,
                                         preferred_element_type=jnp.float32))
-    jax.block_until_ready(f(a, b))
-    wall, cpu = [], []
-    for _ in range(runs):
-        t0, c0 = time.perf_counter(), time.process_time()
-        jax.block_until_ready(f(a, b))
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return 2 * size ** 3 / statistics.median(wall), 2 * size ** 3 / statistics.median(cpu)
+    times = harness.time_calls(lambda: f(a, b), jax.block_until_ready, runs)
+    return (2 * size ** 3 / statistics.median(times.wall),
+            2 * size ** 3 / statistics.median(times.cpu))
 
 
 def published_peak(device, policy: Policy) -> float | None:
@@ -265,14 +233,12 @@ def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, device
     """The training script's own strategy over `devices` (fsdp / microbatches: as the
     script's --fsdp / --microbatches; shard_map only)."""
     if name == "pmap":
-        from train_pmap import PmapStrategy
         if len(devices) == len(jax.local_devices()):
-            return PmapStrategy(sc, optimizer)
-        return PmapStrategy(sc, optimizer, devices=devices)
-    from train_shardmap import ShardMapStrategy
+            return train_pmap.PmapStrategy(sc, optimizer)
+        return train_pmap.PmapStrategy(sc, optimizer, devices=devices)
     mesh = f"data={layout}" if layout.isdigit() else (layout or None)
-    return ShardMapStrategy(sc, optimizer, mesh, devices=devices, fsdp=fsdp,
-                            microbatches=microbatches)
+    return train_shardmap.ShardMapStrategy(sc, optimizer, mesh, devices=devices, fsdp=fsdp,
+                                           microbatches=microbatches)
 
 
 def _host_batches(batch: int, seed: int):
@@ -319,27 +285,17 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
-    # One step more than timed: where dispatch turns out synchronous (the call returns
-    # only when the step is done, as XLA:CPU may do), a step's completion is observed
-    # one call late, and the extra step keeps the last timed interval honest.
-    finished, cpu, previous, metrics = [], [], None, None
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for i in range(warmup + steps + 1):
+    metrics = None
+
+    def dispatch(i):
+        nonlocal state, metrics
         # The state is donated: each call consumes the last state's buffers.
         state, metrics = compiled(state, *inputs(i))
-        if previous is not None:  # one step in flight, as in loop.run
-            jax.block_until_ready(previous)
-            finished.append(time.perf_counter())
-            cpu.append(time.process_time())
-        previous = metrics
-    jax.block_until_ready(previous)
-    finished.append(time.perf_counter())
-    cpu.append(time.process_time())
-    intervals = np.diff([start] + finished)
-    cpu_intervals = np.diff([cpu_start] + cpu)
+        return metrics
+
+    times = harness.time_steps(dispatch, jax.block_until_ready, warmup, steps)
     return {"compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
-            "step_s": intervals[warmup:warmup + steps].tolist(),
-            "step_cpu_s": cpu_intervals[warmup:warmup + steps].tolist(),
+            "step_s": times.wall, "step_cpu_s": times.cpu,
             "loss": float(strategy.metrics_to_host(metrics)["loss"]), "compiled": compiled,
             "lowered": lowered,
             "param_bytes": param_bytes, "opt_state_bytes": opt_state_bytes}
@@ -413,11 +369,7 @@ def run_config(job: dict) -> dict:
             twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices,
                                  fsdp=fsdp, microbatches=microbatches)
             twin_state = step.init_state(jax.random.key(0), cfg, policy, optimizer)
-            args = (twin.put_state(twin_state),
-                    *twin.put_batch(np.zeros((job["batch"], 32, 32, 3), np.uint8),
-                                    np.zeros(job["batch"], np.int32),
-                                    np.arange(job["batch"], dtype=np.int32)),
-                    twin.put_replicated(step.step_key(0, 0, 0)))
+            args = (twin.put_state(twin_state), *step_inputs(twin, job["batch"])(0))
             xla_flops = xla_flops_per_image(twin.train_step.lower(*args).compile(), n,
                                             job["batch"])
         else:
@@ -450,66 +402,37 @@ def run_config(job: dict) -> dict:
 
 
 # -------------------------------------------------------------------------- the driver
-def _child(job_json: str) -> int:
-    job = json.loads(job_json)
+def _child(job: dict) -> int:
     if job["devices"]:
         cli.use_cpu_devices(job["devices"])  # only the CPU backend reads this
     if job["cpu"]:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    try:
-        result = run_config(job)
-    except (cli.UsageError, data.DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0
-
-
-def run_in_child(job: dict) -> dict:
-    """Run one configuration in a fresh interpreter; its result, or {"error": ...}."""
-    cmd = [sys.executable, "-m", "benchmarks.bench", "--child", json.dumps(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    return {"label": job["label"], "error": lines[-1] if lines else f"exit code {proc.returncode}"}
+    return harness.child_main(run_config, job)
 
 
 def _mib(n):
     return "" if n is None else f"{n / 2**20:,.0f} MiB"
 
 
-def _fmt(x, spec):
-    return "n/a" if x is None else format(x, spec)
-
-
 def markdown_table(results: list[dict]) -> str:
     head = ["config", "dev", "img/s", "step ms", "img/CPU-s", "compile s (CPU s)", "GFLOP/img",
             "XLA GFLOP/img", "TFLOP/s", "ceiling TFLOP/s", "MFU", "MFU (CPU time)",
             "MFU (datasheet)", "mem/dev", "peak RSS", "load"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (len(head) - 2))
+            rows.append([r["label"], f"failed: {r['error']}"])
             continue
-        rows.append("| " + " | ".join([
+        rows.append([
             r["label"], str(r["devices"]), f"{r['images_per_s']:.1f}", f"{r['step_ms']:.0f}",
-            _fmt(r["images_per_cpu_s"], ".1f"),
+            harness.cell(r["images_per_cpu_s"], ".1f"),
             f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})", f"{r['gflop_per_image']:.4g}",
-            _fmt(r["xla_gflop_per_image"], ".4g"), f"{r['tflops']:.3g}",
+            harness.cell(r["xla_gflop_per_image"], ".4g"), f"{r['tflops']:.3g}",
             f"{r['ceiling_tflops']:.3g}", f"{100 * r['mfu']:.0f}%",
-            "n/a" if r["mfu_cpu_time"] is None else f"{100 * r['mfu_cpu_time']:.0f}%",
-            "n/a" if r["mfu_datasheet"] is None else f"{100 * r['mfu_datasheet']:.1f}%",
+            harness.cell(r["mfu_cpu_time"], ".0%"), harness.cell(r["mfu_datasheet"], ".1%"),
             _mib(r["mem_per_device"]), _mib(r["peak_rss"]),
-            f"{r['load_start']:.1f}-{r['load']:.1f}"]) + " |")
-    return "\n".join(rows)
-
-
-def machine_line() -> str:
-    return (f"{datetime.datetime.now().isoformat(timespec='minutes')}, "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"jax {jax.__version__}, load {os.getloadavg()[0]:.2f} at start")
+            f"{r['load_start']:.1f}-{r['load']:.1f}"])
+    return harness.markdown_table(head, rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -542,7 +465,7 @@ def main(argv=None) -> list[dict]:
     p = build_parser()
     args = p.parse_args(argv)
     if args.child is not None:
-        sys.exit(_child(args.child))
+        sys.exit(_child(json.loads(args.child)))
     cli.require_positive(p, args, "batch", "steps", "accum_steps")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
@@ -562,11 +485,11 @@ def main(argv=None) -> list[dict]:
 
     print(f"# bench: {args.model}, global batch {args.batch}, {args.warmup} warm-up + "
           f"{args.steps} timed steps; defaults {defaults}")
-    print(f"# {machine_line()}")
+    print(f"# {harness.machine_line()}")
     print(f"# command: python {' '.join(shlex.quote(a) for a in sys.argv)}", flush=True)
     results = []
     for job in jobs:
-        r = run_in_child(job)
+        r = {"label": job["label"], **harness.run_child("benchmarks.bench", job)}
         results.append(r)
         if "error" in r:
             print(f"# {job['label']}: failed: {r['error']}", flush=True)

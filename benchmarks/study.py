@@ -39,73 +39,25 @@ installed) a bar chart of images/s and peak memory is written too.
 from __future__ import annotations
 
 import argparse
-import collections
-import dataclasses
 import itertools
 import os
-import re
 import sys
 
-from benchmarks import bench
+import jax
+import numpy as np
+
+import train_shardmap
+from benchmarks import bench, harness
+from vit_pure.config import PRESETS, get_preset
 from vit_pure.run import cli, hostmem
 from vit_pure.run.accum import StepMemory
-from vit_pure.config import PRESETS, get_preset
+from vit_pure.xla import hlo
 
 _SHORT = {"f32": "f32", "fp32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
           "f16": "f16", "fp16": "f16", "float16": "f16"}
 
 
 # ------------------------------------------------------------------ reading the programs
-@dataclasses.dataclass
-class _Inst:
-    name: str
-    dtype: str        # element type of the result ('' for tuples)
-    opcode: str
-    operands: list    # operand instruction names, in order
-    calls: list       # computations it calls (fusion / call / while body)
-    index: int | None  # parameter(i) / get-tuple-element index=i
-
-
-def _matching_paren(s: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(s)):
-        depth += {"(": 1, ")": -1}.get(s[i], 0)
-        if depth == 0:
-            return i
-    return len(s) - 1
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[_Inst]], str]:
-    """Optimized HLO text (compiled.as_text()) -> ({computation: [instructions]}, entry)."""
-    comps, entry, current = {}, None, None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.endswith("{") and " -> " in stripped and " = " not in stripped.split("(")[0]:
-            is_entry = stripped.startswith("ENTRY ")
-            current = stripped.removeprefix("ENTRY ").split(" ")[0].lstrip("%")
-            comps[current] = []
-            entry = current if is_entry else entry
-            continue
-        if stripped == "}":
-            current = None
-            continue
-        if current is None or " = " not in stripped:
-            continue
-        name, rest = stripped.removeprefix("ROOT ").split(" = ", 1)
-        end = _matching_paren(rest, 0) if rest.startswith("(") else rest.index(" ")
-        dtype = "" if rest.startswith("(") else rest[:end].split("[")[0]
-        rest = rest[end + 1:].lstrip()
-        opcode = rest.split("(", 1)[0]
-        args_end = _matching_paren(rest, len(opcode))
-        args, attrs = rest[len(opcode) + 1:args_end], rest[args_end + 1:]
-        calls = re.findall(r"(?:calls|body)=%?([\w.\-]+)", attrs)
-        idx = re.search(r"index=(\d+)", attrs)
-        index = int(args) if opcode == "parameter" else (int(idx.group(1)) if idx else None)
-        comps[current].append(_Inst(name.lstrip("%"), dtype, opcode,
-                                    re.findall(r"%([\w.\-]+)", args), calls, index))
-    return comps, entry
-
-
 _FLOATS = {"f32", "bf16", "f16", "f64"}
 
 
@@ -135,7 +87,8 @@ def batch_converts(hlo_text: str) -> list[str]:
     the patch embedding's weight gradient (patches^T @ grad) is one, hence a last
     bf16 -> f32 (or f16 -> f32) on the batch's path.
     """
-    comps, entry = parse_hlo(hlo_text)
+    module = hlo.parse_module(hlo_text)
+    comps, entry = module.computations, module.entry
     params = [i for i in comps[entry] if i.opcode == "parameter" and i.dtype == "u8"]
     if len(params) != 1:
         raise ValueError(f"expected one uint8 (image) parameter, found {len(params)}")
@@ -158,18 +111,18 @@ def batch_converts(hlo_text: str) -> list[str]:
             if inst.opcode == "convert" and inst.dtype in _FLOATS \
                     and dtypes.get(inst.operands[0]) in _FLOATS | {"u8"}:
                 found.append(f"{dtypes[inst.operands[0]]}->{inst.dtype}")
-            if inst.opcode in ("fusion", "call") and inst.calls:
-                callee = inst.calls[0]
+            if inst.opcode in ("fusion", "call") and inst.callees:
+                callee = inst.callees[0]
                 inner = {i.name for i in comps[callee]
                          if i.opcode == "parameter" and i.index in hit}
                 if not walk(callee, inner):
                     continue
-            elif inst.opcode == "while" and inst.calls:
+            elif inst.opcode == "while" and inst.callees:
                 # The loop state is one tuple; find which of its elements carry the batch.
                 producer = next((i for i in comps[comp] if i.name == inst.operands[0]), None)
                 elements = ({k for k, op in enumerate(producer.operands) if op in tainted}
                             if producer is not None and producer.opcode == "tuple" else set())
-                body = inst.calls[-1]
+                body = inst.callees[-1]
                 body_params = {i.name for i in comps[body] if i.opcode == "parameter"}
                 tainted_params.update(body_params)
                 walk(body, set(), elements)
@@ -179,19 +132,6 @@ def batch_converts(hlo_text: str) -> list[str]:
 
     tainted_params: set[str] = set()
     walk(entry, {params[0].name})
-    return found
-
-
-def dot_precisions(lowered_text: str) -> collections.Counter:
-    """Precision attributes of the dot_generals in lowered StableHLO (lowered.as_text()):
-    Counter({'HIGHEST': 54}) means all 54 matmuls run at HIGHEST; 'none' counts dots
-    with no precision attribute (they get the backend default)."""
-    found = collections.Counter()
-    for line in lowered_text.splitlines():
-        if "stablehlo.dot_general" in line:
-            m = re.search(r"precision = \[(\w+), (\w+)\]", line)
-            found["none" if m is None else
-                  m.group(1) if m.group(1) == m.group(2) else f"{m.group(1)},{m.group(2)}"] += 1
     return found
 
 
@@ -209,19 +149,16 @@ def accumulation(batch: int, n_devices: int, micro_batch: int) -> int:
 
 def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: str, *,
             steps: int, warmup: int, micro_batch: int, devices) -> dict:
-    import numpy as np
-    from train_shardmap import ShardMapStrategy
-
     policy = f"p={param_dtype},c={compute_dtype},o=f32"
     accum = accumulation(batch, len(devices), micro_batch)
     sc, optimizer = bench.training_setup(cfg.name, batch, policy, precision=precision,
                                          accum=accum, total_steps=warmup + steps + 1)
-    strategy = ShardMapStrategy(sc, optimizer, None, devices=devices)
+    strategy = train_shardmap.ShardMapStrategy(sc, optimizer, None, devices=devices)
     strategy.check_batch(batch, accum_steps=sc.accum_steps)
     res = bench.measure_train_step(strategy, sc, optimizer, batch, steps=steps, warmup=warmup)
     compiled = res["compiled"]
     # The lowered (pre-optimisation) program for the precision check: each dot as written.
-    precisions = dot_precisions(res["lowered"].as_text())
+    precisions = hlo.dot_precisions(res["lowered"].as_text())
     step_s = float(np.median(res["step_s"]))
     return {
         "param_dtype": param_dtype, "compute_dtype": compute_dtype, "batch": batch,
@@ -243,23 +180,23 @@ def markdown(rows: list[dict]) -> str:
     head = ["params", "compute", "batch", "precision", "param bytes", "opt-state bytes",
             "peak mem/dev", "step s", "img/s", "img/CPU-s", "loss@N", "batch converts",
             "dots @precision"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         batch = f"{r['batch']}" + (f" ({r['accum']}x{r['batch'] // r['accum']})"
                                    if r.get("accum", 1) > 1 else "")
         if "error" in r:
-            lines.append(f"| {r['param_dtype']} | {r['compute_dtype']} | {batch} | "
-                         f"{r['precision']} | failed: {r['error']} |" + " |" * 8)
+            lines.append([r["param_dtype"], r["compute_dtype"], batch, r["precision"],
+                          f"failed: {r['error']}"])
             continue
-        lines.append("| " + " | ".join([
+        lines.append([
             r["param_dtype"], r["compute_dtype"], batch, r["precision"],
             f"{r['param_bytes'] / 2**20:.1f} MiB", f"{r['opt_state_bytes'] / 2**20:.1f} MiB",
             f"{r['peak_bytes'] / 2**20:,.0f} MiB", f"{r['step_s']:.2f}",
-            f"{r['images_per_s']:.1f}", bench._fmt(r["images_per_cpu_s"], ".1f"),
+            f"{r['images_per_s']:.1f}", harness.cell(r["images_per_cpu_s"], ".1f"),
             f"{r['loss']:.4f}",
             f"{len(r['converts'])} ({', '.join(r['converts'])})",
-            f"{r['dots_at_precision']}/{r['dots']}"]) + " |")
-    return "\n".join(lines)
+            f"{r['dots_at_precision']}/{r['dots']}"])
+    return harness.markdown_table(head, lines)
 
 
 def write_png(rows: list[dict], path: str) -> str:
@@ -335,11 +272,10 @@ def main(argv=None) -> list[dict]:
             raise cli.UsageError(f"--precisions: {prec!r} is not default, high or highest")
     cfg = get_preset(args.model)
 
-    import jax
     devices = jax.devices()
     header = (f"Model {cfg.name}, shard_map over {len(devices)} {devices[0].device_kind} "
               f"device(s), {args.warmup} warm-up + {args.steps} timed steps (loss@N: N = "
-              f"{args.warmup + args.steps + 1}), synthetic data, {bench.machine_line()}.\n"
+              f"{args.warmup + args.steps + 1}), synthetic data, {harness.machine_line()}.\n"
               f"Command: python {' '.join(sys.argv)}\n")
     rows = []
     grid = list(itertools.product(batches, pds, cds, precisions))

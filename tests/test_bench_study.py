@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks import bench, study
 from vit_pure import PRESETS, apply, init_params, step
+from vit_pure.xla import flops, hlo
 from train_shardmap import ShardMapStrategy
 
 TINY = PRESETS["tiny"]
@@ -18,18 +19,15 @@ def _lowered_train_step(policy: str, *, precision="default", scan: bool, batch: 
     sc, optimizer = bench.training_setup("tiny", batch, policy, precision=precision, scan=scan)
     strategy = ShardMapStrategy(sc, optimizer, None, devices=jax.devices()[:devices])
     state = strategy.put_state(step.init_state(jax.random.key(0), TINY, sc.policy, optimizer))
-    inputs = strategy.put_batch(np.zeros((batch, 32, 32, 3), np.uint8),
-                                np.zeros(batch, np.int32), np.arange(batch, dtype=np.int32))
-    return strategy.train_step.lower(state, *inputs,
-                                     strategy.put_replicated(step.step_key(0, 0, 0)))
+    return strategy.train_step.lower(state, *bench.step_inputs(strategy, batch)(0))
 
 
 def test_analytic_flops_by_hand_and_for_vit_cifar():
     # tiny: 17 tokens, width 24, MLP 40, 16 patches of 192 pixels, 10 classes, depth 4.
     block = 17 * 24 * 72 + 2 * 17 * 17 * 24 + 17 * 24 * 24 + 2 * 17 * 24 * 40
-    assert bench.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
+    assert flops.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
     # The reference model, vit-cifar: about 4.26 GFLOP per training image (docs/performance.md).
-    assert bench.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
+    assert flops.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +45,20 @@ def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
     params = init_params(jax.random.key(0), TINY)
     images = np.zeros((6, 32, 32, 3), np.float32)
     fwd = jax.jit(lambda p, x: apply(p, x, TINY)).lower(params, images).as_text()
-    assert bench.stablehlo_dot_flops(fwd) == 6 * bench.forward_flops_per_image(TINY)
+    assert hlo.stablehlo_dot_flops(fwd) == 6 * flops.forward_flops_per_image(TINY)
 
     # With a convolutional stem: its two layers (16x16 x 27 x 8, 8x8 x 72 x 12 multiply-
     # adds per image) count as dots of the forward pass too.
     stem = TINY.replace(name="tiny-stem", stem=(8, 12), patch_size=16)
     fwd = jax.jit(lambda p, x: apply(p, x, stem)).lower(init_params(jax.random.key(0), stem),
                                                         images).as_text()
-    assert bench.stablehlo_dot_flops(fwd) == 6 * bench.forward_flops_per_image(stem)
-    assert bench.forward_flops_per_image(stem) - bench.forward_flops_per_image(
+    assert hlo.stablehlo_dot_flops(fwd) == 6 * flops.forward_flops_per_image(stem)
+    assert flops.forward_flops_per_image(stem) - flops.forward_flops_per_image(
         stem.replace(stem=())) == 2 * (256 * 27 * 8 + 64 * 72 * 12) + 2 * 4 * (192 - 768) * 24
 
     patch_input_grad = 2 * TINY.num_patches * TINY.patch_dim * TINY.width
-    assert bench.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
-        bench.train_flops_per_image(TINY) - patch_input_grad)
+    assert hlo.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
+        flops.train_flops_per_image(TINY) - patch_input_grad)
 
 
 def test_analytic_flops_match_xla_cost_analysis():
@@ -73,8 +71,8 @@ def test_analytic_flops_match_xla_cost_analysis():
     params = init_params(jax.random.key(0), TINY)
     images = np.zeros((8, 32, 32, 3), np.float32)
     grad = jax.jit(jax.grad(lambda p, x: apply(p, x, TINY).sum()))
-    flops = grad.lower(params, images).compile().cost_analysis()["flops"]
-    ratio = flops / 8 / bench.train_flops_per_image(TINY)
+    xla_flops = grad.lower(params, images).compile().cost_analysis()["flops"]
+    ratio = xla_flops / 8 / flops.train_flops_per_image(TINY)
     assert 1.0 <= ratio <= 1.2, ratio
 
 
@@ -87,7 +85,7 @@ def test_matmul_precision_reaches_every_dot(precision, expected):
     # With scan the layer is written once: 6 forward dots (qkv, scores, probs.v, out,
     # fc1, fc2) and 12 backward ones (2 per dot); outside it the patch embedding (forward
     # + weight gradient) and the head (forward + 2): 18 + 5.
-    assert study.dot_precisions(lowered) == {expected: 23}
+    assert hlo.dot_precisions(lowered) == {expected: 23}
 
 
 def test_parse_configs_and_bad_input():

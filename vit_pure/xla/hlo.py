@@ -1,9 +1,11 @@
 """One reader of XLA's HLO text (`compiled.as_text()`): computations, instructions, how
 many times each computation runs per step (the `known_trip_count`s of the while loops
-around it), the kit's file:line behind an op, and the matmul FLOPs of a program.
+around it), the kit's file:line behind an op, and the matmul FLOPs of a program; and two
+readings of the lowered StableHLO (`lowered.as_text()`): its matmul FLOPs as written and
+the precision each matmul asks for.
 
 Pure text: nothing here compiles or runs. The communication plan (vit_pure/plan/) reads
-its collectives through it.
+its collectives through it, the benchmarks their programs.
 """
 from __future__ import annotations
 
@@ -26,6 +28,21 @@ class Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    index: int | None = None  # parameter(i)'s i; a get-tuple-element's index=i
+
+    @property
+    def dtype(self) -> str:
+        """The element type of a single-array result ('' for a tuple)."""
+        found = arrays(self.shape)
+        return found[0][0] if len(found) == 1 and not self.shape.startswith("(") else ""
+
+    @property
+    def callees(self) -> list[str]:
+        """The computations it runs (reduction bodies and a while's condition left out):
+        a fusion's or call's computation, a while's body, a conditional's branches."""
+        branches = [c for group in _BRANCHES.findall(self.attrs)
+                    for c in re.findall(r"%([\w.\-]+)", group)]
+        return [c for kind, c in _CALLEE.findall(self.attrs) if kind != "to_apply"] + branches
 
 
 @dataclasses.dataclass
@@ -70,8 +87,14 @@ def _parse_instr(name: str, rest: str) -> Instr | None:
     if not m:
         return None
     close = _balanced(tail, m.end() - 1)
-    operands = re.findall(r"%([\w.\-]+)", tail[m.end():close - 1])
-    return Instr(name, shape, m.group(1), operands, tail[close:])
+    inside, attrs = tail[m.end():close - 1], tail[close:]
+    operands = re.findall(r"%([\w.\-]+)", inside)
+    index = re.search(r"\bindex=(\d+)", attrs)
+    if m.group(1) == "parameter" and inside.strip().isdigit():
+        index = int(inside)
+    elif index is not None:
+        index = int(index.group(1))
+    return Instr(name, shape, m.group(1), operands, attrs, index)
 
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -219,3 +242,38 @@ def dot_flops(module: Module) -> int:
             contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
             total += times * 2 * math.prod(out[0][1]) * contracted
     return total
+
+
+# ------------------------------------------------------- the lowered program (StableHLO)
+_STABLEHLO_DOT = re.compile(r"stablehlo\.dot_general.*?contracting_dims = \[([\d, ]*)\] x .*?"
+                            r": \(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
+
+
+def _tensor_dims(tensor_type: str) -> list[int]:
+    """'2x17x24xf32' -> [2, 17, 24]."""
+    return [int(d) for d in tensor_type.split("x")[:-1]]
+
+
+def stablehlo_dot_flops(text: str) -> int:
+    """FLOPs of every dot_general in a lowered StableHLO module (jitted.lower().as_text()):
+    2 x output elements x contracted elements. Each dot is counted once as written, so
+    a loop body (lax.scan) counts once: use it on unrolled programs."""
+    total = 0
+    for lhs_contract, lhs, out in _STABLEHLO_DOT.findall(text):
+        lhs_dims = _tensor_dims(lhs)
+        contracted = math.prod(lhs_dims[int(i)] for i in lhs_contract.split(",") if i.strip())
+        total += 2 * math.prod(_tensor_dims(out)) * contracted
+    return total
+
+
+def dot_precisions(lowered_text: str) -> collections.Counter:
+    """Precision attributes of the dot_generals in lowered StableHLO (lowered.as_text()):
+    Counter({'HIGHEST': 54}) means all 54 matmuls run at HIGHEST; 'none' counts dots
+    with no precision attribute (they get the backend default)."""
+    found = collections.Counter()
+    for line in lowered_text.splitlines():
+        if "stablehlo.dot_general" in line:
+            m = re.search(r"precision = \[(\w+), (\w+)\]", line)
+            found["none" if m is None else
+                  m.group(1) if m.group(1) == m.group(2) else f"{m.group(1)},{m.group(2)}"] += 1
+    return found
