@@ -1,6 +1,25 @@
-"""Benchmarks and studies of the kit, run as modules from the repository root:
+"""Benchmarks and studies of the kit, run as modules from the repository root.
 
-    python -m benchmarks.bench ...      images/s, FLOPs, MFU, memory per configuration
-    python -m benchmarks.study ...      the dtype / precision grid
-    python -m benchmarks.peers ...      the kit against Flax NNX and PyTorch on one device
+The tools (each one's --help is its docstring, with the commands it was run with):
+
+    python -m benchmarks.bench ...              images/s, FLOPs, MFU, memory per configuration
+    python -m benchmarks.study ...              the dtype / precision grid
+    python -m benchmarks.peers ...              the kit against Flax NNX and PyTorch, one device
+    python -m benchmarks.profile_breakdown DIR  a profiler trace's device time by kernel kind
+
+The probes, each one question (benchmarks/probes/__init__.py says where its answer is):
+
+    python -m benchmarks.probes.matmul_vjp       the custom VJP of float32-output matmuls
+    python -m benchmarks.probes.attention_check  the --attention implementations (GPU)
+    python -m benchmarks.probes.dropout_masks    PRNGs for the dropout masks
+    python -m benchmarks.probes.gemm_epilogues   which library and epilogue each GEMM gets
+    python -m benchmarks.probes.loop_overhead    the training loop against the step alone
+    python -m benchmarks.probes.bench_data       the input pipeline's throughput
+    python -m benchmarks.probes.bench_randaugment  RandAugment and each of its ops, timed
+
+What they share lives in two places: harness.py (the timing loops, the child-process
+runner, synthetic host batches, the Markdown table; standard library and NumPy only) and
+bench.py's helpers for the kit's own training step (script_setup / training_setup,
+make_strategy, step_inputs, measure_train_step, tree_bytes). Programs are read through
+vit_pure/xla/hlo.py and FLOPs counted by vit_pure/xla/flops.py.
 """

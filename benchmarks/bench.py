@@ -85,6 +85,7 @@ import numpy as np
 import train_pmap
 import train_shardmap
 from benchmarks import harness
+from benchmarks.harness import device_peak_bytes
 from vit_pure import step
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.data import cifar10 as data
@@ -305,11 +306,6 @@ def tree_bytes(tree) -> int:
     """Bytes of every array leaf of `tree`."""
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(tree)))
-
-
-def device_peak_bytes(device) -> int | None:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 def xla_flops_per_image(compiled, n_devices: int, batch: int) -> float:

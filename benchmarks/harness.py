@@ -174,3 +174,15 @@ def machine_line() -> str:
     return (f"{datetime.datetime.now().isoformat(timespec='minutes')}, "
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
             f"jax {package_version('jax')}, load {os.getloadavg()[0]:.2f} at start")
+
+
+def device_info(device, framework: str) -> dict:
+    """{"device": "KIND (PLATFORM, FRAMEWORK)", "platform": ...} of a JAX device."""
+    return {"device": f"{device.device_kind} ({device.platform}, {framework})",
+            "platform": device.platform}
+
+
+def device_peak_bytes(device) -> int | None:
+    """A JAX device's peak bytes in use (None where the backend keeps no such figure)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None

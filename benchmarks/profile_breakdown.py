@@ -6,8 +6,8 @@
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
 
 Reads the `*.trace.json.gz` that `jax.profiler` writes (the training scripts' `--profile
-DIR`, vit_pure/run/loop.py's Profiler, or `benchmarks/peers.py --profile-kit DIR`): under
-DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
+DIR`, vit_pure/run/loop.py's Profiler, or `python -m benchmarks.peers --profile-kit DIR`):
+under DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
 
 Which events count as device time:
 * GPU / TPU: the processes named "/device:GPU:N" (or TPU). Of their threads, the CUDA
@@ -37,6 +37,8 @@ import json
 import os
 import re
 import sys
+
+from vit_pure.run import cli
 
 # (category, pattern), first match wins: the order resolves names that match several
 # (a "gemm_fusion_dot" is a gemm; a threefry "shift-right-logical_convert_fusion" is random).
@@ -208,7 +210,6 @@ def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:
 
 
 def main(argv=None) -> int:
-    from vit_pure.run import cli
     p = cli.doc_parser(__doc__)
     p.add_argument("trace", help="a *.trace.json.gz, or a --profile directory (newest run)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list")

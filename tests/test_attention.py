@@ -7,7 +7,7 @@ rounding under bf16. The tiny model has 17 tokens, padded to 24, so the padding 
 mask are really exercised (and dropping the mask is a difference the checks see). Under
 tensor parallelism (local heads) and a pipeline, the "xla" path matches data parallel
 within tests/test_layout_matrix.py's tolerances. "cudnn" needs an NVIDIA GPU: on CPU it is
-a one-line usage error; its check against the einsum path is benchmarks/attention_check.py
+a one-line usage error; its check against the einsum path is benchmarks/probes/attention_check.py
 (a GPU script, not a test).
 """
 from __future__ import annotations

@@ -289,10 +289,11 @@ def test_bad_flag_in_a_real_process(script, flags, message):
     assert "Traceback" not in proc.stdout
 
 
-TOOLS = ["benchmarks.attention_check", "benchmarks.bench", "benchmarks.bench_data",
-         "benchmarks.bench_randaugment", "benchmarks.dropout_masks",
-         "benchmarks.gemm_epilogues", "benchmarks.loop_overhead", "benchmarks.matmul_vjp",
-         "benchmarks.peers", "benchmarks.profile_breakdown", "benchmarks.study",
+TOOLS = ["benchmarks.bench", "benchmarks.study", "benchmarks.peers.driver",
+         "benchmarks.profile_breakdown", "benchmarks.probes.attention_check",
+         "benchmarks.probes.bench_data", "benchmarks.probes.bench_randaugment",
+         "benchmarks.probes.dropout_masks", "benchmarks.probes.gemm_epilogues",
+         "benchmarks.probes.loop_overhead", "benchmarks.probes.matmul_vjp",
          "vit_pure.tools.params_table", "vit_pure.tools.plot"]
 POSITIONAL = {"benchmarks.profile_breakdown": ["run.trace.json.gz"],
               "vit_pure.tools.plot": ["run.jsonl"]}
@@ -313,16 +314,16 @@ def test_tools_give_one_line_errors(module, capsys):
 TOOL_CASES = [
     ("benchmarks.bench", ["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
     ("benchmarks.bench", ["--warmup", "-1"], "--warmup must be >= 0"),
-    ("benchmarks.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
-    ("benchmarks.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
-    ("benchmarks.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),
-    ("benchmarks.dropout_masks", ["--steps", "0"], "--steps must be positive, got 0"),
-    ("benchmarks.gemm_epilogues", ["--batch", "-1"], "--batch must be positive, got -1"),
-    ("benchmarks.loop_overhead", ["--bench-steps", "0"], "--bench-steps must be positive"),
-    ("benchmarks.loop_overhead", ["--eval-every", "-1"], "--eval-every must be >= 0"),
-    ("benchmarks.loop_overhead", ["--dtype", "f33"], "--dtype: unknown dtype 'f33'"),
-    ("benchmarks.matmul_vjp", ["--steps", "0"], "--steps must be positive, got 0"),
-    ("benchmarks.peers", ["--entry-timeout", "nan"], "--entry-timeout must be positive"),
+    ("benchmarks.probes.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
+    ("benchmarks.probes.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
+    ("benchmarks.probes.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),
+    ("benchmarks.probes.dropout_masks", ["--steps", "0"], "--steps must be positive, got 0"),
+    ("benchmarks.probes.gemm_epilogues", ["--batch", "-1"], "--batch must be positive, got -1"),
+    ("benchmarks.probes.loop_overhead", ["--bench-steps", "0"], "--bench-steps must be positive"),
+    ("benchmarks.probes.loop_overhead", ["--eval-every", "-1"], "--eval-every must be >= 0"),
+    ("benchmarks.probes.loop_overhead", ["--dtype", "f33"], "--dtype: unknown dtype 'f33'"),
+    ("benchmarks.probes.matmul_vjp", ["--steps", "0"], "--steps must be positive, got 0"),
+    ("benchmarks.peers.driver", ["--entry-timeout", "nan"], "--entry-timeout must be positive"),
     ("vit_pure.tools.params_table", ["--param-dtype", "f32", "int3"],
      "--param-dtype: unknown dtype"),
 ]
@@ -340,7 +341,7 @@ def test_tools_refuse_bad_values_in_one_line(module, flags, message, capsys):
 def test_tool_help_is_its_docstring(capsys):
     """A tool's --help opens with its docstring's first paragraph and ends with the rest
     (usage lines, notes) as written."""
-    from benchmarks import gemm_epilogues
+    from benchmarks.probes import gemm_epilogues
     with pytest.raises(SystemExit) as exit_info:
         gemm_epilogues.main(["--help"])
     out = capsys.readouterr().out

@@ -218,10 +218,10 @@ def test_remat_mode_errors(bad):
 
 
 def test_dropout_masks_benchmark_sees_which_prngs_keep_the_per_example_rule(capsys):
-    """benchmarks/dropout_masks.py: Threefry (the kit's) gives each example its own mask
+    """benchmarks/probes/dropout_masks.py: Threefry (the kit's) gives each example its own mask
     on any batch split and runs inside shard_map; RBG's vmap draws the whole batch from
     the first key, which the check must catch."""
-    from benchmarks import dropout_masks
+    from benchmarks.probes import dropout_masks
     rows = {(r["masks"], r["impl"]): r for r in dropout_masks.main(
         ["--model", "tiny", "--batch", "4", "--steps", "1", "--impls", "threefry2x32,rbg"])}
     for kit in [("threefry16", "threefry2x32"), ("bernoulli", "threefry2x32")]:

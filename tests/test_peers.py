@@ -1,4 +1,4 @@
-"""benchmarks/peers.py and benchmarks/profile_breakdown.py on CPU; neither flax nor torch
+"""benchmarks.peers and benchmarks/profile_breakdown.py on CPU; neither flax nor torch
 is needed (their rows must then say "skipped"). No timing assertions."""
 import gzip
 import importlib.util
@@ -8,14 +8,13 @@ import statistics
 
 import pytest
 
-
-from benchmarks import peers
 from benchmarks import profile_breakdown as pb
+from benchmarks.peers import driver as peers
 from vit_pure import PRESETS
+from vit_pure.run import hostmem
 
 
 # --------------------------------------------------------------------------------- peers
-from vit_pure.run import hostmem
 def test_table_rows_mfu_and_failures():
     ok = {"name": "kit", "batch": 100, "step_s": [2.0, 0.5, 1.0], "compile_s": 3.25,
           "peak_bytes": 3 * 2 ** 30, "params": 1234, "loss": 2.5}
@@ -234,9 +233,9 @@ def test_breakdown_bad_paths(tmp_path, capsys):
 
 
 def test_gemm_epilogues_counts_gemms_by_library_and_epilogue():
-    """benchmarks/gemm_epilogues.py reads XLA:GPU's optimized HLO: lines written the way
+    """benchmarks/probes/gemm_epilogues.py reads XLA:GPU's optimized HLO: lines written the way
     XLA prints its GEMM custom calls and fusions."""
-    from benchmarks import gemm_epilogues as ge
+    from benchmarks.probes import gemm_epilogues as ge
     gpu = "\n".join([
         '  %cublas-lt-matmul.3 = (bf16[266240,1536]{1,0}, s8[4194304]{0}) custom-call('
         'bf16[266240,384]{1,0} %a, bf16[384,1536]{1,0} %b, bf16[1536]{0} %c), '
@@ -261,6 +260,6 @@ def test_gemm_epilogues_on_the_cpu_step():
     """The tiny model's real compiled step on a CPU, one dot per product: per block 6
     forward products (qkv, scores, context, output, fc1, fc2) and 2 backward each; the
     patch embedding's forward and weight gradient; the head's forward and 2 backward."""
-    from benchmarks import gemm_epilogues as ge
+    from benchmarks.probes import gemm_epilogues as ge
     counts = ge.main(["--model", "tiny", "--batch", "8"])
     assert counts == {("dot", "-"): 6 * 3 * PRESETS["tiny"].depth + 2 + 3}

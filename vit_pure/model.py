@@ -364,7 +364,7 @@ def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
         probabilities are rounded to the input dtype before the second product, as in the
         einsum path; the context comes back in the compute dtype. The backward pass
         recomputes the probabilities from the saved softmax statistics instead of
-        keeping the (T, T) matrix. benchmarks/attention_check.py compares its gradients
+        keeping the (T, T) matrix. benchmarks/probes/attention_check.py compares its gradients
         with the einsum path's on a GPU.
     The kit has no dropout on the attention probabilities (its dropout sits on full-width
     activations), so the fused call needs none.

@@ -59,7 +59,8 @@ Sources
 Cost: under vmap, `lax.switch` with a per-example index evaluates every branch and selects,
 so one RandAugment layer costs the sum of all ops. `rand_augment` therefore warps once per
 op slot with the drawn geometric op's matrix (the five geometric ops would otherwise be five
-bilinear warps) and switches over the colour ops only. See ``benchmarks/bench_randaugment.py``.
+bilinear warps) and switches over the colour ops only. See
+``benchmarks/probes/bench_randaugment.py``.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Four settings have a right answer that depends on the hardware; each is measured
                    the two einsums (`einsum`). On an H100 (vit-cifar, batch 4096, bf16) it
                    ran 39,358 img/s against 36,992 for the einsums, peak 27.1 against
                    30.1 GiB, with gradients within bf16 rounding of the einsums'
-                   (benchmarks/attention_check.py). fp16 is not measured: einsum there.
+                   (benchmarks/probes/attention_check.py). fp16 is not measured: einsum there.
   dtype            `--dtype auto` (what `--recipe cpu-quick` asks for): bf16 where it is
                    fast (accelerators; CPUs with bf16 arithmetic, avx512_bf16 or amx_bf16),
                    else fp32. An AVX2-only CPU emulates bf16: vit-cifar at batch 128 ran

@@ -1,7 +1,7 @@
 """Time and check the ways the kit's dropout masks can be drawn.
 
-    python -m benchmarks.dropout_masks                               # vit-cifar, batch 128
-    python -m benchmarks.dropout_masks --batch 4096 --dtype bf16     # the GPU's headline shape
+    python -m benchmarks.probes.dropout_masks                            # vit-cifar, batch 128
+    python -m benchmarks.probes.dropout_masks --batch 4096 --dtype bf16  # the GPU's headline shape
 
 The model draws each dropout mask from per-example keys (model._dropout: fold_in of the
 example id, the layer and the site, then model._keep_mask under a vmap), by one of two
@@ -27,16 +27,21 @@ a CPU: docs/performance.md, "Dropout masks on a CPU".
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from benchmarks import harness
+from vit_pure import model
+from vit_pure.config import PRESETS, get_preset
 from vit_pure.run import cli
 
 IMPLS = ("threefry2x32", "philox4x32", "rbg")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vit_pure.config import PRESETS
     p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=128, help="examples in the timed activation")
@@ -61,20 +66,16 @@ def parse(argv):
 
 def example_keys(impl: str, ids):
     """Per-example keys of implementation `impl`, as model.dropout_keys makes them."""
-    import jax
 
-    from vit_pure import model
     return model._example_keys(jax.random.key(0, impl=impl), ids)
 
 
 def site(x, keys, rate, masks):
     """One dropout site, exactly as the model runs it (layer 1, the attention branch)."""
-    from vit_pure import model
     return model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
 
 
 def per_example(masks: str, impl: str, rate: float) -> bool:
-    import jax.numpy as jnp
     keys = example_keys(impl, jnp.arange(4))
     x = jnp.ones((4, 17, 24), jnp.float32)
     return bool(jnp.array_equal(site(x, keys, rate, masks)[2:],
@@ -83,10 +84,6 @@ def per_example(masks: str, impl: str, rate: float) -> bool:
 
 def under_shard_map(masks: str, impl: str, rate: float) -> str:
     """"yes", or the first line of the error."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     cpus = jax.devices("cpu")[:2]
     if len(cpus) < 2:
         return "not checked: one CPU device"
@@ -106,8 +103,6 @@ def under_shard_map(masks: str, impl: str, rate: float) -> str:
 
 def timed(masks: str, impl: str, args, cfg) -> tuple[float, float]:
     """Median ms of one site forward, and forward + backward."""
-    import jax
-    import jax.numpy as jnp
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     x = jnp.ones((args.batch, cfg.seq_len, cfg.width), dtype)
     keys = example_keys(impl, jnp.arange(args.batch))
@@ -118,22 +113,12 @@ def timed(masks: str, impl: str, args, cfg) -> tuple[float, float]:
         y, vjp = jax.vjp(lambda x: site(x, k, cfg.dropout, masks), x)
         return y, vjp(y)[0]
 
-    out = []
-    for f in (fwd, fwd_bwd):
-        jax.block_until_ready(f(x, keys))
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, keys))
-            times.append(time.perf_counter() - t0)
-        out.append(1e3 * statistics.median(times))
-    return out[0], out[1]
+    return tuple(1e3 * harness.median_seconds(lambda f=f: f(x, keys), jax.block_until_ready,
+                                              args.steps) for f in (fwd, fwd_bwd))
 
 
 def main(argv=None) -> list[dict]:
     args = parse(argv)
-    import jax
-    from vit_pure.config import get_preset
     cfg = get_preset(args.model)
     rate = cfg.dropout or 0.1
     cfg = cfg.replace(dropout=rate)
@@ -156,6 +141,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from vit_pure.run.cli import use_cpu_devices
-    use_cpu_devices(2)  # for the shard_map check (only the CPU backend reads it)
+    cli.use_cpu_devices(2)  # for the shard_map check (only the CPU backend reads it)
     main()

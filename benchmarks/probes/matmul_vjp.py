@@ -1,6 +1,6 @@
 """The float32-output matmul's backward pass: policy.py's custom VJP against plain autodiff.
 
-    python -m benchmarks.matmul_vjp --model vit-cifar --batch 32 --steps 5
+    python -m benchmarks.probes.matmul_vjp --model vit-cifar --batch 32 --steps 5
 
 Under a bf16 policy with float32 matmul outputs (``m=f32``, the CPU default), plain
 autodiff hands each matmul's backward products a float32 cotangent, so they run with
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import harness
 from vit_pure.run import cli
 from vit_pure import policy as policy_lib
 from vit_pure import step
@@ -37,9 +38,7 @@ def _plain_f32_out(spec, a, b, precision=None):
 
 def build(cfg, batch: int, plain: bool):
     """The compiled gradient step and its params, with the custom VJP or plain autodiff."""
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (batch, 32, 32, 3), dtype=np.uint8)
-    labels = rng.integers(0, cfg.num_classes, batch).astype(np.int32)
+    ((images, labels),) = harness.host_batches(batch, n=1, classes=cfg.num_classes)
     ids = np.arange(batch, dtype=np.int32)
     sc = step.StepConfig(cfg, Policy.parse("p=f32,c=bf16,o=f32,m=f32"))
     params = step.init_state(jax.random.key(0), cfg, sc.policy, optax.sgd(0.1))["params"]

@@ -1,26 +1,31 @@
-"""The Flax NNX peer of benchmarks/peers.py: a ViT written here to the kit's config
+"""The Flax NNX peer of benchmarks.peers: a ViT written here to the kit's config
 (vit_pure.config.PRESETS: pre-LN, class token, learned position embedding, tanh-GELU,
 dropout after the embedding and on each residual branch), ``dtype=compute,
 param_dtype=float32``, optax AdamW, a jitted step with the parameters and optimizer state
-donated. Read it beside vit_pure/model.py; peers.py runs it in its own process.
+donated. Read it beside vit_pure/model.py.
+
+The driver runs it in a process of its own (`python -m benchmarks.peers.flax_nnx --child
+JOB`), and only where flax is installed; it does not import the kit.
 """
 from __future__ import annotations
 
+import functools
+import sys
 import time
 
-from vit_pure.errors import UsageError
-from benchmarks.peer_common import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
-                                    CIFAR10_STD, time_steps, host_batches, jax_device_info,
-                                    jax_peak_bytes)
+import jax
+import jax.numpy as jnp
+import optax
+from einops import rearrange
+from flax import nnx
+
+from benchmarks import harness
+from benchmarks.peers.common import BETAS, CLIP, LABEL_SMOOTHING, LR, WEIGHT_DECAY, child
 
 
 def make_nnx_vit(cfg: dict, dtype, precision, seed: int = 0):
     """A ViT in Flax NNX, to the kit's config: returns the module. The dropout masks come
     from an explicit key passed to __call__ (one mask per site for the whole batch)."""
-    import jax
-    import jax.numpy as jnp
-    from einops import rearrange
-    from flax import nnx
     F32 = jnp.float32
     E, M, T = cfg["width"], cfg["mlp_dim"], (cfg["image_size"] // cfg["patch_size"]) ** 2 + 1
     init = jax.nn.initializers.truncated_normal(0.02)
@@ -76,30 +81,21 @@ def make_nnx_vit(cfg: dict, dtype, precision, seed: int = 0):
 
 def _decay_mask(params):
     """Weight decay on the weight matrices ("kernel") only, as the kit."""
-    import jax
     return jax.tree_util.tree_map_with_path(
         lambda path, _: "kernel" in jax.tree_util.keystr(path), params)
 
 
 def run_nnx(job: dict) -> dict:
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
     F32 = jnp.float32
     dtype = jnp.bfloat16 if job["dtype"] == "bf16" else F32
     precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}[job["precision"]]
-    if job["cfg"]["image_size"] != 32:  # the batches are CIFAR-shaped
-        raise UsageError("the peers take 32 px images (the kit resizes; they do not)")
     model = make_nnx_vit(job["cfg"], dtype, precision)
     graphdef, params = nnx.split(model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, LR, 50, 1000)  # the kit's, 1000 steps
     tx = optax.chain(optax.clip_by_global_norm(CLIP),
                      optax.adamw(schedule, *BETAS, weight_decay=WEIGHT_DECAY, mask=_decay_mask))
     opt_state = tx.init(params)
-    mean, std = jnp.asarray(CIFAR10_MEAN, F32), jnp.asarray(CIFAR10_STD, F32)
+    mean, std = jnp.asarray(job["mean"], F32), jnp.asarray(job["std"], F32)
 
     def loss_fn(params, images, labels, key):
         logits = nnx.merge(graphdef, params)(images, key)
@@ -114,7 +110,7 @@ def run_nnx(job: dict) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    batches = host_batches(job["batch"])
+    batches = harness.host_batches(job["batch"])
     t0 = time.perf_counter()
     compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
     compile_s = time.perf_counter() - t0
@@ -128,6 +124,13 @@ def run_nnx(job: dict) -> dict:
             jnp.int32(i))
         return state["loss"]
 
-    step_s = time_steps(dispatch, jax.block_until_ready, job["warmup"], job["steps"])
-    return {**jax_device_info(), "step_s": step_s, "compile_s": compile_s,
-            "loss": float(state["loss"]), "peak_bytes": jax_peak_bytes(), "params": n_params}
+    step_s = harness.time_steps(dispatch, jax.block_until_ready, job["warmup"],
+                                job["steps"]).wall
+    device = jax.devices()[0]
+    return {**harness.device_info(device, f"jax {jax.__version__}"), "step_s": step_s,
+            "compile_s": compile_s, "loss": float(state["loss"]),
+            "peak_bytes": harness.device_peak_bytes(device), "params": n_params}
+
+
+if __name__ == "__main__":
+    sys.exit(child(run_nnx, sys.argv))

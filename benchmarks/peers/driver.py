@@ -53,7 +53,7 @@ Columns:
                      up or slows down during the run favours no row), and the figure is
                      the median of the rounds' medians; each round's img/s is printed
                      below the table
-    MFU              model FLOP/s (bench.train_flops_per_image: matmuls, training = 3 x
+    MFU              model FLOP/s (xla.flops.train_flops_per_image: matmuls, training = 3 x
                      forward) over the FLOP/s of one large matmul measured by JAX in the
                      same run on the same device in the compute dtype (bf16: bf16 output;
                      fp32: at --matmul-precision); the "ceiling" line above the table
@@ -79,30 +79,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import importlib.util
 import json
 import os
-import pathlib
 import platform
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import time
 
-from benchmarks.peer_common import jax_device_info, jax_peak_bytes, time_steps  # noqa: F401
+import train_shardmap  # imports jax, but starts no backend (nor do the three below)
+from benchmarks import harness, profile_breakdown
+from benchmarks.peers import kit as kit_child
+from vit_pure.config import PRESETS, get_preset
+from vit_pure.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from vit_pure.errors import UsageError
-from vit_pure.run import cli, hostmem  # imports jax, but starts no backend
+from vit_pure.run import cli, hostmem
+from vit_pure.xla.flops import train_flops_per_image
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-RESULT_TAG = "PEERS_RESULT "
 PEERS = ("kit", "nnx", "torch-eager", "torch-compile")
 NEEDS = {"nnx": "flax", "torch-eager": "torch", "torch-compile": "torch"}
-PROFILE_STEPS = 3
+# The module each entry's child runs: a peer's child imports its framework only.
+CHILD = {"ceiling": "benchmarks.peers.kit", "kit": "benchmarks.peers.kit",
+         "profile-kit": "benchmarks.peers.kit", "nnx": "benchmarks.peers.flax_nnx",
+         "torch-eager": "benchmarks.peers.pytorch", "torch-compile": "benchmarks.peers.pytorch"}
 
 
 # ============================================================================ the parent
@@ -126,17 +126,8 @@ def parse_kit_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     return label.strip(), env, words
 
 
-def kit_argv(job: dict) -> list[str]:
-    """The training script's command line of a kit row (the headline command's flags)."""
-    return ["--model", job["model"], "--batch", str(job["batch"]), "--dtype", job["dtype"],
-            "--matmul-precision", job["precision"], "--dataset", "synthetic",
-            "--accum-steps", "1", *job["kit_flags"]]
-
-
 def check_kit_flags(flags: list[str], text: str) -> None:
     """Refuse flags the training script would refuse, before any entry runs."""
-    import train_shardmap  # imports jax, but starts no backend
-
     def refuse(message):
         raise UsageError(f"--kit {text!r}: the training script refuses it: {message}")
 
@@ -147,11 +138,11 @@ def check_kit_flags(flags: list[str], text: str) -> None:
 
 def build_jobs(args) -> list[dict]:
     """One job per table row, in the order they run."""
-    from vit_pure.config import get_preset
     cfg = dataclasses.asdict(get_preset(args.model))
     common = {"model": args.model, "cfg": cfg, "batch": args.batch, "dtype": args.dtype,
               "precision": args.matmul_precision, "steps": args.steps,
-              "warmup": args.warmup, "compile_mode": args.torch_compile_mode}
+              "warmup": args.warmup, "compile_mode": args.torch_compile_mode,
+              "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD)}
     jobs = []
     for entry in args.only:
         if entry != "kit":
@@ -159,51 +150,35 @@ def build_jobs(args) -> list[dict]:
             continue
         for text in args.kit or ["="]:
             label, env, flags = ("", {}, []) if text == "=" else parse_kit_variant(text)
-            check_kit_flags(kit_argv({**common, "kit_flags": flags}), text)
+            check_kit_flags(kit_child.kit_argv({**common, "kit_flags": flags}), text)
             jobs.append({**common, "entry": "kit", "name": f"kit: {label}" if label else "kit",
                          "kit_flags": flags, "kit_env": env})
     return jobs
 
 
 def run_child(job: dict, timeout: float) -> dict:
-    """Run one job in a fresh interpreter (its own process group, killed at the
-    timeout); its result, or {"error": last error line}."""
-    cmd = [sys.executable, "-m", "benchmarks.peers", "--child", json.dumps(job)]
-    t0 = time.perf_counter()
+    """Run one job in a fresh interpreter (harness.run_child, killed at the timeout); its
+    row, or {"name", "error": its last error line, ...}."""
     # The kit's rows run with the host malloc setting its training scripts choose (huge
     # pages, vit_pure/run/hostmem.py) and the row's own NAME=VALUE words (its profile too); the
     # ceiling and the peers with the environment as given.
     env = ({**hostmem.environ(), **job.get("kit_env", {})}
            if job["entry"] in ("kit", "profile-kit") else None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=str(REPO), env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\nerror: timed out after {timeout:.0f} s (--entry-timeout)"
-    except BaseException:  # Ctrl-C: take the child (and torch's compile workers) along
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    wall = time.perf_counter() - t0
-    for line in out.splitlines():
-        if line.startswith(RESULT_TAG):
-            return {**json.loads(line[len(RESULT_TAG):]), "wall_s": wall}
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    return {"name": job["name"], "error": lines[-1] if lines else f"exit code {proc.returncode}",
-            "stderr_tail": lines[-8:], "wall_s": wall}
+    row = harness.run_child(CHILD[job["entry"]], job, timeout=timeout, env=env)
+    if "error" in row and "timed out" in row["error"]:
+        row["error"] += " (--entry-timeout)"
+    return {"name": job["name"], **row}
 
 
 def skipped(job: dict) -> dict | None:
+    """The row of a peer that cannot run here, without starting its child."""
     package = NEEDS.get(job["entry"])
     if package and importlib.util.find_spec(package) is None:
         return {"name": job["name"], "skipped": f"skipped: {package} not installed"}
+    if package and job["cfg"]["image_size"] != 32:  # the batches are CIFAR-shaped
+        return {"name": job["name"],
+                "error": "the peers take 32 px images (the kit resizes; they do not)"}
     return None
-
-
-def _cell(x, spec, scale=1.0):
-    return "n/a" if x is None else format(x * scale, spec)
 
 
 def markdown_table(results: list[dict], flops_per_image: float,
@@ -211,31 +186,26 @@ def markdown_table(results: list[dict], flops_per_image: float,
     """The comparison table; MFU against `ceiling_flops` (n/a without one)."""
     head = ["entry", "img/s", "step ms", "MFU", "TFLOP/s", "peak GiB", "compile s",
             "params", "loss"]
-    rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    rows = []
     for r in results:
         if "error" in r or "skipped" in r:
-            what = r.get("skipped") or f"failed: {r['error']}"
-            rows.append(f"| {r['name']} | {what.replace('|', '/')} |" + " |" * (len(head) - 2))
+            rows.append([r["name"], r.get("skipped") or f"failed: {r['error']}"])
             continue
         ips = r["batch"] / statistics.median(r["step_s"])
         achieved = flops_per_image * ips
         mfu = achieved / ceiling_flops if ceiling_flops else None
-        rows.append("| " + " | ".join([
+        rows.append([
             r["name"], f"{ips:,.0f}" if ips >= 100 else f"{ips:.1f}",
-            f"{1e3 * statistics.median(r['step_s']):.1f}", _cell(mfu, ".1%"),
-            f"{achieved / 1e12:.3g}", _cell(r["peak_bytes"], ".2f", 2.0 ** -30),
-            f"{r['compile_s']:.1f}", f"{r['params']:,}", f"{r['loss']:.4f}"]) + " |")
-    return "\n".join(rows)
+            f"{1e3 * statistics.median(r['step_s']):.1f}", harness.cell(mfu, ".1%"),
+            f"{achieved / 1e12:.3g}", harness.cell(r["peak_bytes"], ".2f", 2.0 ** -30),
+            f"{r['compile_s']:.1f}", f"{r['params']:,}", f"{r['loss']:.4f}"])
+    return harness.markdown_table(head, rows, numeric=range(1, len(head)))
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for package in ("jax", "jaxlib", "flax", "optax", "torch"):
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
-    return out
+    return {"python": platform.python_version(),
+            **{p: harness.package_version(p) for p in ("jax", "jaxlib", "flax", "optax",
+                                                       "torch")}}
 
 
 def write_json(path: str, record: dict) -> None:
@@ -248,8 +218,8 @@ def write_json(path: str, record: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vit_pure.config import PRESETS
     p = cli.doc_parser(__doc__)
+    p.prog = "python -m benchmarks.peers"
     a = p.add_argument
     a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset (all rows)")
     a("--batch", type=int, default=4096, help="batch (one device)")
@@ -273,7 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--profile-kit", default=None, metavar="DIR",
       help="also trace 3 steps of the first kit row into DIR and print the breakdown")
     a("--json", default=None, metavar="PATH", help="write every figure to this JSON file")
-    a("--child", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -296,10 +265,6 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.child is not None:
-        sys.exit(child_main(json.loads(args.child)))
-    from vit_pure.config import get_preset
-    from vit_pure.xla.flops import train_flops_per_image  # imports no jax backend
     jobs = build_jobs(args)
     flops = train_flops_per_image(get_preset(args.model))
     record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -414,10 +379,8 @@ def _report(r: dict) -> None:
 
 def profile_kit(args, jobs: list[dict]) -> dict:
     """Trace a few steps of the first kit row (in a child) and print the breakdown."""
-    from benchmarks import profile_breakdown
     kit = next((j for j in jobs if j["entry"] == "kit"), None)
     if kit is None:
-        from vit_pure.config import get_preset
         kit = {**jobs[0], "entry": "kit", "name": "kit", "kit_flags": [],
                "cfg": dataclasses.asdict(get_preset(args.model))}
     r = run_child({**kit, "entry": "profile-kit", "profile_dir": args.profile_kit},
@@ -430,133 +393,8 @@ def profile_kit(args, jobs: list[dict]) -> dict:
     except profile_breakdown.TraceError as e:
         print(f"\n# profile of {kit['name']}: {e}", flush=True)
         return {"error": str(e)}
-    print(f"\n# profile of {kit['name']}, {PROFILE_STEPS} steps: {', '.join(files)}")
+    print(f"\n# profile of {kit['name']}, {kit_child.PROFILE_STEPS} steps: {', '.join(files)}")
     print(profile_breakdown.format_breakdown(result, source), flush=True)
     return {"files": files, "source": source, **result}
 
 
-# ============================================================================ the children
-def _runner(entry: str):
-    """The function that runs one entry (a peer's module is imported only by its child)."""
-    if entry == "nnx":
-        from benchmarks.peer_nnx import run_nnx
-        return run_nnx
-    if entry in ("torch-eager", "torch-compile"):
-        from benchmarks.peer_torch import run_torch
-        return run_torch
-    return {"ceiling": run_ceiling, "kit": run_kit, "profile-kit": run_profile_kit}[entry]
-
-
-def child_main(job: dict) -> int:
-    """Run one job in this process; print its result after RESULT_TAG."""
-    try:
-        result = _runner(job["entry"])(job)
-    except SystemExit as e:  # argparse has printed why
-        return e.code if isinstance(e.code, int) else 2
-    except Exception as e:  # noqa: BLE001 - one row's failure, reported in its row
-        import traceback
-        traceback.print_exc()
-        msg = " ".join(str(e).split())[:300]
-        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
-        return 1
-    seen = {name: os.environ.get(name) for name in job.get("kit_env", {})}
-    print(RESULT_TAG + json.dumps({"name": job["name"], "batch": job["batch"], **result,
-                                   "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-                                   "env": seen}),
-          flush=True)
-    return 0
-
-
-def run_ceiling(job: dict) -> dict:
-    """FLOP/s of a size^3 matmul in the compute dtype (bf16 out for bf16), median of 5
-    timings of 10 back-to-back calls."""
-    import jax
-    import jax.numpy as jnp
-    info = jax_device_info()
-    size = job.get("matmul_size") or (1024 if info["platform"] == "cpu" else 8192)
-    dtype = jnp.bfloat16 if job["dtype"] == "bf16" else jnp.float32
-    precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}[job["precision"]]
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (size, size), dtype)
-    b = jax.random.normal(kb, (size, size), dtype)
-    f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
-    jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        outs = [f(a, b) for _ in range(10)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / 10)
-    what = (f"{size}^3 {job['dtype']} matmul"
-            + (f", precision {job['precision']}" if job["dtype"] == "fp32" else ", bf16 out"))
-    return {**info, "flops_per_s": 2 * size ** 3 / statistics.median(times), "what": what}
-
-
-# ------------------------------------------------------------------------------ the kit
-def build_kit(job: dict):
-    """The kit's strategy as train_shardmap.main builds it, on one device: (sc,
-    optimizer, strategy)."""
-    import jax
-
-    import train_shardmap
-    from vit_pure import step
-    from vit_pure.run import accum, backend
-    from vit_pure.data import cifar10 as data
-    args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
-    cli.start_runtime(args)
-    sc = backend.step_config(args)
-    optimizer, _ = step.make_optimizer(args, 1000)
-    devices = jax.devices()[:1]
-
-    def make_strategy(sc, optimizer):
-        return train_shardmap.ShardMapStrategy(sc, optimizer, args.mesh, devices=devices,
-                                               fsdp=args.fsdp, microbatches=args.microbatches)
-
-    # --accum-steps K or auto (this resolves and checks it, as in training).
-    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer,
-                                        image_shape=(data.HEIGHT, data.WIDTH, data.CHANNELS))
-    print(f"kit: {' '.join(kit_argv(job))}; {sc}", file=sys.stderr, flush=True)
-    return sc, optimizer, strategy
-
-
-def run_kit(job: dict) -> dict:
-    import jax
-
-    from benchmarks import bench
-    from vit_pure.model import count_params, init_params
-    sc, optimizer, strategy = build_kit(job)
-    res = bench.measure_train_step(strategy, sc, optimizer, job["batch"],
-                                   steps=job["steps"], warmup=job["warmup"])
-    params = count_params(jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg)))
-    return {**jax_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
-            "loss": res["loss"], "peak_bytes": jax_peak_bytes(), "params": params,
-            "step_config": repr(sc), "policy": str(sc.policy), "scan": sc.scan,
-            "accum_steps": sc.accum_steps, "notes": list(getattr(sc, "notes", ()))}
-
-
-def run_profile_kit(job: dict) -> dict:
-    """Compile the kit's step, run --warmup steps, then trace PROFILE_STEPS steps."""
-    import jax
-
-    from benchmarks import bench
-    from vit_pure import step
-    sc, optimizer, strategy = build_kit(job)
-    state = strategy.put_state(step.init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
-    inputs = bench.step_inputs(strategy, job["batch"])
-    metrics = None
-    for i in range(max(job["warmup"], 2) + PROFILE_STEPS):
-        if i == max(job["warmup"], 2):
-            jax.block_until_ready(state)
-            jax.profiler.start_trace(job["profile_dir"])
-        state, metrics = strategy.train_step(state, *inputs(i))
-    jax.block_until_ready((state, metrics))
-    jax.profiler.stop_trace()
-    return {**jax_device_info(), "profile_dir": job["profile_dir"]}
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -2,11 +2,11 @@
 
 On a GPU (the measurement this script exists for; vit-cifar, one device):
 
-    python -m benchmarks.attention_check --attention xla,cudnn --batch 4096 --dtype bf16
+    python -m benchmarks.probes.attention_check --attention xla,cudnn --batch 4096 --dtype bf16
 
 On a CPU, a smoke check (cuDNN needs an NVIDIA GPU; asking for it here is a one-line error):
 
-    python -m benchmarks.attention_check --attention xla --model tiny --batch 32 \
+    python -m benchmarks.probes.attention_check --attention xla --model tiny --batch 32 \
         --check-batch 16 --steps 3 --warmup 1
 
 Two parts, one process:

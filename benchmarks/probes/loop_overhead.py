@@ -1,8 +1,8 @@
 """The training loop against the step alone: what the loop's own log reports, and what
 benchmarks.bench times for the same compiled step, in one process.
 
-    python -m benchmarks.loop_overhead --model tiny --batch 128 --steps 240 --log-every 20
-    python -m benchmarks.loop_overhead --batch 4096 --dtype bf16 --steps 240 --log-every 20
+    python -m benchmarks.probes.loop_overhead --model tiny --batch 128 --steps 240 --log-every 20
+    python -m benchmarks.probes.loop_overhead --batch 4096 --dtype bf16 --steps 240 --log-every 20
 
 The loop is `train_shardmap.main` with the headline command's shape: synthetic data,
 10 steps per epoch (--synthetic-train 10 x batch) and a validation pass after every epoch
@@ -26,6 +26,7 @@ import time
 
 import jax
 
+import train_shardmap
 from benchmarks import bench
 from vit_pure.run import cli, hostmem
 from vit_pure.config import PRESETS
@@ -34,7 +35,6 @@ from vit_pure.policy import Policy
 
 def loop_rates(args, log: pathlib.Path) -> list[float]:
     """The training loop's logged img/s, after its first log point."""
-    import train_shardmap
     argv = ["--model", args.model, "--batch", str(args.batch), "--policy", args.dtype,
             "--dataset", "synthetic", "--synthetic-train", str(10 * args.batch),
             "--synthetic-val", str(args.synthetic_val), "--synthetic-test", "0",

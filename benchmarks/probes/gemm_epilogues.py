@@ -1,9 +1,9 @@
 """Which library runs each matrix product of the compiled training step, with which epilogue.
 
-    python -m benchmarks.gemm_epilogues --batch 4096 --dtype bf16
+    python -m benchmarks.probes.gemm_epilogues --batch 4096 --dtype bf16
     XLA_FLAGS=--xla_gpu_enable_cublaslt=true \
-        python -m benchmarks.gemm_epilogues --batch 4096 --dtype bf16
-    python -m benchmarks.gemm_epilogues --model tiny --batch 8          # on a CPU: dot ops only
+        python -m benchmarks.probes.gemm_epilogues --batch 4096 --dtype bf16
+    python -m benchmarks.probes.gemm_epilogues --model tiny --batch 8     # on a CPU: dot ops only
 
 Compiles (does not run) the kit's training step exactly as `benchmarks.peers` builds a kit
 row (`train_shardmap.py --batch B --dtype D --dataset synthetic --accum-steps 1 [--flags]`
@@ -24,6 +24,12 @@ import collections
 import re
 import shlex
 
+import jax
+
+from benchmarks import bench
+from benchmarks.peers import kit
+from vit_pure import step
+from vit_pure.config import PRESETS
 from vit_pure.run import cli
 
 # custom_call_target="__cublas$lt$matmul", backend_config={... "epilogue":"BIAS_GELU" ...}
@@ -64,7 +70,6 @@ def format_table(counts: collections.Counter) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vit_pure.config import PRESETS
     p = cli.doc_parser(__doc__)
     p.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4096, help="batch (one device)")
@@ -77,11 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compiled_step_text(job: dict) -> str:
     """The optimized HLO of the kit row `job` (as benchmarks.peers builds it)."""
-    import jax
-
-    from benchmarks import bench, peers
-    from vit_pure import step
-    sc, optimizer, strategy = peers.build_kit(job)
+    sc, optimizer, strategy = kit.build_kit(job)
     state = strategy.put_state(step.init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
     inputs = bench.step_inputs(strategy, job["batch"])(0)
     return strategy.train_step.lower(state, *inputs).compile().as_text()
@@ -97,7 +98,6 @@ def main(argv=None) -> collections.Counter:
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(text)
-    import jax
     counts = count_gemms(text)
     print(f"# {args.model}, batch {args.batch}, {args.dtype} {args.flags}; "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -1,23 +1,26 @@
-"""The PyTorch peer of benchmarks/peers.py: the same ViT as an nn.Module
+"""The PyTorch peer of benchmarks.peers: the same ViT as an nn.Module
 (F.scaled_dot_product_attention, bf16 autocast for bf16, fused AdamW on CUDA), run eager
-or with its forward + loss under torch.compile. Read it beside vit_pure/model.py;
-peers.py runs it in its own process.
+or with its forward + loss under torch.compile. Read it beside vit_pure/model.py.
+
+The driver runs it in a process of its own (`python -m benchmarks.peers.pytorch --child
+JOB`), and only where torch is installed; it imports neither JAX nor the kit.
 """
 from __future__ import annotations
 
 import platform
+import sys
 import time
 
-from vit_pure.errors import UsageError
-from benchmarks.peer_common import (LR, WEIGHT_DECAY, BETAS, CLIP, LABEL_SMOOTHING, CIFAR10_MEAN,
-                                    CIFAR10_STD, time_steps, host_batches)
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks import harness
+from benchmarks.peers.common import BETAS, CLIP, LABEL_SMOOTHING, LR, WEIGHT_DECAY, child
 
 
 def make_torch_vit(cfg: dict):
     """The same ViT as a torch nn.Module (weights std 0.02 truncated normal)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
     E, H, M = cfg["width"], cfg["heads"], cfg["mlp_dim"]
     S, p = cfg["image_size"], cfg["patch_size"]
     T = (S // p) ** 2 + 1
@@ -66,15 +69,11 @@ def make_torch_vit(cfg: dict):
 
 
 def run_torch(job: dict) -> dict:
-    import torch
-    import torch.nn.functional as F
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if cuda:  # float32 matmuls: TF32 unless --matmul-precision highest
         tf32 = job["precision"] == "default"
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    if job["cfg"]["image_size"] != 32:  # the batches are CIFAR-shaped
-        raise UsageError("the peers take 32 px images (the kit resizes; they do not)")
     torch.manual_seed(0)
     model = make_torch_vit(job["cfg"]).to(dev).train()
     named = list(model.named_parameters())
@@ -83,8 +82,8 @@ def run_torch(job: dict) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                              {"params": rest, "weight_decay": 0.0}],
                             lr=LR, betas=BETAS, fused=cuda)
-    mean = torch.tensor(CIFAR10_MEAN, device=dev)
-    std = torch.tensor(CIFAR10_STD, device=dev)
+    mean = torch.tensor(job["mean"], device=dev)
+    std = torch.tensor(job["std"], device=dev)
     bf16 = job["dtype"] == "bf16"
 
     def loss_fn(images_u8, labels):
@@ -95,7 +94,7 @@ def run_torch(job: dict) -> dict:
     if job["entry"] == "torch-compile":
         loss_fn = torch.compile(loss_fn, mode=job["compile_mode"])
     batches = [(torch.from_numpy(x), torch.from_numpy(y).long())
-               for x, y in host_batches(job["batch"])]
+               for x, y in harness.host_batches(job["batch"])]
     if cuda:
         batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
         torch.cuda.reset_peak_memory_stats()
@@ -113,9 +112,14 @@ def run_torch(job: dict) -> dict:
     first = dispatch(0).item()  # compilation, cuBLAS / autotuning set-up
     compile_s = time.perf_counter() - t0
     losses = []
-    step_s = time_steps(dispatch, lambda t: losses.append(t.item()), job["warmup"], job["steps"])
+    step_s = harness.time_steps(dispatch, lambda t: losses.append(t.item()), job["warmup"],
+                                job["steps"]).wall
     name = torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu"
     return {"device": f"{name} ({dev.type}, torch {torch.__version__})", "step_s": step_s,
             "compile_s": compile_s, "loss": losses[-1] if losses else first,
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
             "params": sum(w.numel() for w in model.parameters())}
+
+
+if __name__ == "__main__":
+    sys.exit(child(run_torch, sys.argv))

@@ -1,7 +1,7 @@
 """Throughput of the data path: device-side normalisation + augmentation, host-side batching.
 
-    python -m benchmarks.bench_data --batch 4096
-    python -m benchmarks.bench_data --batch 4096 --data-dir ../shared/data/cifar10-subset
+    python -m benchmarks.probes.bench_data --batch 4096
+    python -m benchmarks.probes.bench_data --batch 4096 --data-dir ../shared/data/cifar10-subset
 
 Prints one table row (images/s, median of --runs timed runs after a warm-up):
   normalize+augment  jax.jit(step.prepare_images) on uint8 NHWC, as the training step runs it
@@ -9,13 +9,11 @@ Prints one table row (images/s, median of --runs timed runs after a warm-up):
   train batches      train_batches(): shuffled gather of global batches on the host
   eval batches       eval_batches(): in-order slices, last one padded
 """
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks import harness
 from vit_pure.data import augment as A
 from vit_pure.run import cli
 from vit_pure.data import cifar10 as D
@@ -23,13 +21,8 @@ from vit_pure import step as S
 
 
 def median_seconds(fn, runs: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (and compile)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `runs` calls of fn(), each waited for, after one that compiles."""
+    return harness.median_seconds(fn, jax.block_until_ready, runs)
 
 
 def main(argv=None):
@@ -43,8 +36,7 @@ def main(argv=None):
     cli.require_positive(ap, args, "batch", "runs")
 
     b = args.batch
-    rng = np.random.default_rng(0)
-    x_u8 = jax.device_put(rng.integers(0, 256, (b, 32, 32, 3), dtype=np.uint8))
+    x_u8 = jax.device_put(harness.host_batches(b, n=1)[0][0])
     ids = jnp.arange(b, dtype=jnp.int32)
     key = A.augment_key(0, 0, 0)
 

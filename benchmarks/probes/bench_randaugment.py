@@ -1,6 +1,6 @@
 """Time jitted RandAugment (and mix_batch) on one device, and each op on its own.
 
-    python -m benchmarks.bench_randaugment [--batch 1024] [--repeats 10]
+    python -m benchmarks.probes.bench_randaugment [--batch 1024] [--repeats 10]
 
 Under vmap, `lax.switch` evaluates every op and selects one per image, so a RandAugment
 layer should cost about the sum of the single-op times; the printout shows both, and
@@ -11,8 +11,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks import harness
 from vit_pure.data import augment as aug
 from vit_pure.run import cli
 from vit_pure.data import randaugment as ra
@@ -23,12 +23,8 @@ def time_jitted(fn, *args, repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return first, float(np.median(runs))
+    return first, harness.median_seconds(lambda: fn(*args), jax.block_until_ready, repeats,
+                                         warmup=0)
 
 
 def main(argv=None):
