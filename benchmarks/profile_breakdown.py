@@ -38,6 +38,7 @@ import os
 import re
 import sys
 
+from benchmarks import harness
 from vit_pure.run import cli
 
 # (category, pattern), first match wins: the order resolves names that match several
@@ -182,22 +183,22 @@ def breakdown(events: list[dict], top: int = 15, nested: bool = False) -> dict:
 
 
 def _short(name: str, width: int = 70) -> str:
-    name = name.replace("|", "/")
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
 def format_breakdown(result: dict, source: str = "") -> str:
-    lines = [f"device time {result['total_us'] / 1e3:,.2f} ms in {result['events']:,} events"
-             + (f" ({source})" if source else ""), "",
-             "| category | ms | % |", "|---|---:|---:|"]
-    for c in result["categories"]:
-        lines.append(f"| {c['category']} | {c['us'] / 1e3:,.2f} | {c['percent']:.1f} |")
-    lines += ["", f"top {len(result['top'])} kernels by time:", "",
-              "| kernel | category | calls | ms | % |", "|---|---|---:|---:|---:|"]
-    for k in result["top"]:
-        lines.append(f"| {_short(k['name'])} | {k['category']} | {k['calls']} | "
-                     f"{k['us'] / 1e3:,.2f} | {k['percent']:.1f} |")
-    return "\n".join(lines)
+    categories = harness.markdown_table(
+        ["category", "ms", "%"],
+        [[c["category"], f"{c['us'] / 1e3:,.2f}", f"{c['percent']:.1f}"]
+         for c in result["categories"]], numeric=(1, 2))
+    kernels = harness.markdown_table(
+        ["kernel", "category", "calls", "ms", "%"],
+        [[_short(k["name"]), k["category"], k["calls"], f"{k['us'] / 1e3:,.2f}",
+          f"{k['percent']:.1f}"] for k in result["top"]], numeric=(2, 3, 4))
+    return "\n".join([
+        f"device time {result['total_us'] / 1e3:,.2f} ms in {result['events']:,} events"
+        + (f" ({source})" if source else ""), "", categories, "",
+        f"top {len(result['top'])} kernels by time:", "", kernels])
 
 
 def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:

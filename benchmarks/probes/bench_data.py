@@ -69,13 +69,12 @@ def main(argv=None):
     t_eval = median_seconds(one_eval_pass, max(1, args.runs // 2)) / len(test)
 
     dev = jax.devices()[0]
-    header = ("| device | batch | normalize+augment img/s (ms/batch) | augment img/s "
-              "| host train batches img/s | host eval batches img/s |")
-    row = (f"| {dev.platform}:{dev.device_kind} x{jax.device_count()} | {b} "
-           f"| {b / t_norm_aug:,.0f} ({1e3 * t_norm_aug:.1f}) | {b / t_aug:,.0f} "
-           f"| {1 / t_train:,.0f} | {1 / t_eval:,.0f} |")
-    print(header)
-    print(row)
+    print(harness.markdown_table(
+        ["device", "batch", "normalize+augment img/s (ms/batch)", "augment img/s",
+         "host train batches img/s", "host eval batches img/s"],
+        [[f"{dev.platform}:{dev.device_kind} x{jax.device_count()}", b,
+          f"{b / t_norm_aug:,.0f} ({1e3 * t_norm_aug:.1f})", f"{b / t_aug:,.0f}",
+          f"{1 / t_train:,.0f}", f"{1 / t_eval:,.0f}"]]))
 
 
 if __name__ == "__main__":

@@ -132,11 +132,11 @@ def main(argv=None) -> list[dict]:
         row["fwd_ms"], row["fwd_bwd_ms"] = timed(masks, impl, args, cfg)
         rows.append(row)
         print(f"# {masks}, {impl}: done", flush=True)
-    print("\n| masks | PRNG | per example | shard_map (2 CPU devices) | fwd ms | fwd+bwd ms |")
-    print("|---|---|---|---|---:|---:|")
-    for r in rows:
-        print(f"| {r['masks']} | {r['impl']} | {'yes' if r['per_example'] else 'no'} | "
-              f"{r['shard_map']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
+    print()
+    print(harness.markdown_table(
+        ["masks", "PRNG", "per example", "shard_map (2 CPU devices)", "fwd ms", "fwd+bwd ms"],
+        [[r["masks"], r["impl"], "yes" if r["per_example"] else "no", r["shard_map"],
+          f"{r['fwd_ms']:.2f}", f"{r['fwd_bwd_ms']:.2f}"] for r in rows], numeric=(4, 5)))
     return rows
 
 

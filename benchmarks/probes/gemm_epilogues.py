@@ -26,7 +26,7 @@ import shlex
 
 import jax
 
-from benchmarks import bench
+from benchmarks import bench, harness
 from benchmarks.peers import kit
 from vit_pure import step
 from vit_pure.config import PRESETS
@@ -62,11 +62,9 @@ def count_gemms(hlo_text: str) -> collections.Counter:
 
 
 def format_table(counts: collections.Counter) -> str:
-    rows = ["| library | epilogue | GEMMs |", "|---|---|---:|"]
-    for (library, epilogue), n in sorted(counts.items()):
-        rows.append(f"| {library} | {epilogue} | {n} |")
-    rows.append(f"| all | | {sum(counts.values())} |")
-    return "\n".join(rows)
+    rows = [[library, epilogue, n] for (library, epilogue), n in sorted(counts.items())]
+    return harness.markdown_table(["library", "epilogue", "GEMMs"],
+                                  rows + [["all", "", sum(counts.values())]], numeric=(2,))
 
 
 def build_parser() -> argparse.ArgumentParser:

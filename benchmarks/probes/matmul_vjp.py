@@ -16,7 +16,6 @@ each, and prints the median step time and images per second of each, and their r
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +66,8 @@ def main(argv=None) -> dict:
     times = {name: [] for name in variants}
     for _ in range(args.steps + 1):  # alternate, so both see the same machine load
         for name, (compiled, params) in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(params))
-            times[name].append(time.perf_counter() - t0)
+            times[name] += harness.time_calls(lambda: compiled(params), jax.block_until_ready,
+                                              1, warmup=0).wall
     medians = {name: statistics.median(t[1:]) for name, t in times.items()}
     print(f"{args.model}, batch {args.batch}, one {jax.devices()[0].platform} device, "
           f"policy p=f32,c=bf16,o=f32,m=f32, median of {args.steps} after 1 warm-up")
