@@ -176,18 +176,22 @@ def layout_devices(layout: str, default: int | None) -> int | None:
 
 
 # ------------------------------------------------------------------ measuring, in-process
-def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5) -> tuple[float, float]:
+def matmul_ceiling(compute_dtype, precision, size: int, runs: int = 5, *,
+                   out_dtype=jnp.float32, calls: int = 1) -> tuple[float, float]:
     """Throughput of one jitted size^3 matmul on the default device: compute-dtype inputs,
-    float32 accumulation, as the model's matmuls run. Returns (FLOP per second of wall
-    time, FLOP per second of this process's CPU time), medians of `runs` after a warm-up."""
+    a result in `out_dtype` (float32: float32 accumulation, as the model's matmuls run).
+    Each of `runs` timings, after a warm-up, dispatches `calls` matmuls back to back and
+    waits for them. Returns (FLOP per second of wall time, FLOP per second of this
+    process's CPU time), from the median timing."""
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (size, size), jnp.float32).astype(compute_dtype)
     b = jax.random.normal(kb, (size, size), jnp.float32).astype(compute_dtype)
     f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision,
-                                        preferred_element_type=jnp.float32))
-    times = harness.time_calls(lambda: f(a, b), jax.block_until_ready, runs)
-    return (2 * size ** 3 / statistics.median(times.wall),
-            2 * size ** 3 / statistics.median(times.cpu))
+                                        preferred_element_type=out_dtype))
+    times = harness.time_calls(lambda: [f(a, b) for _ in range(calls)], jax.block_until_ready,
+                               runs)
+    flops = 2 * size ** 3 * calls
+    return flops / statistics.median(times.wall), flops / statistics.median(times.cpu)
 
 
 def published_peak(device, policy: Policy) -> float | None:

@@ -4,7 +4,6 @@ kit's profile. The driver runs each in a process of its own
 """
 from __future__ import annotations
 
-import statistics
 import sys
 
 import jax
@@ -39,15 +38,10 @@ def run_ceiling(job: dict) -> dict:
     size = job.get("matmul_size") or (1024 if info["platform"] == "cpu" else 8192)
     dtype = jnp.bfloat16 if job["dtype"] == "bf16" else jnp.float32
     precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}[job["precision"]]
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (size, size), dtype)
-    b = jax.random.normal(kb, (size, size), dtype)
-    f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
-    times = harness.time_calls(lambda: [f(a, b) for _ in range(10)], jax.block_until_ready, 5)
+    flops_per_s, _ = bench.matmul_ceiling(dtype, precision, size, out_dtype=dtype, calls=10)
     what = (f"{size}^3 {job['dtype']} matmul"
             + (f", precision {job['precision']}" if job["dtype"] == "fp32" else ", bf16 out"))
-    return {**info, "flops_per_s": 2 * size ** 3 / (statistics.median(times.wall) / 10),
-            "what": what}
+    return {**info, "flops_per_s": flops_per_s, "what": what}
 
 
 def build_kit(job: dict):
