@@ -73,7 +73,6 @@ import math
 import os
 import re
 import resource
-import shlex
 import statistics
 import sys
 import time
@@ -486,7 +485,7 @@ def main(argv=None) -> list[dict]:
     print(f"# bench: {args.model}, global batch {args.batch}, {args.warmup} warm-up + "
           f"{args.steps} timed steps; defaults {defaults}")
     print(f"# {harness.machine_line()}")
-    print(f"# command: python {' '.join(shlex.quote(a) for a in sys.argv)}", flush=True)
+    print(f"# command: {harness.command_line('benchmarks.bench', argv)}", flush=True)
     results = []
     for job in jobs:
         r = {"label": job["label"], **harness.run_child("benchmarks.bench", job)}

@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -186,3 +187,10 @@ def device_peak_bytes(device) -> int | None:
     """A JAX device's peak bytes in use (None where the backend keeps no such figure)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """`python -m MODULE ARGS` as it can be typed again: `argv`, or this process's
+    arguments when None."""
+    words = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", "-m", module, *(shlex.quote(w) for w in words)])

@@ -276,7 +276,7 @@ def main(argv=None) -> list[dict]:
     header = (f"Model {cfg.name}, shard_map over {len(devices)} {devices[0].device_kind} "
               f"device(s), {args.warmup} warm-up + {args.steps} timed steps (loss@N: N = "
               f"{args.warmup + args.steps + 1}), synthetic data, {harness.machine_line()}.\n"
-              f"Command: python {' '.join(sys.argv)}\n")
+              f"Command: {harness.command_line('benchmarks.study', argv)}\n")
     rows = []
     grid = list(itertools.product(batches, pds, cds, precisions))
     for batch, pd, cd, prec in grid:

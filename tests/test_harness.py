@@ -93,3 +93,8 @@ def test_markdown_table_pads_short_rows_and_escapes_bars():
     assert harness.cell(None, ".1f") == "n/a"
     assert harness.cell(0.25, ".0%") == "25%"
     assert harness.cell(3 * 2 ** 30, ".2f", 2.0 ** -30) == "3.00"
+
+
+def test_command_line_can_be_typed_again():
+    assert harness.command_line("benchmarks.peers", ["--kit", "no drop=--dropout 0"]) == (
+        "python -m benchmarks.peers --kit 'no drop=--dropout 0'")

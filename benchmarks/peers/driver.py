@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     jobs = build_jobs(args)
     flops = train_flops_per_image(get_preset(args.model))
-    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+    record = {"command": harness.command_line("benchmarks.peers", argv),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
               "versions": versions(), "model": args.model, "batch": args.batch,
