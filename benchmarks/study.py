@@ -27,7 +27,7 @@ timing (bench.measure_train_step). The Markdown table (--out) has one row each:
     batch converts     see `batch_converts`: the dtype conversions the input batch goes
                        through before it reaches the first matmul
     dots @precision    how many of the lowered step's dot_generals carry the policy's
-                       matmul precision (see `dot_precisions`), out of all of them
+                       matmul precision (vit_pure/xla/hlo.py, `dot_precisions`), out of all
 
 Parameters in float16 need the loss scale: init_state creates a dynamic `LossScale`
 whenever the policy has float16 anywhere (Policy.needs_loss_scaling). A batch too big
