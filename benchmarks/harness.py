@@ -89,7 +89,9 @@ def median_seconds(call: Callable[[], object], wait: Callable[[object], object] 
 
 # ------------------------------------------------------------------ synthetic batches
 def host_batches(batch: int, n: int = 2, seed: int = 0, shape=(32, 32, 3), classes: int = 10):
-    """n random CIFAR-shaped uint8 batches (NHWC) with int32 labels, on the host."""
+    """n random CIFAR-shaped uint8 batches (NHWC) with int32 labels, on the host: for
+    code that does not run the kit's training step (the peers, the probes). That step's
+    inputs come from bench.step_inputs, which draws them as training does."""
     rng = np.random.default_rng(seed)
     return [(rng.integers(0, 256, (batch, *shape), dtype=np.uint8),
              rng.integers(0, classes, (batch,), dtype=np.int32)) for _ in range(n)]
