@@ -46,7 +46,8 @@ import train_shardmap
 from benchmarks import bench
 from vit_pure import step
 from vit_pure.run import cli
-from vit_pure.model import ATTENTION_IMPLS, apply, init_params
+from vit_pure.attention import ATTENTION_IMPLS
+from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 
 

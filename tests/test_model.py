@@ -11,7 +11,8 @@ from vit_pure import (PRESETS, Policy, apply, count_params, init_params, model, 
                       step)
 from vit_pure.run import backend, cli
 from vit_pure.config import ViTConfig
-from vit_pure.model import DROPOUT_MASKS
+from vit_pure import dropout
+from vit_pure.dropout import DROPOUT_MASKS
 from vit_pure.tools.params_table import format_param_table
 
 TINY = PRESETS["tiny"]
@@ -153,8 +154,8 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     1 / the keep probability) all within 5 standard errors, over 64 examples of 65 x 97
     elements (an odd count, so the last word is cut short)."""
     rate, shape = 0.1, (65, 97)
-    keys = model._example_keys(jax.random.key(3), jnp.arange(64))
-    keep = np.asarray(jax.vmap(lambda k: model._keep_mask(k, shape, rate, masks))(keys))
+    keys = dropout.example_keys(jax.random.key(3), jnp.arange(64))
+    keep = np.asarray(jax.vmap(lambda k: dropout.keep_mask(k, shape, rate, masks))(keys))
     n = keep.size
     assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
     flat = keep.reshape(64, -1)[:, :-1].reshape(-1, 2)

@@ -170,9 +170,9 @@ class StepConfig:
     # runs the program users run; `backend.step_config` sets it per backend (a scan on TPU).
     scan: bool = False
     remat: str = "none"
-    # The attention implementation (--attention; model.ATTENTION_IMPLS, see model.encoder).
+    # The attention implementation (--attention; attention.ATTENTION_IMPLS, see model.encoder).
     attention: str = "einsum"
-    # How dropout masks are drawn (--dropout-masks; model.DROPOUT_MASKS, see model._keep_mask).
+    # How dropout masks are drawn (--dropout-masks; dropout.DROPOUT_MASKS, see dropout.keep_mask).
     dropout_masks: str = "bernoulli"
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
