@@ -530,7 +530,7 @@ def run_kit(job: dict) -> dict:
     params = count_params(jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg)))
     return {**jax_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
             "loss": res["loss"], "peak_bytes": jax_peak_bytes(), "params": params,
-            "step_config": repr(sc), "policy": str(sc.policy), "scan": sc.scan,
+            "step_config": repr(sc), "policy": str(sc.policy), "scan": sc.execution.scan,
             "accum_steps": sc.accum_steps, "notes": list(getattr(sc, "notes", ()))}
 
 

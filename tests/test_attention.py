@@ -26,6 +26,7 @@ import test_layout_matrix as matrix
 
 from vit_pure import model
 from vit_pure.attention import fused_attention, padded_length
+from vit_pure.config import Execution
 
 from vit_pure.run import backend, cli
 from vit_pure.errors import UsageError
@@ -69,7 +70,7 @@ def _logits_and_grads(policy_text: str, attention: str):
 
     def f(params):
         logits = apply(params, images, ONE_LAYER, policy, train=True, rng=jax.random.key(3),
-                       attention=attention).astype(jnp.float32)
+                       execution=Execution(attention=attention)).astype(jnp.float32)
         return jnp.sum(logits * weights), logits
 
     compiled = jax.jit(jax.grad(f, has_aux=True)).lower(_params()).compile(matrix.FAST)
@@ -142,7 +143,8 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
         backend.step_config(args, platform="gpu")
     args.dtype = "bf16"
     sc = backend.step_config(args, platform="gpu")
-    assert sc.attention == "cudnn" and dataclasses.replace(sc, attention="einsum") != sc
+    assert sc.execution.attention == "cudnn"
+    assert dataclasses.replace(sc, execution=sc.execution.replace(attention="einsum")) != sc
 
 
 def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
@@ -156,7 +158,7 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
                                 "which runs on --attention einsum only, not xla")
     parser = cli.build_parser("test")
     args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
-    assert backend.step_config(args, platform="gpu").attention == "einsum"
+    assert backend.step_config(args, platform="gpu").execution.attention == "einsum"
 
 
 def _count_primitives(jaxpr, prefix: str) -> int:
@@ -184,7 +186,7 @@ def test_remat_keeps_the_cudnn_attention_forward(monkeypatch, remat, forwards):
 
     def loss(params):
         logits = apply(params, images, cfg, policy, train=True, rng=jax.random.key(3),
-                       attention="cudnn", remat=remat)
+                       execution=Execution(attention="cudnn", remat=remat))
         return jnp.sum(logits.astype(jnp.float32))
 
     params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))

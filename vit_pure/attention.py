@@ -18,8 +18,6 @@ from vit_pure.config import ViTConfig
 from vit_pure.policy import Policy
 from vit_pure.remat import save_dot
 
-# Attention implementations of `model.encoder` (the --attention flag).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
 
 

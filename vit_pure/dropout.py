@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
-# How dropout masks are drawn (the --dropout-masks flag): see `keep_mask`.
-DROPOUT_MASKS = ("bernoulli", "threefry16")
 
 
 def example_keys(rng, example_ids):

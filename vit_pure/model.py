@@ -66,11 +66,11 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from vit_pure.attention import ATTENTION_IMPLS, fused_attention
-from vit_pure.config import ViTConfig
-from vit_pure.dropout import DROPOUT_MASKS, example_keys, keep_mask, keep_probability, site_keys
+from vit_pure.attention import fused_attention
+from vit_pure.config import Execution, ViTConfig, remat_saved_names
+from vit_pure.dropout import example_keys, keep_mask, keep_probability, site_keys
 from vit_pure.policy import Policy, einsum, matmul
-from vit_pure.remat import GELU, LN, MASK, remat_saved_names, save_dot, save_policy
+from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
 F32 = jnp.float32
 _INIT_STD = 0.02
@@ -268,7 +268,7 @@ def _conv3x3_stride2(x, p, policy: Policy):
 
 
 def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
-          dropout_masks="bernoulli"):
+          execution: Execution = Execution()):
     """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
     cd = policy.compute_dtype
     x = images.astype(cd)
@@ -282,15 +282,16 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
         cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
         x = jnp.concatenate([cls, x], axis=1)
     x = x + params["pos_embed"].astype(F32)  # (B, T, E)
-    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, dropout_masks)
+    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, execution.dropout_masks)
 
 
-def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
-           attention="einsum", dropout_masks="bernoulli"):
+def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Execution,
+           tp_axis):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
     # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
     cd, md = policy.compute_dtype, policy.matmul_dtype
+    attention, masks = execution.attention, execution.dropout_masks
     E = x.shape[-1]
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
@@ -310,7 +311,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
         ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
     y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, dropout_masks)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
@@ -320,62 +321,36 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
     h = checkpoint_name(jax.nn.gelu(h).astype(cd), GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
     y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, dropout_masks)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
 
-def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=False,
-            remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None,
-            attention="einsum", dropout_masks="bernoulli"):
+def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
+            execution: Execution = Execution(), tp_axis=None, gather: Callable | None = None,
+            layer_offset=0):
     """Run the stacked blocks (leading axis = layers) over x (B, T, E).
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). Each layer's params are made ready just before use
     (`compute_params`: the FSDP `gather(layer_params, "blocks")` hook if given, then the
-    cast to the compute dtype).
-
-    `remat` trades compute for memory in the backward pass (same results either way):
-      "none"             keep every activation the backward pass needs (fastest);
-      "block"            keep only each block's input, recompute the whole block
-                         forward in the backward pass (about one more forward pass);
-      "block-save-dots"  keep the outputs of the block's matmuls and attention products
-                         (with cuDNN attention, its kernel's outputs), recompute only the
-                         cheap elementwise work between them (LayerNorm, softmax, GELU,
-                         dropout masks); in between in memory;
-      "block-save:NAMES" keep the values named (REMAT_SAVE_NAMES joined by "+": "dot" as
-                         above, "ln" the LayerNorm outputs, "gelu" the GELU output, "mask"
-                         the dropout and drop-path masks) and recompute the rest, e.g.
-                         "block-save:dot+mask"; "block-save:dot" is "block-save-dots".
-    Under tensor parallelism "block" also repeats a forward all-reduce in the backward
-    pass (the attention output's, which the MLP's input is recomputed from), as does a
-    "block-save:NAMES" without "dot"; "block-save-dots" keeps its result (the name sits
-    after the psum) and repeats none.
-
-    `attention`: "einsum" (default), "xla" or "cudnn", see `attention.fused_attention`; the same
-    results either way, within the rounding of the compute dtype.
-    `dropout_masks`: "bernoulli" (default) or "threefry16", see `dropout.keep_mask`: other masks,
-    the same distribution.
+    cast to the compute dtype). `execution` picks the layer loop (a scan or unrolled),
+    what the backward pass keeps (remat), the attention implementation and the dropout
+    masks: see `config.Execution`.
     """
-    saved = remat_saved_names(remat)  # raises on an unknown mode
-    if attention not in ATTENTION_IMPLS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
-                         f"got {attention!r}")
-    if dropout_masks not in DROPOUT_MASKS:
-        raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
-                         f"got {dropout_masks!r}")
+    saved = remat_saved_names(execution.remat)
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
         p = compute_params(p, policy, gather, "blocks")
-        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis, attention, dropout_masks)
+        return _block(p, x, layer, cfg, policy, ex_keys, execution, tp_axis)
 
-    if remat == "block":
+    if execution.remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
     elif saved:
         body = jax.checkpoint(body, policy=save_policy(saved))
     layers = layer_offset + jnp.arange(num_layers)
-    if scan:
+    if execution.scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
         return x
     for i in range(num_layers):
@@ -413,20 +388,19 @@ def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int)
 
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
-          scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-          gather: Callable | None = None, attention: str = "einsum",
-          dropout_masks: str = "bernoulli") -> jax.Array:
+          execution: Execution = Execution(), tp_axis: str | None = None,
+          gather: Callable | None = None) -> jax.Array:
     """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
 
     train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
-    so a batch split over devices gives the same masks as one device. `scan`, `remat`,
-    `tp_axis`, `gather`, `attention` and `dropout_masks`: see `encoder`.
+    so a batch split over devices gives the same masks as one device. `execution`
+    (config.Execution: layer loop, remat, attention, dropout masks), `tp_axis` and
+    `gather`: see `encoder`.
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
-    x = embed(top, images, cfg, policy, ex_keys, dropout_masks)
-    x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
-                tp_axis=tp_axis, gather=gather, attention=attention,
-                dropout_masks=dropout_masks)
+    x = embed(top, images, cfg, policy, ex_keys, execution)
+    x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution,
+                tp_axis=tp_axis, gather=gather)
     return head(top, x, cfg, policy)

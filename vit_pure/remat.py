@@ -3,37 +3,19 @@
 `model._block` tags values with `jax.ad_checkpoint.checkpoint_name`: matmul and attention
 outputs "dot" (`save_dot`), LayerNorm outputs "ln", the GELU output "gelu", dropout and
 drop-path masks "mask". A remat mode picks which of those names survive to the backward
-pass (`remat_saved_names`); `save_policy` turns the names into a `jax.checkpoint` policy.
+pass (`config.remat_saved_names`); `save_policy` turns them into a `jax.checkpoint` policy.
 """
 from __future__ import annotations
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-# Rematerialisation modes of `model.encoder`: these, or "block-save:" and names from
-# REMAT_SAVE_NAMES joined by "+" (see `remat_saved_names`).
-REMAT_MODES = ("none", "block", "block-save-dots")
-REMAT_SAVE = "block-save:"
-# What a block may keep for its backward pass under "block-save:NAMES", each a
-# `checkpoint_name` put on values in `model._block`.
-REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
+from vit_pure.config import REMAT_SAVE_NAMES
+
 DOT, LN, GELU, MASK = REMAT_SAVE_NAMES
 # JAX's cuDNN attention binds its forward kernel as a primitive of this name (plus
 # "_wrapper"); its outputs are the context and the softmax statistics the backward reads.
 _CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"
-
-
-def remat_saved_names(remat: str) -> tuple[str, ...]:
-    """The names `remat` keeps for the backward pass: () for "none" and "block" (which
-    keep nothing inside a block), ("dot",) for "block-save-dots", the names listed in
-    "block-save:NAME+NAME..." (from REMAT_SAVE_NAMES). ValueError for anything else."""
-    if remat in REMAT_MODES:
-        return (DOT,) if remat == "block-save-dots" else ()
-    names = remat[len(REMAT_SAVE):].split("+") if remat.startswith(REMAT_SAVE) else []
-    if not names or any(n not in REMAT_SAVE_NAMES for n in names) or len(set(names)) < len(names):
-        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)} or {REMAT_SAVE}NAMES "
-                         f"with distinct NAMES from {'+'.join(REMAT_SAVE_NAMES)}, got {remat!r}")
-    return tuple(names)
 
 
 def save_dot(y):

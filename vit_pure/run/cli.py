@@ -9,10 +9,8 @@ from typing import Any, Callable
 
 from vit_pure.run import distributed
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
-from vit_pure.config import POOLS, PRESETS, get_preset
-from vit_pure.attention import ATTENTION_IMPLS
-from vit_pure.dropout import DROPOUT_MASKS
-from vit_pure.remat import REMAT_SAVE_NAMES, remat_saved_names
+from vit_pure.config import (ATTENTION_IMPLS, DROPOUT_MASKS, POOLS, PRESETS, REMAT_SAVE_NAMES,
+                             get_preset, remat_saved_names)
 from vit_pure.policy import Policy
 
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
@@ -290,7 +288,7 @@ def use_cpu_devices(n: int) -> None:
 
 
 def _remat(text: str) -> str:
-    """--remat: a mode `model.encoder` takes (remat.remat_saved_names)."""
+    """--remat: a mode `model.encoder` takes (config.remat_saved_names)."""
     try:
         remat_saved_names(text)
     except ValueError as e:
