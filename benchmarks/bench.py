@@ -360,7 +360,7 @@ def run_config(job: dict) -> dict:
 
     xla_flops = None
     if job["xla_check"]:
-        if sc.scan or accum != 1:
+        if sc.execution.scan or accum != 1:
             # XLA counts a while-loop body once: count an unrolled twin (compiled, not run).
             twin_sc, _ = training_setup(job["model"], job["batch"], job["policy"],
                                         precision=opts["precision"], scan=False,

@@ -28,6 +28,7 @@ from jax.extend import core as jax_core
 import train_pmap
 import train_shardmap
 from vit_pure import PRESETS, Policy, step
+from vit_pure.config import Execution
 from vit_pure.run import accum, backend, cli
 from vit_pure.policy import LossScale
 
@@ -65,7 +66,8 @@ def _compiled_local_grads(accum_steps: int, remat: str):
     """jit(local_grads) for one (K, remat), compiled once and shared by the tests."""
     # The layer scan: remat's saving shows in the stacked per-layer residuals (unrolled,
     # XLA:CPU's scheduler may keep them alive anyway); results are the same either way.
-    sc = step.StepConfig(LOCAL_CFG, Policy(), remat=remat, accum_steps=accum_steps, scan=True)
+    sc = step.StepConfig(LOCAL_CFG, Policy(), execution=Execution(scan=True, remat=remat),
+                         accum_steps=accum_steps)
     images, labels, ids = _batch(seed=1, n=LOCAL_BATCH)
     params = step.init_params(jax.random.key(0), LOCAL_CFG)
     args = (params, LossScale.create(dynamic=False), images, labels, ids + 100,
@@ -122,7 +124,8 @@ def _three_steps(kind, mesh, accum_steps, remat, fsdp=False):
     # SGD with momentum rather than Adam: Adam divides by sqrt(v), which blows the
     # last-bit differences of near-zero gradients up to learning-rate size.
     optimizer = optax.sgd(0.1, momentum=0.9)
-    sc = step.StepConfig(CFG, Policy(), remat=remat, accum_steps=accum_steps)
+    sc = step.StepConfig(CFG, Policy(), execution=Execution(remat=remat),
+                         accum_steps=accum_steps)
     strategy = _strategy(kind, sc, optimizer, mesh, fsdp)
     state = strategy.put_state(step.init_state(jax.random.key(0), CFG, sc.policy, optimizer))
     losses = []

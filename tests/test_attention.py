@@ -1,7 +1,7 @@
-"""The attention implementations (`--attention`, model.ATTENTION_IMPLS) compute one function.
+"""The attention implementations (`--attention`, attention.ATTENTION_IMPLS) compute one function.
 
 "xla" calls `jax.nn.dot_product_attention` on (B, T, H, D) with the token axis padded to a
-multiple of 8 around the call and the padded keys masked (model._attention_fused); it must
+multiple of 8 around the call and the padded keys masked (attention.fused_attention); it must
 give the einsum path's logits and gradients: to float32 rounding under fp32, to bf16
 rounding under bf16. The tiny model has 17 tokens, padded to 24, so the padding and its
 mask are really exercised (and dropping the mask is a difference the checks see). Under
@@ -25,6 +25,8 @@ import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 
 from vit_pure import model
+from vit_pure.attention import fused_attention, padded_length
+from vit_pure.config import Execution
 
 from vit_pure.run import backend, cli
 from vit_pure.errors import UsageError
@@ -68,7 +70,7 @@ def _logits_and_grads(policy_text: str, attention: str):
 
     def f(params):
         logits = apply(params, images, ONE_LAYER, policy, train=True, rng=jax.random.key(3),
-                       attention=attention).astype(jnp.float32)
+                       execution=Execution(attention=attention)).astype(jnp.float32)
         return jnp.sum(logits * weights), logits
 
     compiled = jax.jit(jax.grad(f, has_aux=True)).lower(_params()).compile(matrix.FAST)
@@ -77,9 +79,9 @@ def _logits_and_grads(policy_text: str, attention: str):
 
 
 def test_the_token_axis_is_padded():
-    assert CFG.seq_len == 17 and model._padded_length(CFG.seq_len) == 24
-    assert model._padded_length(65) == 72  # vit-cifar
-    assert model._padded_length(64) == 64
+    assert CFG.seq_len == 17 and padded_length(CFG.seq_len) == 24
+    assert padded_length(65) == 72  # vit-cifar
+    assert padded_length(64) == 64
 
 
 @pytest.mark.parametrize("policy, tol", POLICIES, ids=[p for p, _ in POLICIES])
@@ -96,7 +98,7 @@ def test_the_mask_matters():
     """The check can fail: the same padded call without the key mask lets the 7 zero keys
     into every softmax, a difference far outside the bf16 tolerance."""
     B, T, H, D = 3, CFG.seq_len, CFG.heads, CFG.head_dim
-    Tp = model._padded_length(T)
+    Tp = padded_length(T)
 
     @jax.jit
     def three_ways(qkv):
@@ -105,7 +107,7 @@ def test_the_mask_matters():
                    jnp.moveaxis(qkv.reshape(B, T, 3, H, D), 2, 0))
         unmasked = jax.nn.dot_product_attention(q, k, v, implementation="xla")[:, :T]
         return (model._attention_einsum(qkv, CFG, policy),
-                model._attention_fused(qkv, CFG, policy, "xla"), unmasked.reshape(B, T, H * D))
+                fused_attention(qkv, CFG, policy, "xla"), unmasked.reshape(B, T, H * D))
 
     qkv = np.random.default_rng(4).standard_normal((B, T, 3 * H * D), np.float32)
     ref, got, unmasked = three_ways(qkv)
@@ -141,7 +143,8 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
         backend.step_config(args, platform="gpu")
     args.dtype = "bf16"
     sc = backend.step_config(args, platform="gpu")
-    assert sc.attention == "cudnn" and dataclasses.replace(sc, attention="einsum") != sc
+    assert sc.execution.attention == "cudnn"
+    assert dataclasses.replace(sc, execution=sc.execution.replace(attention="einsum")) != sc
 
 
 def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
@@ -155,7 +158,7 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
                                 "which runs on --attention einsum only, not xla")
     parser = cli.build_parser("test")
     args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
-    assert backend.step_config(args, platform="gpu").attention == "einsum"
+    assert backend.step_config(args, platform="gpu").execution.attention == "einsum"
 
 
 def _count_primitives(jaxpr, prefix: str) -> int:
@@ -183,7 +186,7 @@ def test_remat_keeps_the_cudnn_attention_forward(monkeypatch, remat, forwards):
 
     def loss(params):
         logits = apply(params, images, cfg, policy, train=True, rng=jax.random.key(3),
-                       attention="cudnn", remat=remat)
+                       execution=Execution(attention="cudnn", remat=remat))
         return jnp.sum(logits.astype(jnp.float32))
 
     params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))

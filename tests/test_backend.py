@@ -83,6 +83,6 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
     assert args.scan is None and args.attention is None
     sc = backend.step_config(args, platform="gpu")
-    assert not sc.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
+    assert not sc.execution.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"

@@ -100,8 +100,8 @@ SHARED = [
     (["--remat", "block-save:dot+foo"], "with distinct NAMES from dot+ln+gelu+mask, got "
                                         "'block-save:dot+foo'"),
     (["--dataset", "imagenet"], "argument --dataset: invalid choice"),
-    (["--recipe", "nope"], "argument --recipe/--preset: invalid choice"),
-    (["--preset", "nope"], "argument --recipe/--preset: invalid choice"),
+    (["--recipe", "nope"], "argument --recipe: invalid choice"),
+    (["--preset", "cpu-quick"], "unrecognized arguments: --preset cpu-quick"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     # pairs that do not go together
     (["--dataset", "cifar10"], "--synthetic-train/--synthetic-val/--synthetic-test need "

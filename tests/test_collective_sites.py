@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import train_pmap
 import train_shardmap as ts
 from vit_pure import step
-from vit_pure.config import PRESETS
+from vit_pure.config import PRESETS, Execution
 from vit_pure.policy import Policy
 
 # Primitives that move data between devices (pvary / pcast move nothing; their
@@ -91,7 +91,7 @@ def _step_jaxpr(strategy, sc, optimizer):
     ("data=2,model=2,pipe=2", True, "bf16", False),  # pipeline + TP + FSDP, m=f32
 ])
 def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan):
-    sc = step.StepConfig(CFG, Policy.parse(policy), scan=scan)
+    sc = step.StepConfig(CFG, Policy.parse(policy), execution=Execution(scan=scan))
     optimizer = _optimizer()
     strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
     sites = collective_sites(_step_jaxpr(strategy, sc, optimizer))
@@ -106,7 +106,7 @@ def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, p
 
 
 def test_pmap_step_collectives_are_in_train_pmap():
-    sc = step.StepConfig(CFG, Policy.parse("bf16"), scan=False)
+    sc = step.StepConfig(CFG, Policy.parse("bf16"), execution=Execution(scan=False))
     optimizer = _optimizer()
     strategy = train_pmap.PmapStrategy(sc, optimizer, devices=jax.devices()[:2])
     sites = collective_sites(_step_jaxpr(strategy, sc, optimizer))

@@ -42,7 +42,7 @@ import train_pmap
 import train_shardmap as ts
 from conftest import FAST
 from vit_pure import step
-from vit_pure.config import PRESETS
+from vit_pure.config import PRESETS, Execution
 from vit_pure.policy import Policy
 
 # Depth 2 splits into 2 pipeline stages, 4 heads and MLP 40 over model=2, width 24 over
@@ -145,8 +145,9 @@ def run(layout: str, policy_text: str, scan: bool, remat: str, cfg=CFG,
         attention: str = "einsum", dropout_masks: str = "bernoulli") -> dict:
     """Two steps of one cell from the same initial state and batches: the host metrics
     of each step and the final host params. layout "dp" is the reference, data=8."""
-    sc = step.StepConfig(cfg, Policy.parse(policy_text), scan=scan, remat=remat,
-                         attention=attention, dropout_masks=dropout_masks)
+    execution = Execution(scan=scan, remat=remat, attention=attention,
+                          dropout_masks=dropout_masks)
+    sc = step.StepConfig(cfg, Policy.parse(policy_text), execution=execution)
     optimizer = _optimizer()
     if layout == "pmap":
         strategy = train_pmap.PmapStrategy(sc, optimizer, devices=jax.devices()[:8])

@@ -10,8 +10,8 @@ import pytest
 from vit_pure import (PRESETS, Policy, apply, count_params, init_params, model, param_axes,
                       step)
 from vit_pure.run import backend, cli
-from vit_pure.config import ViTConfig
-from vit_pure.model import DROPOUT_MASKS
+from vit_pure import dropout
+from vit_pure.config import DROPOUT_MASKS, Execution, ViTConfig
 from vit_pure.tools.params_table import format_param_table
 
 TINY = PRESETS["tiny"]
@@ -110,22 +110,24 @@ def test_scan_equals_unrolled(tiny_params):
     x = _images(4)
     kw = dict(train=True, rng=jax.random.key(5))
     loop = jax.jit(lambda p: apply(p, x, TINY, **kw))(tiny_params)
-    scan = jax.jit(lambda p: apply(p, x, TINY, scan=True, **kw))(tiny_params)
+    scan = jax.jit(lambda p: apply(p, x, TINY, execution=Execution(scan=True), **kw))(tiny_params)
     np.testing.assert_allclose(scan, loop, rtol=1e-6, atol=1e-6)
-    remat = jax.jit(lambda p: apply(p, x, TINY, scan=True, remat="block", **kw))(tiny_params)
+    remat = jax.jit(lambda p: apply(p, x, TINY, execution=Execution(scan=True, remat="block"),
+                                    **kw))(tiny_params)
     np.testing.assert_allclose(remat, loop, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("masks", DROPOUT_MASKS)
 def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params, masks):
     x, rng = _images(8), jax.random.key(7)
-    whole = apply(tiny_params, x, TINY, train=True, rng=rng, dropout_masks=masks)
+    execution = Execution(dropout_masks=masks)
+    whole = apply(tiny_params, x, TINY, train=True, rng=rng, execution=execution)
     halves = [apply(tiny_params, x[i:i + 4], TINY, train=True, rng=rng,
-                    example_ids=jnp.arange(i, i + 4), dropout_masks=masks) for i in (0, 4)]
+                    example_ids=jnp.arange(i, i + 4), execution=execution) for i in (0, 4)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
     # ...and the masks really are per example: shifting the ids changes the result.
     shifted = apply(tiny_params, x[:4], TINY, train=True, rng=rng, example_ids=jnp.arange(4, 8),
-                    dropout_masks=masks)
+                    execution=execution)
     assert np.abs(shifted - whole[:4]).max() > 1e-3
 
 
@@ -133,8 +135,8 @@ def test_dropout_masks_flag_reaches_the_step():
     parser = cli.build_parser("test")
     for argv, expected in [([], "bernoulli"), (["--dropout-masks", "threefry16"], "threefry16")]:
         args = cli.parse_args(parser, ["--model", "tiny", *argv])
-        assert backend.step_config(args, platform="cpu").dropout_masks == expected
-    assert step.StepConfig(TINY, Policy()).dropout_masks == "bernoulli"
+        assert backend.step_config(args, platform="cpu").execution.dropout_masks == expected
+    assert step.StepConfig(TINY, Policy()).execution.dropout_masks == "bernoulli"
 
 
 def test_pool_flag_replaces_the_presets_pool():
@@ -153,8 +155,8 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     1 / the keep probability) all within 5 standard errors, over 64 examples of 65 x 97
     elements (an odd count, so the last word is cut short)."""
     rate, shape = 0.1, (65, 97)
-    keys = model._example_keys(jax.random.key(3), jnp.arange(64))
-    keep = np.asarray(jax.vmap(lambda k: model._keep_mask(k, shape, rate, masks))(keys))
+    keys = dropout.example_keys(jax.random.key(3), jnp.arange(64))
+    keep = np.asarray(jax.vmap(lambda k: dropout.keep_mask(k, shape, rate, masks))(keys))
     n = keep.size
     assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
     flat = keep.reshape(64, -1)[:, :-1].reshape(-1, 2)
@@ -189,7 +191,8 @@ def _saved_names(params, remat, capsys) -> collections.Counter:
     x, rng = _images(2), jax.random.key(7)
     capsys.readouterr()
     jax.ad_checkpoint.print_saved_residuals(
-        lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=rng, remat=remat)), params)
+        lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=rng,
+                                           execution=Execution(remat=remat))), params)
     return collections.Counter(re.findall(r"named '(\w+)'", capsys.readouterr().out))
 
 
@@ -214,7 +217,8 @@ def test_remat_keeps_the_named_values_and_only_those(tiny_params, capsys, remat,
                                  "block-save:dot+dot", "block-save:dot,ln"])
 def test_remat_mode_errors(bad):
     with pytest.raises(ValueError, match="remat must be one of"):
-        apply(init_params(jax.random.key(0), TINY), _images(1), TINY, remat=bad)
+        apply(init_params(jax.random.key(0), TINY), _images(1), TINY,
+              execution=Execution(remat=bad))
 
 
 def test_dropout_masks_benchmark_sees_which_prngs_keep_the_per_example_rule(capsys):
@@ -448,4 +452,4 @@ def test_lsa_params_start_at_the_plain_scale_learn_and_are_not_decayed():
 def test_lsa_needs_the_einsum_attention():
     params = init_params(jax.random.key(0), LSA)
     with pytest.raises(ValueError, match="einsum"):
-        apply(params, _images(2, LSA), LSA, attention="xla")
+        apply(params, _images(2, LSA), LSA, execution=Execution(attention="xla"))

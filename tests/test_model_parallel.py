@@ -37,13 +37,13 @@ import train_shardmap as ts
 from vit_pure import step
 from vit_pure.run import cli
 from vit_pure import layout as layout_lib
-from vit_pure.config import PRESETS
+from vit_pure.config import PRESETS, Execution
 from vit_pure.policy import LossScale, Policy
 
 CFG = PRESETS["tiny"].replace(name="mp-test", width=40, heads=8, mlp_dim=56, depth=3)
 # The layer scan: the collective counts below are per loop body (one layer's collectives,
 # run depth times); the unrolled loop computes the same numbers (test_model.py).
-SC = step.StepConfig(CFG, Policy(), scan=True)
+SC = step.StepConfig(CFG, Policy(), execution=Execution(scan=True))
 BATCH, STEPS = 16, 5
 MESHES = ["data=8", "data=4,model=2", "data=2,model=4", "data=1,model=8"]
 LAYOUTS = [(mesh, fsdp) for mesh in MESHES for fsdp in (False, True)]
@@ -127,7 +127,7 @@ def layout(mesh: str, fsdp: bool, remat: str = "none") -> dict:
 
 @functools.cache
 def _layout(mesh: str, fsdp: bool, remat: str) -> dict:
-    sc = dataclasses.replace(SC, remat=remat)
+    sc = dataclasses.replace(SC, execution=SC.execution.replace(remat=remat))
     optimizer = make_optimizer()
     strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
     state, batches = initial_state(sc, optimizer), fixed_batches(STEPS)

@@ -1,4 +1,4 @@
-"""The recipe flags: --recipe (explicit flags win; --preset its old name), --randaugment /
+"""The recipe flags: --recipe (explicit flags win), --randaugment /
 --mixup parsing, and --eval-only reproducing a run's final test metrics from its checkpoint."""
 import json
 
@@ -49,14 +49,6 @@ def test_recipe_is_the_measured_run(recipe_name, run):
     assert not differ, {k: (recipe[k], measured[k]) for k in differ}
     assert recipe["cfg"] == measured["cfg"]
 
-
-def test_preset_is_the_old_name_of_recipe_and_says_so(capsys):
-    args = _parse(["--preset", "cpu-quick", "--epochs", "3"])
-    assert args.recipe == "cpu-quick" and args.epochs == 3
-    assert args.batch == cli.RECIPES["cpu-quick"]["batch"]
-    assert "--preset is now --recipe" in capsys.readouterr().err
-    _parse(["--recipe", "cpu-quick"])
-    assert "--preset" not in capsys.readouterr().err
 
 @pytest.mark.parametrize("text, expected", [("2,9", (2, 9)), ("0", (0, 0)), ("1,0", (1, 0))])
 def test_randaugment_flag(text, expected):

@@ -11,6 +11,8 @@ The reading path is the top of this folder, in this order:
     layout.py    where a layout puts the bytes
 
 with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.
+model.py calls three small modules beside it: attention.py (the fused attention variants),
+dropout.py (dropout masks) and remat.py (what a rematerialised block keeps).
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (flags, loop, checkpoints, several processes), plan/ (the communication plan),
 xla/ (reading compiled programs), tools/ (small command-line tools). Imports run

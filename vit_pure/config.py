@@ -1,4 +1,5 @@
-"""Model configurations: one frozen dataclass and a table of named presets.
+"""Model configurations: one frozen dataclass, a table of named presets, and `Execution`,
+the frozen value of the knobs that change how the model runs but not what it computes.
 
     >>> from vit_pure import PRESETS
     >>> PRESETS["vit-cifar"].width
@@ -10,6 +11,14 @@ import dataclasses
 
 
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
+# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat).
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+DROPOUT_MASKS = ("bernoulli", "threefry16")
+REMAT_MODES = ("none", "block", "block-save-dots")
+REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
+# What a block may keep for its backward pass under "block-save:NAMES": the
+# `checkpoint_name`s vit_pure/remat.py puts on values in the model's block.
+REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,69 @@ class ViTConfig:
         return self.stem_patch ** 2 * (self.stem[-1] if self.stem else self.channels)
 
     def replace(self, **changes) -> "ViTConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def remat_saved_names(remat: str) -> tuple[str, ...]:
+    """The names `remat` keeps for the backward pass: () for "none" and "block" (which
+    keep nothing inside a block), ("dot",) for "block-save-dots", the names listed in
+    "block-save:NAME+NAME..." (from REMAT_SAVE_NAMES). ValueError for anything else."""
+    if remat in REMAT_MODES:
+        return ("dot",) if remat == "block-save-dots" else ()
+    names = remat[len(REMAT_SAVE):].split("+") if remat.startswith(REMAT_SAVE) else []
+    if not names or any(n not in REMAT_SAVE_NAMES for n in names) or len(set(names)) < len(names):
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)} or {REMAT_SAVE}NAMES "
+                         f"with distinct NAMES from {'+'.join(REMAT_SAVE_NAMES)}, got {remat!r}")
+    return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the model runs: four performance knobs, each a choice between programs that
+    compute the same function (up to rounding; `dropout_masks` draws other masks from the
+    same distribution). The defaults are the reference program; the training scripts
+    pick per backend (vit_pure/run/backend.py).
+
+    scan           the layer loop: a `lax.scan` over the stacked blocks (True) or a
+                   Python loop, unrolled in the trace (False: measured faster on CPU
+                   and GPU, docs/performance.md).
+    remat          what the backward pass keeps (vit_pure/remat.py tags the values):
+      "none"             every activation the backward pass needs (fastest);
+      "block"            only each block's input: the whole block forward is recomputed
+                         in the backward pass (about one more forward pass);
+      "block-save-dots"  the outputs of the block's matmuls and attention products (with
+                         cuDNN attention, its kernel's outputs), recomputing only the
+                         cheap elementwise work between them (LayerNorm, softmax, GELU,
+                         dropout masks); in between in memory;
+      "block-save:NAMES" the values named (REMAT_SAVE_NAMES joined by "+": "dot" as
+                         above, "ln" the LayerNorm outputs, "gelu" the GELU output,
+                         "mask" the dropout and drop-path masks), e.g.
+                         "block-save:dot+mask"; "block-save:dot" is "block-save-dots".
+                   Under tensor parallelism "block" also repeats a forward all-reduce in
+                   the backward pass (the attention output's, which the MLP's input is
+                   recomputed from), as does a "block-save:NAMES" without "dot";
+                   "block-save-dots" keeps its result (the name sits after the psum).
+    attention      "einsum" (the reference, in model.py), "xla" or "cudnn"
+                   (vit_pure/attention.py): the same results within the rounding of the
+                   compute dtype.
+    dropout_masks  "bernoulli" or "threefry16" (vit_pure/dropout.py).
+    """
+
+    scan: bool = False
+    remat: str = "none"
+    attention: str = "einsum"
+    dropout_masks: str = "bernoulli"
+
+    def __post_init__(self):
+        remat_saved_names(self.remat)  # raises on an unknown mode
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
+                             f"got {self.attention!r}")
+        if self.dropout_masks not in DROPOUT_MASKS:
+            raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
+                             f"got {self.dropout_masks!r}")
+
+    def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
 
 

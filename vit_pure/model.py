@@ -50,13 +50,11 @@ kernel shapes, and the two Megatron operators appear in `_block`: `_copy_to_tp` 
 forward, all-reduce of the gradient backward: "f") before each column-parallel matmul and
 `_reduce_from_tp` (all-reduce forward, identity backward: "g") after each row-parallel one.
 
-Attention (`attention`, the --attention flag; `_attention_einsum`, `_attention_fused`):
-"einsum" (`apply`'s default and the reference; the scripts pick "cudnn" on NVIDIA GPUs in
-bf16, vit_pure/run/backend.py) writes the attention as two `policy.einsum` products on
-(B, H, T, D), with the head transposes that layout needs; "xla" and "cudnn" call
-`jax.nn.dot_product_attention` on (B, T, H, D), straight from the qkv matmul's layout,
-with the token axis padded to a multiple of 8 around the call and the padded keys masked.
-All three compute the same function of the same parameters (tests/test_attention.py).
+Attention: `_attention_einsum` is the reference (two `policy.einsum` products on
+(B, H, T, D)); vit_pure/attention.py holds the fused variants ("xla", "cudnn"), which
+compute the same function of the same parameters (tests/test_attention.py). Dropout masks
+(vit_pure/dropout.py) and what a rematerialised block keeps (vit_pure/remat.py) sit beside
+it too.
 """
 from __future__ import annotations
 
@@ -67,32 +65,17 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.random import threefry_2x32
 
-from vit_pure.config import ViTConfig
+from vit_pure.attention import fused_attention
+from vit_pure.config import Execution, ViTConfig, remat_saved_names
+from vit_pure.dropout import example_keys, keep_mask, keep_probability, site_keys
 from vit_pure.policy import Policy, einsum, matmul
+from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
 F32 = jnp.float32
 _INIT_STD = 0.02
 # Dropout sites, folded into each example's key with the layer index.
 _SITE_EMBED, _SITE_ATTN, _SITE_MLP, _SITE_PATH_ATTN, _SITE_PATH_MLP = range(5)
-# Rematerialisation modes of `encoder` (the --remat flag): these, or "block-save:" and
-# names from REMAT_SAVE_NAMES joined by "+" (see `remat_saved_names`).
-REMAT_MODES = ("none", "block", "block-save-dots")
-REMAT_SAVE = "block-save:"
-# What a block may keep for its backward pass under "block-save:NAMES", each a
-# `checkpoint_name` put on values in `_block`: matmul and attention outputs, LayerNorm
-# outputs, the GELU output, dropout and drop-path masks.
-REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
-# How dropout masks are drawn (the --dropout-masks flag): see `_keep_mask`.
-DROPOUT_MASKS = ("bernoulli", "threefry16")
-# Attention implementations of `encoder` (the --attention flag): see `_attention_fused`.
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-_TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
-_DOT, _LN, _GELU, _MASK = REMAT_SAVE_NAMES
-# JAX's cuDNN attention binds its forward kernel as a primitive of this name (plus
-# "_wrapper"); its outputs are the context and the softmax statistics the backward reads.
-_CUDNN_ATTENTION_FWD = "dot_product_attention_fwd"
 
 
 # ------------------------------------------------------------------------ initialisation
@@ -192,97 +175,22 @@ def _layer_norm(x, p, eps):
     return (y * p["scale"].astype(F32) + p["bias"].astype(F32)).astype(x.dtype)
 
 
-def _example_keys(rng, example_ids):
-    """One key per example, from its global index in the batch: (B,) keys."""
-    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(example_ids)
-
-
-def _site_keys(ex_keys, layer, site):
-    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, layer), site))(ex_keys)
-
-
-def _keep_probability(rate: float, masks: str) -> float:
-    """The probability that `_keep_mask` keeps an element: 1 - rate, or for "threefry16"
-    1 - rate rounded to a multiple of 2^-16 (0.1 -> keep 58982 / 65536 = 0.899994)."""
-    if masks == "bernoulli":
-        return 1.0 - rate
-    return max(1, round((1.0 - rate) * 65536)) / 65536
-
-
-def _keep_mask(key, shape, rate: float, masks: str):
-    """One example's dropout mask (True: keep) of `shape`, drawn from its `key`.
-
-    "bernoulli": `jax.random.bernoulli`, a float32 uniform per element; JAX's Threefry
-    (partitionable, its default) spends one 2x32 hash on each element.
-    "threefry16": 16-bit uniforms, four per hash: `threefry_2x32` over a counter gives
-    two 32-bit words per hash, each cut into two 16-bit halves, compared with the keep
-    probability in units of 2^-16 (`_keep_probability`): a quarter of the hashes
-    (docs/performance.md, "Dropout masks on a CPU", measures what that buys).
-    Either way the mask depends only on the example's key, not on the batch around it.
-    """
-    if masks == "bernoulli":
-        return jax.random.bernoulli(key, 1.0 - rate, shape)
-    n = math.prod(shape)
-    words = threefry_2x32(jax.random.key_data(key), jnp.arange(-(-n // 2), dtype=jnp.uint32))
-    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
-    return (halves < round(_keep_probability(rate, masks) * 65536)).reshape(shape)
-
-
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
     if ex_keys is None or rate == 0.0:
         return x
-    keys = _site_keys(ex_keys, layer, site)
-    keep = jax.vmap(lambda k: _keep_mask(k, x.shape[1:], rate, masks))(keys)
-    keep = checkpoint_name(keep, _MASK)
-    return jnp.where(keep, x / _keep_probability(rate, masks), 0).astype(x.dtype)
+    keys = site_keys(ex_keys, layer, site)
+    keep = jax.vmap(lambda k: keep_mask(k, x.shape[1:], rate, masks))(keys)
+    keep = checkpoint_name(keep, MASK)
+    return jnp.where(keep, x / keep_probability(rate, masks), 0).astype(x.dtype)
 
 
 def _drop_path(x, rate, ex_keys, layer, site):
     """Stochastic depth: zero the whole residual branch x (B, T, E) for some examples."""
     if ex_keys is None:
         return x
-    keys = _site_keys(ex_keys, layer, site)
-    keep = checkpoint_name(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys), _MASK)
+    keys = site_keys(ex_keys, layer, site)
+    keep = checkpoint_name(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys), MASK)
     return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def _cudnn_attention_outputs(prim, *_, **__) -> bool:
-    """A remat policy: save the outputs of cuDNN's fused attention forward (the context
-    and the softmax statistics its backward reads). They sit inside JAX's custom VJP,
-    where `_attention_fused` cannot name them."""
-    return prim.name.startswith(_CUDNN_ATTENTION_FWD)
-
-
-def remat_saved_names(remat: str) -> tuple[str, ...]:
-    """The names `remat` keeps for the backward pass: () for "none" and "block" (which
-    keep nothing inside a block), ("dot",) for "block-save-dots", the names listed in
-    "block-save:NAME+NAME..." (from REMAT_SAVE_NAMES). ValueError for anything else."""
-    if remat in REMAT_MODES:
-        return (_DOT,) if remat == "block-save-dots" else ()
-    names = remat[len(REMAT_SAVE):].split("+") if remat.startswith(REMAT_SAVE) else []
-    if not names or any(n not in REMAT_SAVE_NAMES for n in names) or len(set(names)) < len(names):
-        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)} or {REMAT_SAVE}NAMES "
-                         f"with distinct NAMES from {'+'.join(REMAT_SAVE_NAMES)}, got {remat!r}")
-    return tuple(names)
-
-
-def _save_policy(names: tuple[str, ...]):
-    """The remat policy that keeps the values named `names` (and, with "dot", the outputs
-    of cuDNN's attention kernel: without them the backward pass would rerun the whole
-    attention forward to get its softmax statistics back) and recomputes the rest."""
-    policy = jax.checkpoint_policies.save_only_these_names(*names)
-    if _DOT in names:
-        policy = jax.checkpoint_policies.save_from_both_policies(policy,
-                                                                _cudnn_attention_outputs)
-    return policy
-
-
-def _dot_out(y):
-    """Tag a matmul or attention-einsum output so that remat="block-save-dots" keeps it
-    (an identity otherwise). Under an ``m=f32`` policy policy.matmul is a custom VJP, which
-    hides its dot from `jax.checkpoint_policies.dots_saveable`; hence names, not that
-    policy."""
-    return checkpoint_name(y, _DOT)
 
 
 def _copy_to_tp(x, tp_axis):
@@ -318,7 +226,7 @@ def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):
     """
     cd = policy.compute_dtype
     q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=cfg.head_dim)
-    scores = _dot_out(einsum("bhqd,bhkd->bhqk", q, k, policy))
+    scores = save_dot(einsum("bhqd,bhkd->bhqk", q, k, policy))
     if log_scale is None:
         scores = scores.astype(F32) / math.sqrt(cfg.head_dim)
     else:
@@ -326,68 +234,8 @@ def _attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):
         self_score = jnp.eye(scores.shape[-1], dtype=bool)  # (T, T): query i, key i
         scores = jnp.where(self_score, -jnp.inf, scores)
     probs = jax.nn.softmax(scores, axis=-1)  # f32
-    ctx = _dot_out(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
+    ctx = save_dot(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
     return rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
-
-
-def _padded_length(tokens: int) -> int:
-    """The token count the fused attention pads to: the next multiple of 8 (65 -> 72)."""
-    return -(-tokens // _TOKEN_MULTIPLE) * _TOKEN_MULTIPLE
-
-
-def _attention_fused(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
-    """`jax.nn.dot_product_attention(..., implementation=)` on (B, T, H, D): qkv
-    (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute dtype, over this device's Hl
-    heads, with no head transposes (q, k, v are slices of the qkv matmul's output, the
-    context reshapes straight into the output projection's input).
-
-    Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v are padded with
-    zeros on the token axis to the next multiple of 8 (65 -> 72) for this call only, with
-    ``key_value_seq_lengths = T``: the padded keys get zero weight (a -0.7*f32max score in
-    "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after,
-    so their gradient is zero. Padding only here, not the whole token axis, measured
-    faster on an H100 (docs/performance.md, "Attention implementations").
-
-    Precision, against `_attention_einsum`:
-      * "xla" (JAX's reference implementation, any backend): the scores in float32
-        (``preferred_element_type``; for bf16 inputs the BF16_BF16_F32 dot algorithm),
-        scaled, masked and put through the softmax in float32, the probabilities cast to
-        the compute dtype, the context returned in the compute dtype (float32
-        accumulation inside the GEMM). `policy.matmul_dtype` is not consulted and the
-        backward products come from plain autodiff (under ``m=f32`` their cotangents
-        are float32, not cast to the compute dtype as `policy.einsum` does), so low-
-        precision results differ from the einsum path by bf16 rounding, float32 results
-        by float32 rounding. The policy's matmul precision applies to the float32 case
-        (``jax.default_matmul_precision``).
-      * "cudnn" (NVIDIA GPUs, bf16 / fp16 inputs only): cuDNN's flash attention, both
-        products accumulating in float32 and the softmax computed online in float32; the
-        probabilities are rounded to the input dtype before the second product, as in the
-        einsum path; the context comes back in the compute dtype. The backward pass
-        recomputes the probabilities from the saved softmax statistics instead of
-        keeping the (T, T) matrix. benchmarks/probes/attention_check.py compares its gradients
-        with the einsum path's on a GPU.
-    The kit has no dropout on the attention probabilities (its dropout sits on full-width
-    activations), so the fused call needs none.
-
-    Under remat="block-save-dots": with "cudnn" the kernel's own outputs (the padded
-    context and the softmax statistics) are saved, so the backward pass runs only cuDNN's
-    backward kernel; with "xla" the sliced context is saved and the products inside the
-    call are recomputed.
-    """
-    B, T = qkv.shape[:2]
-    q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
-                         d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
-    Tp = _padded_length(T)
-    q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
-    lengths = None if Tp == T else jnp.full((B,), T, jnp.int32)  # no mask where no padding
-    precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
-    with jax.default_matmul_precision(precision):
-        ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
-                                           implementation=implementation)  # (B, Tp, Hl, D)
-    ctx = ctx[:, :T].astype(policy.compute_dtype)
-    if implementation != "cudnn":  # cuDNN's output is saved as it is (`_save_policy`)
-        ctx = _dot_out(ctx)
-    return rearrange(ctx, "b t h d -> b t (h d)")
 
 
 # --------------------------------------------------------------------------- the network
@@ -420,7 +268,7 @@ def _conv3x3_stride2(x, p, policy: Policy):
 
 
 def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
-          dropout_masks="bernoulli"):
+          execution: Execution = Execution()):
     """images (B, h, w, C) float -> tokens (B, T, E) in the compute dtype."""
     cd = policy.compute_dtype
     x = images.astype(cd)
@@ -434,15 +282,16 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
         cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
         x = jnp.concatenate([cls, x], axis=1)
     x = x + params["pos_embed"].astype(F32)  # (B, T, E)
-    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, dropout_masks)
+    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, execution.dropout_masks)
 
 
-def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
-           attention="einsum", dropout_masks="bernoulli"):
+def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Execution,
+           tp_axis):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
     # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
     cd, md = policy.compute_dtype, policy.matmul_dtype
+    attention, masks = execution.attention, execution.dropout_masks
     E = x.shape[-1]
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
@@ -450,8 +299,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
 
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
-    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), _LN), tp_axis)
-    qkv = _dot_out(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
+    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
+    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
     qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
     if attention == "einsum":
         ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
@@ -459,75 +308,49 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, tp_axis,
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {attention!r}")
     else:
-        ctx = _attention_fused(qkv.astype(cd), cfg, policy, attention)
+        ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
-    y = _dot_out(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, dropout_masks)
+    y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
-    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), _LN), tp_axis)
-    h = _dot_out(matmul(h, m["fc1"]["kernel"], policy)) + m["fc1"]["bias"].astype(md)  # (B, T, Ml)
-    h = checkpoint_name(jax.nn.gelu(h).astype(cd), _GELU)
+    h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
+    h = save_dot(matmul(h, m["fc1"]["kernel"], policy)) + m["fc1"]["bias"].astype(md)  # (B, T, Ml)
+    h = checkpoint_name(jax.nn.gelu(h).astype(cd), GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
-    y = _dot_out(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, dropout_masks)
+    y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
 
-def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *, scan=False,
-            remat="none", tp_axis=None, layer_offset=0, gather: Callable | None = None,
-            attention="einsum", dropout_masks="bernoulli"):
+def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
+            execution: Execution = Execution(), tp_axis=None, gather: Callable | None = None,
+            layer_offset=0):
     """Run the stacked blocks (leading axis = layers) over x (B, T, E).
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). Each layer's params are made ready just before use
     (`compute_params`: the FSDP `gather(layer_params, "blocks")` hook if given, then the
-    cast to the compute dtype).
-
-    `remat` trades compute for memory in the backward pass (same results either way):
-      "none"             keep every activation the backward pass needs (fastest);
-      "block"            keep only each block's input, recompute the whole block
-                         forward in the backward pass (about one more forward pass);
-      "block-save-dots"  keep the outputs of the block's matmuls and attention products
-                         (with cuDNN attention, its kernel's outputs), recompute only the
-                         cheap elementwise work between them (LayerNorm, softmax, GELU,
-                         dropout masks); in between in memory;
-      "block-save:NAMES" keep the values named (REMAT_SAVE_NAMES joined by "+": "dot" as
-                         above, "ln" the LayerNorm outputs, "gelu" the GELU output, "mask"
-                         the dropout and drop-path masks) and recompute the rest, e.g.
-                         "block-save:dot+mask"; "block-save:dot" is "block-save-dots".
-    Under tensor parallelism "block" also repeats a forward all-reduce in the backward
-    pass (the attention output's, which the MLP's input is recomputed from), as does a
-    "block-save:NAMES" without "dot"; "block-save-dots" keeps its result (the name sits
-    after the psum) and repeats none.
-
-    `attention`: "einsum" (default), "xla" or "cudnn", see `_attention_fused`; the same
-    results either way, within the rounding of the compute dtype.
-    `dropout_masks`: "bernoulli" (default) or "threefry16", see `_keep_mask`: other masks,
-    the same distribution.
+    cast to the compute dtype). `execution` picks the layer loop (a scan or unrolled),
+    what the backward pass keeps (remat), the attention implementation and the dropout
+    masks: see `config.Execution`.
     """
-    saved = remat_saved_names(remat)  # raises on an unknown mode
-    if attention not in ATTENTION_IMPLS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
-                         f"got {attention!r}")
-    if dropout_masks not in DROPOUT_MASKS:
-        raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
-                         f"got {dropout_masks!r}")
+    saved = remat_saved_names(execution.remat)
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
         p = compute_params(p, policy, gather, "blocks")
-        return _block(p, x, layer, cfg, policy, ex_keys, tp_axis, attention, dropout_masks)
+        return _block(p, x, layer, cfg, policy, ex_keys, execution, tp_axis)
 
-    if remat == "block":
+    if execution.remat == "block":
         body = jax.checkpoint(body)  # saves nothing inside the block
     elif saved:
-        body = jax.checkpoint(body, policy=_save_policy(saved))
+        body = jax.checkpoint(body, policy=save_policy(saved))
     layers = layer_offset + jnp.arange(num_layers)
-    if scan:
+    if execution.scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
         return x
     for i in range(num_layers):
@@ -560,25 +383,24 @@ def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int)
         raise ValueError("train=True needs rng for dropout / drop path")
     if example_ids is None:
         example_ids = jnp.arange(batch_size)
-    return _example_keys(rng, example_ids)
+    return example_keys(rng, example_ids)
 
 
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
-          scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-          gather: Callable | None = None, attention: str = "einsum",
-          dropout_masks: str = "bernoulli") -> jax.Array:
+          execution: Execution = Execution(), tp_axis: str | None = None,
+          gather: Callable | None = None) -> jax.Array:
     """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
 
     train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
-    so a batch split over devices gives the same masks as one device. `scan`, `remat`,
-    `tp_axis`, `gather`, `attention` and `dropout_masks`: see `encoder`.
+    so a batch split over devices gives the same masks as one device. `execution`
+    (config.Execution: layer loop, remat, attention, dropout masks), `tp_axis` and
+    `gather`: see `encoder`.
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
-    x = embed(top, images, cfg, policy, ex_keys, dropout_masks)
-    x = encoder(params["blocks"], x, cfg, policy, ex_keys, scan=scan, remat=remat,
-                tp_axis=tp_axis, gather=gather, attention=attention,
-                dropout_masks=dropout_masks)
+    x = embed(top, images, cfg, policy, ex_keys, execution)
+    x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution,
+                tp_axis=tp_axis, gather=gather)
     return head(top, x, cfg, policy)

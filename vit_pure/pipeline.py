@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vit_pure.config import ViTConfig
+from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
@@ -97,9 +97,8 @@ def _micro(x, k: int):
 
 # ------------------------------------------------------------------------- the schedule
 def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
-                      pipe_axis: str, scan: bool = False, remat: str = "none",
-                      tp_axis: str | None = None, attention: str = "einsum",
-                      dropout_masks: str = "bernoulli"):
+                      pipe_axis: str, execution: Execution = Execution(),
+                      tp_axis: str | None = None):
     """GPipe over this stage's blocks (L/S layers, leading axis).
 
     x_micro (K, m, T, E): the embedded micro-batches (only stage 0's copy is read).
@@ -128,9 +127,8 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
         # (clipped at the ends, where the stage is idle and its result is masked).
         keys = None if ex_keys_micro is None else \
             ex_keys_micro[jnp.clip(t - stage, 0, K - 1)]
-        y = encoder(blocks, x, cfg, policy, keys, scan=scan, remat=remat, tp_axis=tp_axis,
-                    layer_offset=stage * per_stage, attention=attention,
-                    dropout_masks=dropout_masks)
+        y = encoder(blocks, x, cfg, policy, keys, execution=execution, tp_axis=tp_axis,
+                    layer_offset=stage * per_stage)
         if t >= S - 1:  # on the last stage, the output of micro-batch t - (S - 1)
             outputs.append(y)
         if t < K + S - 2 and S > 1:
@@ -143,12 +141,11 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
 
 def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = False,
                      rng=None, example_ids=None, pipe_axis: str, microbatches: int,
-                     scan: bool = False, remat: str = "none", tp_axis: str | None = None,
-                     gather=None, attention: str = "einsum",
-                     dropout_masks: str = "bernoulli"):
+                     execution: Execution = Execution(), tp_axis: str | None = None,
+                     gather=None):
     """`model.apply`, pipelined: images (b, h, w, C) -> logits (b, classes), valid on the
     last stage. params: this stage's blocks (L/S layers), every other parameter whole;
-    `train`, `rng` and `example_ids` as in `apply`.
+    `train`, `rng`, `example_ids` and `execution` as in `apply`.
 
     `gather` (FSDP) is applied once per step to the non-block params and to each of this
     stage's layers, *before* the tick loop: inside it, every layer would all-gather its
@@ -171,11 +168,10 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = Fa
     # differentiates the images, so this cast has no transpose: no collective. (The
     # images enter replicated over the pipe axis: the scripts split the batch over 'data'.)
     images = lax.pcast(images, pipe_axis, to="varying")
-    x = embed(top, images, cfg, policy, ex_keys, dropout_masks)  # (b, T, E)
+    x = embed(top, images, cfg, policy, ex_keys, execution)  # (b, T, E)
     y = pipelined_encoder(blocks, _micro(x, K), cfg, policy,
                           None if ex_keys is None else _micro(ex_keys, K),
-                          pipe_axis=pipe_axis, scan=scan, remat=remat, tp_axis=tp_axis,
-                          attention=attention, dropout_masks=dropout_masks)
+                          pipe_axis=pipe_axis, execution=execution, tp_axis=tp_axis)
     y = y.reshape(x.shape)  # (K, m, T, E) -> (b, T, E), the examples back in order
     return head(top, y, cfg, policy)  # meaningful on the last stage only
 
@@ -213,9 +209,8 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
                                   example_ids=example_ids, pipe_axis=pipe_axis,
-                                  microbatches=microbatches, scan=sc.scan, remat=sc.remat,
-                                  tp_axis=tp_axis, gather=gather, attention=sc.attention,
-                                  dropout_masks=sc.dropout_masks)
+                                  microbatches=microbatches, execution=sc.execution,
+                                  tp_axis=tp_axis, gather=gather)
         # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
         # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
         # mask turns into 0 on all but the last stage.
@@ -250,7 +245,7 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis:
     """
     k = math.gcd(labels.shape[0], microbatches)
     sums = eval_sums(sc, lambda images: pipelined_logits(
-        params, images, sc.cfg, sc.policy, pipe_axis=pipe_axis, microbatches=k, scan=sc.scan,
-        tp_axis=tp_axis, gather=gather, attention=sc.attention), images_u8, labels, mask)
+        params, images, sc.cfg, sc.policy, pipe_axis=pipe_axis, microbatches=k,
+        execution=sc.execution, tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

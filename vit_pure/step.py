@@ -31,7 +31,7 @@ from vit_pure.data import augment as augment_lib
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
-from vit_pure.config import ViTConfig
+from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
 
@@ -165,15 +165,11 @@ class StepConfig:
     policy: Policy
     label_smoothing: float = 0.0
     grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
-    # The layer loop: unrolled (False) is what the training scripts resolve to on CPU and
+    # How the model runs (--scan, --remat, --attention, --dropout-masks): config.Execution.
+    # Its default layer loop, unrolled, is what the training scripts resolve to on CPU and
     # GPU (run/backend.py resolve, measured faster there), so a StepConfig built directly
     # runs the program users run; `backend.step_config` sets it per backend (a scan on TPU).
-    scan: bool = False
-    remat: str = "none"
-    # The attention implementation (--attention; model.ATTENTION_IMPLS, see model.encoder).
-    attention: str = "einsum"
-    # How dropout masks are drawn (--dropout-masks; model.DROPOUT_MASKS, see model._keep_mask).
-    dropout_masks: str = "bernoulli"
+    execution: Execution = Execution()
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
     # alphas (0 = off). Mixing pairs global examples 2k and 2k+1 (augment.mix_batch),
@@ -208,9 +204,8 @@ def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels
     """
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                       example_ids=example_ids, scan=sc.scan, remat=sc.remat,
-                       tp_axis=tp_axis, gather=gather, attention=sc.attention,
-                       dropout_masks=sc.dropout_masks)
+                       example_ids=example_ids, execution=sc.execution, tp_axis=tp_axis,
+                       gather=gather)
         return train_metrics(sc, logits, labels, targets)
 
     return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
@@ -323,9 +318,9 @@ def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
 
 def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
     """Sums over this device's slice (padding masked out): loss, correct, count."""
-    return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy, scan=sc.scan,
-                                              tp_axis=tp_axis, gather=gather,
-                                              attention=sc.attention),
+    return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy,
+                                              execution=sc.execution, tp_axis=tp_axis,
+                                              gather=gather),
                      images_u8, labels, mask)
 
 

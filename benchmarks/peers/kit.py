@@ -72,7 +72,7 @@ def run_kit(job: dict) -> dict:
     return {**_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
             "loss": res["loss"], "peak_bytes": harness.device_peak_bytes(jax.devices()[0]),
             "params": params, "step_config": repr(sc), "policy": str(sc.policy),
-            "scan": sc.scan, "accum_steps": sc.accum_steps,
+            "scan": sc.execution.scan, "accum_steps": sc.accum_steps,
             "notes": list(getattr(sc, "notes", ()))}
 
 

@@ -46,7 +46,8 @@ import train_shardmap
 from benchmarks import bench
 from vit_pure import step
 from vit_pure.run import cli
-from vit_pure.model import ATTENTION_IMPLS, apply, init_params
+from vit_pure.config import ATTENTION_IMPLS, Execution
+from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 
 
@@ -80,7 +81,7 @@ def step_config(args, attention: str, batch: int):
 def gradients(sc: step.StepConfig, policy: Policy, attention: str, params, images, labels):
     def loss(p):
         logits = apply(p, images, sc.cfg, policy, train=True, rng=jax.random.key(1),
-                       attention=attention)
+                       execution=Execution(attention=attention))
         return step.cross_entropy(logits, labels, sc.cfg.num_classes).mean()
     return jax.device_get(jax.jit(jax.grad(loss))(params))
 

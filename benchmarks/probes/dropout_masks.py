@@ -4,7 +4,7 @@
     python -m benchmarks.probes.dropout_masks --batch 4096 --dtype bf16  # the GPU's headline shape
 
 The model draws each dropout mask from per-example keys (model._dropout: fold_in of the
-example id, the layer and the site, then model._keep_mask under a vmap), by one of two
+example id, the layer and the site, then dropout.keep_mask under a vmap), by one of two
 methods (--dropout-masks): "threefry16", four 16-bit uniforms per Threefry hash of the
 key, or "bernoulli", `jax.random.bernoulli` with whatever PRNG implementation the keys
 carry (the training step's keys are JAX's default, threefry2x32). One table row for
@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from benchmarks import harness
-from vit_pure import model
+from vit_pure import dropout, model
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.run import cli
 
@@ -67,7 +67,7 @@ def parse(argv):
 def example_keys(impl: str, ids):
     """Per-example keys of implementation `impl`, as model.dropout_keys makes them."""
 
-    return model._example_keys(jax.random.key(0, impl=impl), ids)
+    return dropout.example_keys(jax.random.key(0, impl=impl), ids)
 
 
 def site(x, keys, rate, masks):

@@ -197,8 +197,8 @@ def run(args, make_strategy, script: str) -> dict:
     optimizer, _ = step.make_optimizer(args, 1000)
     strategy = make_strategy(sc, optimizer, devices)
     strategy.check_batch(args.batch, accum_steps=k)
-    notes.append(f"policy {sc.policy}, layers {'scanned' if sc.scan else 'unrolled'}, remat "
-                 f"{sc.remat}, accumulation {k}")
+    notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
+                 f"remat {sc.execution.remat}, accumulation {k}")
     plan = build_plan(strategy, sc, optimizer, args.batch, hw, script=script,
                       efficiency=args.efficiency, notes=tuple(notes))
     print(plan.report(), flush=True)

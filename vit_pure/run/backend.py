@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from vit_pure.config import ViTConfig
+from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
 from vit_pure.step import StepConfig
@@ -167,9 +167,10 @@ def step_config(args, platform: str | None = None) -> StepConfig:
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
                       attention=attention, cudnn=cudnn)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
+    execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
+                          dropout_masks=getattr(args, "dropout_masks", "bernoulli"))
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
-                      choices.scan, args.remat, attention=choices.attention,
-                      dropout_masks=getattr(args, "dropout_masks", "bernoulli"),
+                      execution=execution,
                       randaugment=tuple(getattr(args, "randaugment", (0, 0))),
                       mixup_alpha=getattr(args, "mixup", 0.0),
                       cutmix_alpha=getattr(args, "cutmix", 0.0),

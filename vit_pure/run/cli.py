@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from vit_pure.run import distributed
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
-from vit_pure.config import POOLS, PRESETS, get_preset
-from vit_pure.model import ATTENTION_IMPLS, DROPOUT_MASKS, REMAT_SAVE_NAMES, remat_saved_names
+from vit_pure.config import (ATTENTION_IMPLS, DROPOUT_MASKS, POOLS, PRESETS, REMAT_SAVE_NAMES,
+                             get_preset, remat_saved_names)
 from vit_pure.policy import Policy
 
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
@@ -79,10 +79,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "to 2^-16); other masks, the same distribution (docs/performance.md)")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--recipe", "--preset", dest="recipe", default=None, choices=sorted(RECIPES),
+    g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
                    help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
-                        "explicitly override it. --preset is its old name, still accepted until "
-                        "the next release")
+                        "explicitly override it")
     g.add_argument("--batch", type=int, default=128,
                    help="global batch (divisible by the device count)")
     g.add_argument("--epochs", type=int, default=200)
@@ -235,10 +234,6 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     recipe = parser.parse_known_args(argv)[0].recipe
     if recipe is not None:  # the recipe's values become defaults: explicit flags win
         parser.set_defaults(**RECIPES[recipe])
-    if any(a == "--preset" or a.startswith("--preset=") for a in
-           (sys.argv[1:] if argv is None else argv)):
-        print("note: --preset is now --recipe (a training recipe; --model picks the model "
-              "preset); --preset works until the next release", file=sys.stderr)
     args = parser.parse_args(argv)
     _check_numbers(parser, args)
     _check_checkpoint_flags(parser, args)
@@ -288,7 +283,7 @@ def use_cpu_devices(n: int) -> None:
 
 
 def _remat(text: str) -> str:
-    """--remat: a mode `model.encoder` takes (model.remat_saved_names)."""
+    """--remat: a mode `model.encoder` takes (config.remat_saved_names)."""
     try:
         remat_saved_names(text)
     except ValueError as e:

@@ -58,13 +58,6 @@ RESUMABLE_ACROSS = frozenset({
 _RESUMABLE_FLAGS = frozenset(flag_name(name) for name in RESUMABLE_ACROSS)
 
 
-# Flags added after checkpoints were first written, with the value that runs what a
-# checkpoint without them ran: a checkpoint that does not record one of these continues in
-# a run that leaves it at this value (a run that sets another value is refused as usual).
-ADDED_FLAG_DEFAULTS = {"--ema": 0.0, "--mix-off-epochs": 0, "--repeat-aug": 1,
-                       "--dropout-masks": "bernoulli", "--pool": None}
-
-
 def run_config(args) -> dict:
     """Every flag's value (JSON), as recorded in each checkpoint's meta."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
@@ -200,14 +193,10 @@ class Checkpoints:
 
 def first_difference(saved: dict, current: dict) -> str | None:
     """None if a checkpoint's trajectory `saved` may be continued by a run with trajectory
-    `current`, else one line naming the first difference. A flag that the checkpoint does
-    not record (it predates the flag) matches when this run leaves it at the value in
-    ADDED_FLAG_DEFAULTS; one it records that is now in RESUMABLE_ACROSS is not compared."""
+    `current`, else one line naming the first difference. A flag the checkpoint records
+    that is now in RESUMABLE_ACROSS is not compared."""
     for name in [*current,
                  *(k for k in saved if k not in current and k not in _RESUMABLE_FLAGS)]:
-        if (name not in saved and name in ADDED_FLAG_DEFAULTS
-                and current.get(name) == ADDED_FLAG_DEFAULTS[name]):
-            continue
         if saved.get(name, "<absent>") != current.get(name, "<absent>"):
             return _difference(name, saved, current)
     return None

@@ -1,0 +1,51 @@
+"""Dropout masks, drawn per example (the --dropout-masks flag; model._dropout uses them).
+
+Every mask comes from `fold_in(rng, example_id)` (`example_keys`), then the layer and the
+site (`site_keys`): it belongs to the example, not to the device holding it. `keep_mask`
+draws one example's mask in one of two ways with the same distribution.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend.random import threefry_2x32
+
+
+
+def example_keys(rng, example_ids):
+    """One key per example, from its global index in the batch: (B,) keys."""
+    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(example_ids)
+
+
+def site_keys(ex_keys, layer, site):
+    """Each example's key for one dropout site of one layer: (B,) keys."""
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, layer), site))(ex_keys)
+
+
+def keep_probability(rate: float, masks: str) -> float:
+    """The probability that `keep_mask` keeps an element: 1 - rate, or for "threefry16"
+    1 - rate rounded to a multiple of 2^-16 (0.1 -> keep 58982 / 65536 = 0.899994)."""
+    if masks == "bernoulli":
+        return 1.0 - rate
+    return max(1, round((1.0 - rate) * 65536)) / 65536
+
+
+def keep_mask(key, shape, rate: float, masks: str):
+    """One example's dropout mask (True: keep) of `shape`, drawn from its `key`.
+
+    "bernoulli": `jax.random.bernoulli`, a float32 uniform per element; JAX's Threefry
+    (partitionable, its default) spends one 2x32 hash on each element.
+    "threefry16": 16-bit uniforms, four per hash: `threefry_2x32` over a counter gives
+    two 32-bit words per hash, each cut into two 16-bit halves, compared with the keep
+    probability in units of 2^-16 (`keep_probability`): a quarter of the hashes
+    (docs/performance.md, "Dropout masks on a CPU", measures what that buys).
+    Either way the mask depends only on the example's key, not on the batch around it.
+    """
+    if masks == "bernoulli":
+        return jax.random.bernoulli(key, 1.0 - rate, shape)
+    n = math.prod(shape)
+    words = threefry_2x32(jax.random.key_data(key), jnp.arange(-(-n // 2), dtype=jnp.uint32))
+    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
+    return (halves < round(keep_probability(rate, masks) * 65536)).reshape(shape)
