@@ -124,6 +124,7 @@ def main(argv=None) -> dict:
         return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
+    backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
     sc = backend.step_config(args)
     return loop.run(args, sc, PmapStrategy)
 

@@ -421,6 +421,7 @@ def main(argv=None) -> dict:
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
+    backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
     sc = backend.step_config(args)
 
     def make_strategy(sc, optimizer):

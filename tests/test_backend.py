@@ -1,5 +1,7 @@
 """Backend-aware defaults (vit_pure/run/backend.py): what each backend gets for the flags a
 user leaves alone, and that explicit flags always win."""
+import pathlib
+
 import jax.numpy as jnp
 import pytest
 
@@ -86,3 +88,48 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     assert not sc.execution.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"
+
+
+def test_nvidia_gpu_visible_reads_the_device_file_and_the_path(tmp_path):
+    device = tmp_path / "nvidia0"
+    assert not backend.nvidia_gpu_visible(str(device), which=lambda name: None)
+    assert backend.nvidia_gpu_visible(str(device), which=lambda name: "/usr/bin/" + name)
+    device.write_text("")
+    assert backend.nvidia_gpu_visible(str(device), which=lambda name: None)
+
+
+@pytest.mark.parametrize("platform, visible, jax_platforms, says", [
+    ("cpu", True, "", True),          # a GPU, and the CPU build of jax: say how to install
+    ("cpu", True, "cuda,cpu", True),  # asked for CUDA too, and it is not there
+    ("gpu", True, "", False),         # JAX runs on the GPU
+    ("cpu", False, "", False),        # no GPU
+    ("cpu", True, "cpu", False),      # the CPU asked for (--cpu-devices sets this)
+])
+def test_cuda_missing_note(platform, visible, jax_platforms, says):
+    note = backend.cuda_missing_note(platform, visible, jax_platforms)
+    assert (note is not None) == says
+    if says:
+        assert "\n" not in note and backend.CUDA_INSTALL in note and platform in note
+
+
+def test_note_missing_cuda_prints_one_line_on_this_cpu(monkeypatch, capsys):
+    """The scripts' start-up call, with the GPU probe injected: on this CPU-only jax it
+    prints the install line when a GPU is 'visible', and nothing when none is."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    backend.note_missing_cuda(gpu_visible=lambda: True)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -r requirements-gpu.txt" in err
+    backend.note_missing_cuda(gpu_visible=lambda: False)
+    assert capsys.readouterr().err == ""
+
+
+def test_gpu_requirements_install_the_cuda_build_of_jax():
+    """README's GPU command installs requirements-gpu.txt: it must ask for JAX's CUDA build
+    (the jax[cuda12] extra pins the plugin to the jax version) on top of requirements.txt."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    lines = [line.split("#")[0].strip() for line in
+             (root / "requirements-gpu.txt").read_text().splitlines()]
+    assert "-r requirements.txt" in lines
+    assert any(line.startswith("jax[cuda12]") for line in lines)
+    readme = (root / "README.md").read_text()
+    assert "pip install -r requirements-gpu.txt && python train_shardmap.py --batch 4096" in readme

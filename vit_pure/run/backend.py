@@ -34,6 +34,9 @@ result is frozen into the StepConfig.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +153,33 @@ def cudnn_attention_runs(device) -> bool:
         return (int(major), int(minor)) >= (8, 0)
     except ValueError:
         return False
+
+
+# How to get JAX's CUDA build (the plugin and NVIDIA's libraries, the version of jax).
+CUDA_INSTALL = "pip install -r requirements-gpu.txt"
+
+
+def nvidia_gpu_visible(device_file: str = "/dev/nvidia0", which=shutil.which) -> bool:
+    """Whether this machine shows an NVIDIA GPU: its device file, or nvidia-smi on the PATH."""
+    return os.path.exists(device_file) or which("nvidia-smi") is not None
+
+
+def cuda_missing_note(platform: str, gpu_visible: bool, jax_platforms: str) -> str | None:
+    """One line when an NVIDIA GPU is there but JAX runs elsewhere because it has no CUDA
+    backend (`pip install -r requirements.txt` installs the CPU build); None when JAX runs
+    on the GPU, there is no GPU, or JAX_PLATFORMS asked for the CPU (--cpu-devices does)."""
+    if platform == "gpu" or not gpu_visible or jax_platforms.strip().lower() == "cpu":
+        return None
+    return (f"note: an NVIDIA GPU is visible but JAX runs on {platform} (this environment has "
+            f"no CUDA build of jax); to train on the GPU: {CUDA_INSTALL}")
+
+
+def note_missing_cuda(gpu_visible=nvidia_gpu_visible) -> None:
+    """Print `cuda_missing_note` for this process (call after cli.start_runtime)."""
+    note = cuda_missing_note(jax.default_backend(), gpu_visible(),
+                             os.environ.get("JAX_PLATFORMS", ""))
+    if note:
+        print(note, file=sys.stderr, flush=True)
 
 
 def step_config(args, platform: str | None = None) -> StepConfig:
