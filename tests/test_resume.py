@@ -22,7 +22,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure.run import checkpoint, cli, loop, monitor
+from vit_pure.run import checkpoint, cli, loop, monitor, resume
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
 
@@ -379,3 +379,18 @@ def test_profile_steps_default_and_synthetic_sizes():
                                                   "--synthetic-train", "80"])
     assert args.profile_range == (3, 5)
     assert args.synthetic_sizes == {"n_train": 80}
+
+
+def test_moving_a_corrupt_checkpoint_aside_never_collides(tmp_path):
+    """The same step corrupted again after a fallback (a rerun writes step_5 anew, and it is
+    corrupted too): the second move gets its own name, and both folders keep their files."""
+    first = []
+    for round_ in range(3):
+        step = tmp_path / "step_00000005"
+        step.mkdir()
+        (step / "arrays.npz").write_text(f"round {round_}")
+        first.append(resume.move_aside(step))
+        assert not step.exists()
+    assert [p.name for p in first] == ["corrupt-step_00000005", "corrupt-step_00000005.2",
+                                      "corrupt-step_00000005.3"]
+    assert [(p / "arrays.npz").read_text() for p in first] == ["round 0", "round 1", "round 2"]

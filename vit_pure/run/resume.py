@@ -58,6 +58,22 @@ RESUMABLE_ACROSS = frozenset({
 _RESUMABLE_FLAGS = frozenset(flag_name(name) for name in RESUMABLE_ACROSS)
 
 
+def move_aside(path: pathlib.Path) -> pathlib.Path:
+    """Rename a corrupt checkpoint to ``corrupt-<name>`` beside it, kept for inspection; a
+    name already taken (the same step corrupted again after a fallback) gets ``.2``, ``.3``,
+    ... so moving aside never fails on, or overwrites, an earlier one. Returns the new path."""
+    aside, n = path.with_name(f"corrupt-{path.name}"), 1
+    while True:
+        try:
+            os.rename(path, aside)  # atomic; refuses a non-empty directory that exists
+            return aside
+        except OSError:
+            if not aside.exists():
+                raise  # not a name collision: a real I/O error
+        n += 1
+        aside = path.with_name(f"corrupt-{path.name}.{n}")
+
+
 def run_config(args) -> dict:
     """Every flag's value (JSON), as recorded in each checkpoint's meta."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
@@ -133,8 +149,7 @@ class Checkpoints:
         # writes (retention counts them); move them aside, kept for inspection.
         for newer in existing[existing.index(path) + 1:]:
             if self.is_main:
-                aside = newer.with_name(f"corrupt-{newer.name}")
-                os.rename(newer, aside)
+                aside = move_aside(newer)
                 self.log(f"moved corrupt checkpoint {newer} to {aside}")
         return path
 
