@@ -1,7 +1,9 @@
 """vit_pure.run.checkpoint: bitwise round trip, atomic save, corruption, retention, no pickle."""
+import errno
 import hashlib
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,11 @@ def test_numpy_only_reading_as_documented(tmp_path):
     assert loaded["data_pos"] == 256 and loaded["step"].dtype == np.int64
 
 
+class SimulatedCrash(BaseException):
+    """The process dying mid-save (kill -9, power loss): nothing of the kit's runs after it,
+    unlike an OSError, which `save` handles (test_io_error_during_save_is_one_line)."""
+
+
 @pytest.mark.parametrize("crash_in", ["npz_writer", "rename"])
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash_in):
     state1, state2 = make_state(seed=0, step=1), make_state(seed=1, step=2)
@@ -126,7 +133,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
         def write_array(*args, **kwargs):
             calls.append(1)
             if len(calls) == 3:
-                raise OSError("simulated crash while writing arrays.npz")
+                raise SimulatedCrash("simulated crash while writing arrays.npz")
             return real_write_array(*args, **kwargs)
 
         monkeypatch.setattr(np.lib.format, "write_array", write_array)
@@ -135,12 +142,12 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
 
         def rename(src, dst):
             if os.path.basename(src).startswith(".tmp-"):
-                raise OSError("simulated crash before rename")
+                raise SimulatedCrash("simulated crash before rename")
             return real_rename(src, dst)
 
         monkeypatch.setattr(os, "rename", rename)
 
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(SimulatedCrash, match="simulated crash"):
         ckpt.save(tmp_path, 2, state2, META)
     monkeypatch.undo()
 
@@ -157,6 +164,48 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
     assert_bitwise_equal(ckpt.restore(ckpt.latest(tmp_path), state2), state2)
     assert ckpt.latest(tmp_path) == step2
+
+
+@pytest.mark.parametrize("errno_, where", [(errno.ENOSPC, "npz"), (errno.EACCES, "manifest"),
+                                           (errno.EROFS, "mkdir")])
+def test_io_error_during_save_is_one_line(tmp_path, monkeypatch, errno_, where):
+    """Disk full, no permission, a read-only file system, injected where the save meets
+    them: one CheckpointError line naming the step, the directory and the cause; the
+    partial .tmp-* removed; the checkpoint written before still the latest, intact."""
+    state1, state2 = make_state(seed=0, step=1), make_state(seed=1, step=2)
+    step1 = ckpt.save(tmp_path, 1, state1, META)
+    fault = OSError(errno_, os.strerror(errno_))
+    if where == "npz":  # after part of arrays.npz is on disk
+        real_write_array, calls = np.lib.format.write_array, []
+
+        def write_array(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise fault
+            return real_write_array(*args, **kwargs)
+
+        monkeypatch.setattr(np.lib.format, "write_array", write_array)
+    elif where == "manifest":
+        monkeypatch.setattr(ckpt, "_write_bytes", lambda path, data: (_ for _ in ()).throw(fault))
+    else:
+        real_mkdir = pathlib.Path.mkdir
+
+        def mkdir(self, *args, **kwargs):
+            if self.name.startswith(".tmp-"):
+                raise fault
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(tmp_path, 2, state2, META)
+    monkeypatch.undo()
+    message = str(e.value)
+    assert "\n" not in message and "step-2" in message and str(tmp_path) in message
+    assert os.strerror(errno_) in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert ckpt.latest(tmp_path) == step1
+    assert_bitwise_equal(ckpt.restore(step1, state1), state1)
 
 
 def _flip_byte_in_head_kernel(path, state):

@@ -10,6 +10,7 @@ compile), so they run in this process through the script's own `main` and
 `cli.main_guard`, on conftest's 8 fake devices (`--cpu-devices 8` matches them). A few run
 as real processes, to show the exit code and the whole of stderr end to end.
 """
+import errno
 import importlib
 import os
 import pathlib
@@ -20,7 +21,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure.run import cli
+from vit_pure.run import checkpoint, cli
 from vit_pure.data import download
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -247,6 +248,21 @@ def test_missing_data_dir_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     code = _main("shardmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d")])
     _assert_one_line(code, capsys.readouterr().err, "pass --data-dir DIR")
+
+
+def test_disk_full_at_a_save_is_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills while the step-1 checkpoint is written (the writer fault injected):
+    one line, exit 2, no partial .tmp-* left in --ckpt-dir."""
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", full)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = _main("pmap", BASE + ["--ckpt-dir", str(tmp_path / "ck")])
+    _assert_one_line(code, capsys.readouterr().err,
+                     f"cannot write the step-1 checkpoint in {tmp_path / 'ck'} "
+                     f"(No space left on device)")
+    assert os.listdir(tmp_path / "ck") == []
 
 
 def test_data_dir_that_is_a_file_is_one_line(tmp_path, capsys):

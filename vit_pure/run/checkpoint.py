@@ -171,12 +171,31 @@ def save(
         raise CheckpointError(f"meta is not JSON-serialisable: {one_line(e)}") from None
 
     ckpt_dir = pathlib.Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _delete_stale(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _delete_stale(ckpt_dir)
+        tmp.mkdir()
+        _write_checkpoint(tmp, final, ckpt_dir, step, leaves, meta_json)
+    except OSError as e:  # disk full, no permission, the directory gone: one line
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial save behind
+        raise CheckpointError(
+            f"cannot write the step-{step} checkpoint in {ckpt_dir} "
+            f"({e.strerror or one_line(e)}); the checkpoints written before are intact"
+        ) from None
 
+    if keep is not None:
+        complete = [p for p in list_checkpoints(ckpt_dir) if (p / MANIFEST_FILE).is_file()]
+        for path in complete[:-keep]:
+            if path != final:
+                _delete_dir(path)
+    return final
+
+
+def _write_checkpoint(tmp: pathlib.Path, final: pathlib.Path, ckpt_dir: pathlib.Path, step: int,
+                      leaves: list, meta_json: dict) -> None:
+    """`save`'s disk work: write and fsync `tmp`, then rename it to `final`."""
     # Arrays are fetched to host one at a time while they are written, so at most one
     # leaf's host copy exists at once.
     entries: list[dict[str, Any]] = []
@@ -210,13 +229,6 @@ def save(
     else:
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
-
-    if keep is not None:
-        complete = [p for p in list_checkpoints(ckpt_dir) if (p / MANIFEST_FILE).is_file()]
-        for path in complete[:-keep]:
-            if path != final:
-                _delete_dir(path)
-    return final
 
 
 def _checked_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
