@@ -160,7 +160,7 @@ def test_nan_between_log_points_stops_naming_its_step_before_any_checkpoint(
     assert _run(nan + ["--ckpt-dir", str(tmp_path), "--ckpt-every", "3"], _nan_at(2)) == 2
     assert capsys.readouterr().err.strip() == (
         "error: non-finite loss (nan) at step 2; stopped without saving it. "
-        "Last good checkpoint: none")
+        "Last checkpoint: none")
     assert checkpoint.list_checkpoints(tmp_path) == []
 
     assert _run(nan, _nan_at(2)) == 2

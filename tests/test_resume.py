@@ -10,6 +10,7 @@ RandAugment is); RandAugment itself is off, to compile in about half the time
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -250,47 +251,82 @@ def test_resume_in_empty_dir_starts_fresh_and_sigterm_saves(sigterm_while_loadin
 # --------------------------------------------------------------------------- NaNs, crashes
 def test_nan_loss_in_fp32_stops_naming_the_step(tmp_path, capsys):
     """A huge learning rate: step 1 is fine and saved, its update blows the params up, so
-    step 2's loss is NaN. The error names step 2 and the last good checkpoint."""
+    step 2's loss is NaN. The error names step 2 and the last checkpoint, with its loss."""
     argv = BASE + ["--lr", "1e30", "--warmup-steps", "0", "--ckpt-dir", str(tmp_path),
                    "--ckpt-every", "1", "--mesh", "data=8"]
     assert cli.main_guard(lambda: train_shardmap.main(argv)) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: non-finite loss (nan) at step 2; stopped without saving it. "
-                   f"Last good checkpoint: {tmp_path / 'step_00000001'}")
+    assert re.fullmatch(re.escape(f"error: non-finite loss (nan) at step 2; stopped without "
+                                  f"saving it. Last checkpoint: {tmp_path / 'step_00000001'} "
+                                  f"(step 1, logged loss ") + r"\d+\.\d{4}\)", err), err
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
     checkpoint.verify(tmp_path / "step_00000001")
 
 
-def test_fp16_goes_on_past_nan_and_a_crash_while_saving_keeps_the_last_checkpoint(
-        tmp_path, monkeypatch):
-    """Two facts, one run (runs cost compile time). The blow-up above, in fp16: the loss
-    scale skips the non-finite steps and shrinks, and the run goes on. Then the process
-    dies while writing step 4's checkpoint: step 3's stays complete and loadable."""
-    real = checkpoint._write_bytes
-
-    def write_bytes(path, data):
-        if ".tmp-step_00000004" in str(path):
-            raise OSError("simulated crash while writing the manifest")
-        real(path, data)
-    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+def test_fp16_goes_on_past_nan_and_never_saves_a_non_finite_step(tmp_path):
+    """The blow-up above, in fp16: the loss scale skips the non-finite steps and shrinks,
+    and the run goes on; a step whose loss was not finite is not checkpointed (its state is
+    the skipped step's), so every checkpoint on disk logged a finite loss."""
     log = tmp_path / "log.jsonl"
     ckpts = tmp_path / "ckpts"
-    with pytest.raises(OSError, match="simulated crash"):
-        train_pmap.main(BASE + ["--lr", "1e30", "--warmup-steps", "0", "--dtype", "fp16",
-                                "--steps", "4", "--log-json", str(log),
-                                "--ckpt-dir", str(ckpts), "--ckpt-every", "1"])
+    train_pmap.main(BASE + ["--lr", "1e30", "--warmup-steps", "0", "--dtype", "fp16",
+                            "--steps", "4", "--log-json", str(log),
+                            "--ckpt-dir", str(ckpts), "--ckpt-every", "1"])
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "split" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert any(np.isnan(r["loss"]) for r in steps[:-1])  # it went on after a NaN
     assert steps[-1]["skipped_steps"] >= 2
     assert steps[-1]["loss_scale"] <= 2.0 ** 15 / 4
+    finite = [r["step"] for r in steps if np.isfinite(r["loss"])]
+    assert [p.name for p in checkpoint.list_checkpoints(ckpts)] == [
+        checkpoint.step_dir_name(k) for k in finite]
+    not_written = [r["step"] for r in records if r.get("event") == "checkpoint_skipped"]
+    assert sorted(not_written + finite) == [1, 2, 3, 4]
+    for path in checkpoint.list_checkpoints(ckpts):
+        saved = checkpoint.load_numpy(path)
+        assert all(np.isfinite(v).all() for k, v in saved.items() if k.startswith("params/"))
 
+
+class SimulatedCrash(BaseException):
+    """The process dying mid-save (kill -9): unlike an OSError, nothing handles it."""
+
+
+def test_a_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """The process dies while writing step 4's checkpoint: step 3's stays complete and
+    loadable, and the half-written one is never read."""
+    real = checkpoint._write_bytes
+
+    def write_bytes(path, data):
+        if ".tmp-step_00000004" in str(path):
+            raise SimulatedCrash("simulated crash while writing the manifest")
+        real(path, data)
+    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+    ckpts = tmp_path / "ckpts"
+    with pytest.raises(SimulatedCrash, match="simulated crash"):
+        train_pmap.main(BASE + ["--steps", "4", "--ckpt-dir", str(ckpts), "--ckpt-every", "1"])
     assert checkpoint.latest(ckpts) == ckpts / "step_00000003"
     assert list(ckpts.glob(".tmp-step_00000004-*"))  # the half-written one, never read
     saved = checkpoint.load_numpy(ckpts / "step_00000003")
-    assert saved["loss_scale/scale"] == steps[2]["loss_scale"] < 2.0 ** 15
     assert all(np.isfinite(v).all() for k, v in saved.items() if k.startswith("params/"))
+
+
+def test_fp16_that_cannot_recover_stops_naming_the_last_checkpoint(tmp_path, capsys):
+    """fp16 with a learning rate that diverges: every step after the first overflows, the
+    scale halves to its minimum, and the run stops in one line, exit 2, naming the newest
+    checkpoint with its logged loss."""
+    argv = BASE + ["--lr", "1e6", "--warmup-steps", "0", "--dtype", "fp16", "--steps", "40",
+                   "--ckpt-dir", str(tmp_path), "--ckpt-every", "1"]
+    assert cli.main_guard(lambda: train_shardmap.main(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: the run cannot recover: the last ")
+    assert "and the loss scale has reached its minimum (1)" in err
+    named = re.search(r"Last checkpoint: (\S+) \(step (\d+), logged loss \d+\.\d{4}\)$", err)
+    assert named, err
+    saved = checkpoint.list_checkpoints(tmp_path)
+    assert saved and str(saved[-1]) == named.group(1)  # the newest one, with its loss
+    assert saved[-1].name == checkpoint.step_dir_name(int(named.group(2)))
+    assert int(named.group(2)) < 40 - 10  # stopped long before the end
 
 
 class _HostMetrics:
@@ -311,6 +347,25 @@ def test_fp16_nan_loss_with_finite_gradients_stops_the_run():
     with pytest.raises(FloatingPointError, match=r"^non-finite loss \(nan\) at step 3 "
                        r"with a finite gradient norm \(0.5\)"):
         watch.check("ckpt/step_00000001")
+
+
+def test_fp16_skips_stop_the_run_only_at_the_scales_minimum():
+    """N skipped steps in a row stop the run once the scale has reached its minimum; the
+    same skips above the minimum, or a finite step in between, do not."""
+    watch = monitor.LossWatch(_HostMetrics(), loss_scaled=True, min_scale=1.0, skips_at_min=3)
+    for k in (1, 2, 3):
+        watch.add(k, {"loss": float("nan"), "grad_norm": float("inf")})
+    watch.check("none", scale=4.0)  # still shrinking: the run may recover
+    watch.add(4, {"loss": 2.0, "grad_norm": 1.0})  # recovered: the count starts again
+    for k in (5, 6):
+        watch.add(k, {"loss": float("nan"), "grad_norm": float("inf")})
+    watch.check("none", scale=1.0)  # at the minimum, but only 2 in a row
+    assert watch.skipped == 5 and not watch.last_loss_finite
+    watch.add(7, {"loss": float("nan"), "grad_norm": float("inf")})
+    with pytest.raises(FloatingPointError, match=r"^the run cannot recover: the last 3 steps "
+                       r"\(to step 7\) .* minimum \(1\); stopped without saving. "
+                       r"Last checkpoint: none$"):
+        watch.check("none", scale=1.0)
 
 
 def test_eval_only_takes_model_and_policy_from_the_checkpoint_as_values():

@@ -121,8 +121,9 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
         _log_setup(log, args, sc, strategy, ckpts, plan, host_state, step)
     state = strategy.put_state(host_state)
+    losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
+                       min_scale=host_state["loss_scale"].min_scale)
     del host_state
-    losses = LossWatch(strategy, sc.policy.needs_loss_scaling)
     speed = Throughput()
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
@@ -142,7 +143,7 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         previous = metrics
         train_step = mixing.train_step(strategy, step)  # --mix-off-epochs: the unmixed one
         state, metrics = train_step(state, *next(inputs))
-        points.read(ckpts.last)  # the last log point's metrics, while this step runs
+        points.read(ckpts.describe_last())  # the last log point's metrics, while this step runs
         # At most two steps in flight: XLA:CPU's collectives can deadlock when many are
         # queued, and on accelerators one step of look-ahead is all the overlap to gain.
         if previous is not None:
@@ -155,7 +156,7 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         if step % plan.log_every == 0 or step == plan.total_steps:
             # Read after the next step is dispatched; the learning rate is computed on the
             # device now, between the steps, and read with them.
-            points.mark(metrics, state, bar, ckpts.last, step=step, epoch=epoch,
+            points.mark(metrics, state, bar, ckpts.describe_last(), step=step, epoch=epoch,
                         lr=schedule(step - 1), rate=speed.rate())
             if memory_step is None:  # the first log point: the peak includes compiling
                 log_memory(log, step)
@@ -167,21 +168,27 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
         why = _checkpoint_reason(args, plan, step, end_of_epoch) if ckpts.dir else None
         if why:
             with speed.paused(metrics):  # the logged img/s counts training steps only
-                points.read(ckpts.last)
-                losses.check(ckpts.last)  # never save a state that came from a NaN
-                ckpts.save(strategy, state, step, why, points.last)
+                points.read(ckpts.describe_last())
+                # Never save a state that came from a NaN (the check raises) or a step whose
+                # loss was not finite (fp16: the loss scale skipped it).
+                losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
+                if losses.last_loss_finite:
+                    ckpts.save(strategy, state, step, why, points.last)
+                else:
+                    log(f"checkpoint of step {step} not written: its loss is not finite",
+                        event="checkpoint_skipped", step=step)
         if (end_of_epoch and args.eval_every and (epoch + 1) % args.eval_every == 0
                 and step < plan.total_steps and _stop_reason(stop, args, step) is None):
             with speed.paused(metrics):
-                points.read(ckpts.last)
+                points.read(ckpts.describe_last())
                 evaluate_split(strategy, state, splits, "val", eval_batch, log,
                                f"epoch {epoch + 1}: ", step=step, epoch=epoch)
 
     # ---- The end: the last checks, then stopped early (saved), or the final evaluation.
     del inputs  # the batches placed ahead of a run that stopped early
-    points.read(ckpts.last)
+    points.read(ckpts.describe_last())
     bar.close()
-    losses.check(ckpts.last)
+    losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
     profiler.finish(step, state)
     if step not in (first_step, memory_step):
         log_memory(log, step)
@@ -371,14 +378,14 @@ def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatc
     """A log point's host sync (LogPoints.read): every loss since the last log point
     checked for NaN / inf (monitor.LossWatch), then the step's metrics fetched and logged
     (line and JSON). `state` is read only for the loss scale (fp16)."""
-    losses.check(last_checkpoint)
+    losses.check(last_checkpoint, _loss_scale(strategy, state, losses))
     m = strategy.metrics_to_host(metrics)
     last = {"step": step, "epoch": epoch, "loss": m["loss"], "accuracy": m["accuracy"],
             "lr": lr, "images_per_s": rate}
     text = (f"step {step:6d}  loss {m['loss']:.4f}  acc {m['accuracy']:.3f}  "
             f"{rate:8.1f} img/s")
     if losses.loss_scaled:
-        last["loss_scale"] = strategy.metrics_to_host({"s": state["loss_scale"].scale})["s"]
+        last["loss_scale"] = _loss_scale(strategy, state, losses)
         last["skipped_steps"] = losses.skipped
         text += f"  loss scale {last['loss_scale']:g} ({losses.skipped} steps skipped)"
     if not bar.disable:  # an open bar shows it (not the line); the JSON record still gets it
@@ -386,6 +393,13 @@ def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatc
         text = ""
     log(text, **last)
     return last
+
+
+def _loss_scale(strategy: Strategy, state, losses: LossWatch) -> float | None:
+    """The loss scale now, on the host (fp16; None otherwise or with no state at hand)."""
+    if not losses.loss_scaled or state is None:
+        return None
+    return strategy.metrics_to_host({"s": state["loss_scale"].scale})["s"]
 
 
 def _checkpoint_reason(args, plan: StepPlan, step: int, end_of_epoch: bool) -> str | None:

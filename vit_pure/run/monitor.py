@@ -61,27 +61,40 @@ class LossWatch:
     `step.apply_gradients` and the scale shrank; it is counted (`skipped`), whatever its
     loss. A non-finite *loss* with finite gradients is a FloatingPointError here too:
     that update was applied (the scale skips only non-finite gradients), so it is never
-    passed over silently.
+    passed over silently. And a run that cannot recover stops: `skips_at_min` skipped
+    steps in a row ending with the scale at its minimum (`min_scale`, where halving does
+    nothing) is a FloatingPointError: the scale halved on every one of those skips down to
+    its floor, where the gradients overflow unscaled. The run has diverged, and every
+    further step would be skipped too.
     """
 
-    def __init__(self, strategy, loss_scaled: bool):
+    def __init__(self, strategy, loss_scaled: bool, min_scale: float = 1.0,
+                 skips_at_min: int = 10):
         self.strategy, self.loss_scaled = strategy, loss_scaled  # strategy: metrics_to_host
+        self.min_scale, self.skips_at_min = min_scale, skips_at_min
         self.pending: list[tuple[int, dict]] = []
         self.skipped = 0  # fp16: steps the loss scale skipped so far in this process
+        self.skipped_in_a_row = 0
+        self.last_loss_finite = True  # the newest step checked: may its state be saved?
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.append((step, {k: metrics[k] for k in ("loss", "grad_norm") if k in metrics}))
 
-    def check(self, last_checkpoint) -> None:
-        """Fetch and check the pending steps: raise, or count the skipped ones (fp16)."""
+    def check(self, last_checkpoint: str, scale: float | None = None) -> None:
+        """Fetch and check the pending steps: raise, or count the skipped ones (fp16).
+        `last_checkpoint` describes the run's fallback for the error; `scale` is the loss
+        scale now (fp16; None: not read here, so the unrecoverable rule waits)."""
         pending, self.pending = self.pending, []
         for step, scalars in pending:
             m = self.strategy.metrics_to_host(scalars)
             loss, norm = m["loss"], m.get("grad_norm", 0.0)
+            self.last_loss_finite = bool(np.isfinite(loss))
             if np.isfinite(loss) and np.isfinite(norm):
+                self.skipped_in_a_row = 0
                 continue
             if self.loss_scaled and not np.isfinite(norm):
                 self.skipped += 1  # the loss scale skipped this step
+                self.skipped_in_a_row += 1
                 continue
             what = (f"non-finite loss ({loss}) at step {step}" if not np.isfinite(loss) else
                     f"non-finite gradient norm ({norm}, loss {loss:.4f}) at step {step}")
@@ -89,8 +102,14 @@ class LossWatch:
                 what += (f" with a finite gradient norm ({norm:g}), so the loss scale did not "
                          "skip its update")
             raise FloatingPointError(
-                f"{what}; stopped without saving it. Last good checkpoint: "
-                f"{last_checkpoint or 'none'}")
+                f"{what}; stopped without saving it. Last checkpoint: {last_checkpoint}")
+        if (self.loss_scaled and scale is not None and scale <= self.min_scale
+                and self.skipped_in_a_row >= self.skips_at_min):
+            raise FloatingPointError(
+                f"the run cannot recover: the last {self.skipped_in_a_row} steps (to step "
+                f"{pending[-1][0]}) had non-finite gradients and were skipped, and the loss "
+                f"scale has reached its minimum ({scale:g}); stopped without saving. Last "
+                f"checkpoint: {last_checkpoint}")
 
 
 # --------------------------------------------------------------------------- profiling

@@ -114,8 +114,17 @@ class Checkpoints:
         self.rng = np.asarray(jax.random.key_data(jax.random.key(args.seed)))
         self.last: pathlib.Path | None = None  # the newest checkpoint written or resumed
         self.saved_step: int | None = None
+        self.last_loss: float | None = None  # the training loss logged before it was written
         # Which script and layout wrote the checkpoints (meta only): `set_writer`, once.
         self.written_by = {"strategy": "?", "layout": "?"}
+
+    def describe_last(self) -> str:
+        """The newest checkpoint this run can fall back to, and how good it is: its step and
+        the training loss logged before it was written (for error messages)."""
+        if self.last is None:
+            return "none"
+        loss = "not logged" if self.last_loss is None else f"{self.last_loss:.4f}"
+        return f"{self.last} (step {self.saved_step}, logged loss {loss})"
 
     def set_writer(self, strategy_name: str, layout: str) -> None:
         self.written_by = {"strategy": strategy_name, "layout": layout}
@@ -168,6 +177,7 @@ class Checkpoints:
                  f" ({where.get('layout', '?')})",
                  event="resume", step=step, checkpoint=str(path))
         self.last, self.saved_step = path, step
+        self.last_loss = meta.get("metrics", {}).get("loss")
         return restored, step
 
     def save(self, strategy, state, step: int, why: str,
@@ -180,7 +190,7 @@ class Checkpoints:
         if bad is not None:
             raise FloatingPointError(
                 f"the state after step {step} has non-finite values ({bad}); not saved. "
-                f"Last good checkpoint: {self.last or 'none'}")
+                f"Last checkpoint: {self.describe_last()}")
         path = self.dir / checkpoint.step_dir_name(step)
         if self.is_main:
             epoch, index = divmod(step, self.steps_per_epoch)
@@ -203,6 +213,7 @@ class Checkpoints:
             self.log(f"checkpoint {path} ({why})", event="checkpoint", step=step,
                      path=str(path), reason=why)
         self.last, self.saved_step = path, step
+        self.last_loss = metrics.get("loss") if metrics else None
         return path
 
 
