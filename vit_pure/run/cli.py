@@ -5,6 +5,7 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from typing import Any, Callable
 
 from vit_pure.run import distributed
@@ -195,6 +196,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="how many processes the job has")
     g.add_argument("--process-id", type=int, default=None, metavar="I",
                    help="this process's number, 0..P-1")
+    g.add_argument("--init-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds for every process to join the job before each stops in "
+                        "one line (default 60)")
+    g.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S",
+                   help="seconds of silence after which a process counts as gone and "
+                        "the others stop in one line (default 20)")
+    g.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds JAX's end-of-job barrier waits (default 60)")
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process job, letting jax.distributed.initialize detect "
                         "what the three flags above leave out")
@@ -268,7 +277,10 @@ def start_runtime(args: argparse.Namespace) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.distributed or args.coordinator is not None:  # (parse_args checked the trio)
         try:
-            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   init_timeout=args.init_timeout,
+                                   heartbeat_timeout=args.heartbeat_timeout,
+                                   shutdown_timeout=args.shutdown_timeout)
         except ValueError as e:  # JAX's cluster detection found nothing to fill in
             raise UsageError(f"--distributed: {e} (give --coordinator, --num-processes and "
                              f"--process-id outside SLURM / Open MPI / Cloud TPU)") from None
@@ -455,7 +467,12 @@ def _check_synthetic_flags(parser, args) -> None:
 
 def _check_process_flags(parser, args) -> None:
     """--coordinator / --num-processes / --process-id: all three or none (unless
-    --distributed lets JAX detect them); `start_runtime` joins the job."""
+    --distributed lets JAX detect them); `start_runtime` joins the job. The timeouts are
+    checked whether or not the run has several processes."""
+    for name in ("init_timeout", "heartbeat_timeout", "shutdown_timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 1):
+            parser.error(f"{flag_name(name)} must be a number of seconds >= 1, got {value:g}")
     given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
              "--process-id": args.process_id}
     if not args.distributed and all(v is None for v in given.values()):
@@ -490,18 +507,38 @@ def main_guard(fn: Callable[[], Any]) -> int:
     A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
     normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
     second signal, which stops at once without saving.
+
+    In a multi-process job every failure is also reported to the other processes, which
+    stop with it (distributed.Watch), and the process leaves at once: Python's clean-up
+    would wait in JAX's shutdown barrier for processes that are stopping too. Any other
+    exception is reported the same way before its traceback.
     """
     try:
         fn()
     except (DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _leave(2, str(e))
     except Interrupted as e:
         print(e, file=sys.stderr)
-        return e.exit_code
+        return _leave(e.exit_code, str(e))
     except KeyboardInterrupt:  # a second SIGTERM / SIGINT (or one before run() started)
         print("interrupted: stopped at once; nothing saved since the last checkpoint",
               file=sys.stderr)
-        return 130
+        return _leave(130, "interrupted by a second signal")
+    except Exception as e:  # a bug or an unforeseen failure: its traceback, then as above
+        if distributed.report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"):
+            traceback.print_exc()
+            return _leave(1, "")
+        raise
     return 0
+
+
+def _leave(code: int, cause: str) -> int:
+    """`code`, after telling a multi-process job's other processes why this one stops (an
+    empty `cause`: already told)."""
+    if not cause or distributed.report_failure(cause):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not Python's exit: its clean-up waits for the other processes
+    return code
 

@@ -28,21 +28,37 @@ What does change is the host side, all of it here or in vit_pure/run/loop.py:
   decision that changes the sequence of steps (stop on SIGTERM, which may reach the
   processes at different times) is agreed first (`agree_max`). Logs and checkpoint files
   come from process 0 only; a `barrier` keeps the processes together at the end.
+* Failures: one process that fails must not leave the others waiting in a collective
+  until JAX's own timeouts abort them with a C++ trace. `Watch` (below) makes every
+  process exit in one line, with EXIT_PEER_FAILED, within seconds of another process's
+  error or death (docs/multihost.md says what a scheduler sees).
 """
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed  # the key-value store: no public API yet
 from jax.experimental import multihost_utils
 
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import DataError
 
 
+# The exit code of a process that stops because another one failed (its own errors keep
+# theirs: 2 for bad input, 130 / 143 for signals, ...). Not a signal's 128 + n.
+EXIT_PEER_FAILED = 3
+_KEYS = "vit_pure/"  # this kit's keys in the job's coordination key-value store
+
+
 def initialize(coordinator: str | None, num_processes: int | None,
-               process_id: int | None) -> None:
+               process_id: int | None, *, init_timeout: float = 60.0,
+               heartbeat_timeout: float = 20.0, shutdown_timeout: float = 60.0) -> None:
     """Join the job: `jax.distributed.initialize`, before anything touches a device.
 
     Arguments left None are filled in by JAX's cluster detection (SLURM, Open MPI,
@@ -51,9 +67,31 @@ def initialize(coordinator: str | None, num_processes: int | None,
     rank: one process per GPU (docs/multihost.md, with the variables it reads). On CPU
     the collectives between processes use gloo, JAX's default there
     (`jax_cpu_collectives_implementation`), so nothing else is needed.
+
+    Timeouts (seconds; the --*-timeout flags): the other processes must join within
+    `init_timeout`, and a process whose heartbeat stops for `heartbeat_timeout` counts as
+    gone (`Watch`). JAX's own limits are set above the kit's, since JAX ends a process
+    that reaches them with abort() (exit 134 and a C++ trace): the kit's one-line exit
+    comes first. `shutdown_timeout` bounds JAX's end-of-job barrier.
     """
-    jax.distributed.initialize(coordinator_address=coordinator,
-                               num_processes=num_processes, process_id=process_id)
+    where = f"process {process_id if process_id is not None else '?'}"
+
+    def did_not_join():
+        _die(f"{where}: the job's {num_processes or 'other'} processes did not all join "
+             f"within {init_timeout:g} s (--init-timeout); is every process started, with "
+             f"the same --coordinator?")
+    timer = threading.Timer(init_timeout, did_not_join)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes,
+            process_id=process_id, initialization_timeout=int(init_timeout) + 30,
+            heartbeat_timeout_seconds=int(2 * heartbeat_timeout) + 30,
+            shutdown_timeout_seconds=max(1, int(shutdown_timeout)))
+    finally:
+        timer.cancel()
+    Watch.start(heartbeat_timeout)
 
 
 def local_rows(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -132,3 +170,134 @@ def barrier(name: str) -> None:
     """Wait until every process reaches the barrier of this name (no-op with one)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+# ------------------------------------------------------------------ failures across processes
+def _die(line: str) -> None:
+    """Print `line` as this process's one error line and leave at once (no Python clean-up,
+    which would wait in JAX's shutdown barrier for processes that are gone)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_FAILED)
+
+
+class Watch:
+    """A daemon thread per process that ends it when another process fails.
+
+    Through the job's coordination key-value store (JAX's distributed client; process 0
+    serves it), every second each process bumps its heartbeat key and reads the others'
+    and the job's error key:
+    * an error another process reported (`report_failure`, called by `cli.main_guard` on
+      any error) -> this process prints it in one line and exits EXIT_PEER_FAILED;
+    * a process whose heartbeat has not moved for `heartbeat_timeout` s and that did not
+      finish (`finish`) -> the same, naming it as gone (killed, crashed, hung).
+    If process 0 dies, the store goes with it: JAX itself then ends the other processes at
+    once with abort() (exit 134), which the kit cannot intercept (docs/multihost.md).
+    """
+    _thread: threading.Thread | None = None
+    _stopped = threading.Event()
+    heartbeat_timeout = 20.0
+
+    @classmethod
+    def start(cls, heartbeat_timeout: float) -> None:
+        if jax.process_count() == 1 or cls._thread is not None:
+            return
+        cls.heartbeat_timeout = heartbeat_timeout
+        cls._thread = threading.Thread(target=cls._run, args=(heartbeat_timeout,),
+                                       name="vit_pure-watch", daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def _run(cls, heartbeat_timeout: float) -> None:
+        client, me, n = _client(), jax.process_index(), jax.process_count()
+        beat, seen = 0, {p: (None, time.monotonic()) for p in range(n) if p != me}
+        while not cls._stopped.wait(1.0):
+            beat += 1
+            try:
+                client.key_value_set(f"{_KEYS}beat/{me}", str(beat), allow_overwrite=True)
+                error = _try_get(client, f"{_KEYS}error")
+                if error is not None and not cls._stopped.is_set():
+                    # Say it was seen: a failing process 0 serves the store and waits
+                    # for this before it leaves (`report_failure`).
+                    client.key_value_set(f"{_KEYS}seen/{me}", "1", allow_overwrite=True)
+                    _die(f"{error}; this process stops too")
+                now = time.monotonic()
+                for p, (last, since) in seen.items():
+                    value = _try_get(client, f"{_KEYS}beat/{p}")
+                    if value != last:
+                        seen[p] = (value, now)
+                    elif (now - since > heartbeat_timeout and not cls._stopped.is_set()
+                          and _try_get(client, f"{_KEYS}done/{p}") is None):
+                        _die(f"process {p} of {n} stopped responding (no heartbeat for "
+                             f"{heartbeat_timeout:g} s: killed, crashed or hung); this "
+                             f"process stops too")
+            except Exception as e:  # noqa: BLE001 - the store is gone with process 0
+                if not cls._stopped.is_set():
+                    _die(f"lost the job's coordinator (process 0 of {n}: "
+                         f"{type(e).__name__}); this process stops too")
+
+    @classmethod
+    def finish(cls) -> None:
+        """This process ended its run (success or a clean stop): the others may stop
+        hearing from it; stop watching them."""
+        if cls._thread is None:
+            return
+        cls._stopped.set()
+        try:
+            _client().key_value_set(f"{_KEYS}done/{jax.process_index()}", "1",
+                                    allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - nothing left to tell
+            pass
+
+
+def report_failure(cause: str) -> bool:
+    """Tell the other processes that this one stops because of `cause` (one line); they
+    exit with it (`Watch`). The first report of a job wins. False (nothing to tell) with
+    one process."""
+    if Watch._thread is None:
+        return False
+    Watch._stopped.set()  # this process's own error line is the one it prints
+    me, n = jax.process_index(), jax.process_count()
+    line = f"process {me} of {n} stopped ({cause})"
+    try:
+        client = _client()
+        client.key_value_set(f"{_KEYS}error", line)
+        if me == 0:
+            # The store lives in this process and dies with it, and JAX aborts the others
+            # the moment it does: stay until each has seen the error (or is gone).
+            deadline = time.monotonic() + Watch.heartbeat_timeout + 2.0
+            waiting = set(range(1, n))
+            while waiting and time.monotonic() < deadline:
+                waiting = {p for p in waiting
+                           if _try_get(client, f"{_KEYS}seen/{p}") is None
+                           and _try_get(client, f"{_KEYS}done/{p}") is None}
+                time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - another process reported first, or the store is gone
+        pass
+    return True
+
+
+def exchange(name: str, text: str) -> list[str]:
+    """Every process's `text` for `name`, in process order, on every process: a small
+    all-gather through the key-value store (no devices, so it works before the first
+    compile). Every process must call it with the same `name`; with one process, [text]."""
+    if jax.process_count() == 1:
+        return [text]
+    client = _client()
+    client.key_value_set(f"{_KEYS}{name}/{jax.process_index()}", text, allow_overwrite=True)
+    # A process that never arrives is gone: Watch ends this one meanwhile.
+    return [client.blocking_key_value_get(f"{_KEYS}{name}/{p}", 24 * 3600 * 1000)
+            for p in range(jax.process_count())]
+
+
+def _client():
+    return _jax_distributed.global_state.client
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001
+        if "NOT_FOUND" in str(e):
+            return None
+        raise

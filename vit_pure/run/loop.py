@@ -22,8 +22,10 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import json
 import pathlib
 import signal
+import sys
 import threading
 from typing import Any, Callable, Protocol
 
@@ -39,7 +41,7 @@ from vit_pure.model import count_params
 from vit_pure.run.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
                               progress_bar)
 from vit_pure.policy import Policy
-from vit_pure.run.resume import Checkpoints
+from vit_pure.run.resume import Checkpoints, first_difference
 from vit_pure.step import StepConfig, init_state, make_optimizer, step_key
 
 
@@ -88,8 +90,12 @@ def run(args, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
                 result = evaluate_checkpoint(args, sc, make_strategy, log)
             else:
                 result = _run(args, sc, make_strategy, log, is_main, stop, profiler)
-        # No process leaves (and takes its part of the runtime with it) before all are done.
-        distributed.barrier("end of run")
+            # No process leaves (and takes its part of the runtime with it) before all are
+            # done; a signal that arrives in the barrier finds the handler still installed
+            # (StopRequest.finished: the run already ended cleanly, so it is ignored).
+            stop.finished = True
+            distributed.barrier("end of run")
+        distributed.Watch.finish()
         return result
     finally:
         profiler.close()
@@ -109,6 +115,7 @@ def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
     optimizer, schedule = make_optimizer(args, plan.total_steps)
     # The checkpoint to start from, and whether it belongs to this run: before compiling.
     ckpts = Checkpoints(args, sc, train, plan.steps_per_epoch, plan.total_steps, log, is_main)
+    _agree_on_trajectory(ckpts.trajectory)  # several processes: the same run in every one
     resume_from = ckpts.find_resume_point()
     # K micro-batches per step (--accum-steps; auto: the smallest K that fits in memory),
     # after checking that --batch and --eval-batch split over processes and devices.
@@ -395,6 +402,19 @@ def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatc
     return last
 
 
+def _agree_on_trajectory(trajectory: dict) -> None:
+    """Every process must run the same trajectory (the flags a resume compares, the model,
+    the dtype policy, the data): before anything compiles, each compares its own with
+    every other's; a difference is one UsageError line, the same on every process."""
+    everyone = [json.loads(text) for text in
+                distributed.exchange("trajectory", json.dumps(trajectory, sort_keys=True))]
+    for p, other in enumerate(everyone[1:], 1):
+        difference = first_difference(everyone[0], other, ("process 0", f"process {p}"))
+        if difference is not None:
+            raise UsageError(f"the processes disagree on the run: {difference}; every "
+                             f"process must be given the same flags")
+
+
 def _loss_scale(strategy: Strategy, state, losses: LossWatch) -> float | None:
     """The loss scale now, on the host (fp16; None otherwise or with no state at hand)."""
     if not losses.loss_scaled or state is None:
@@ -587,6 +607,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum: int | None = None
+        self.finished = False  # the run ended (trained, or stopped with its checkpoint)
         self._agreed: tuple[int, int | None] | None = None  # (step, what was agreed there)
 
     @contextlib.contextmanager
@@ -625,6 +646,10 @@ class StopRequest:
         return self._agreed[1]
 
     def _handle(self, signum, frame):
+        if self.finished:  # the run's end is reached and saved: let it finish cleanly
+            print(f"{signal.Signals(signum).name} after the run ended: finishing",
+                  file=sys.stderr, flush=True)
+            return
         if self.signum is not None:
             raise KeyboardInterrupt  # the second signal: stop at once, save nothing
         self.signum = signum

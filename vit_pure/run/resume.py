@@ -217,26 +217,28 @@ class Checkpoints:
         return path
 
 
-def first_difference(saved: dict, current: dict) -> str | None:
+def first_difference(saved: dict, current: dict,
+                     names: tuple[str, str] = ("checkpoint", "this run")) -> str | None:
     """None if a checkpoint's trajectory `saved` may be continued by a run with trajectory
-    `current`, else one line naming the first difference. A flag the checkpoint records
-    that is now in RESUMABLE_ACROSS is not compared."""
+    `current`, else one line naming the first difference, the two sides called `names`.
+    A flag the checkpoint records that is now in RESUMABLE_ACROSS is not compared."""
     for name in [*current,
                  *(k for k in saved if k not in current and k not in _RESUMABLE_FLAGS)]:
         if saved.get(name, "<absent>") != current.get(name, "<absent>"):
-            return _difference(name, saved, current)
+            return _difference(name, saved, current, names)
     return None
 
 
-def _difference(name: str, saved: dict, current: dict) -> str:
+def _difference(name: str, saved: dict, current: dict, names: tuple[str, str]) -> str:
     """One line naming what differs, e.g. "--lr differs (checkpoint 0.001, this run 0.002)"."""
     a, b = saved.get(name, "<absent>"), current.get(name, "<absent>")
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
-                return f"{name} differs in {k} (checkpoint {a.get(k)!r}, this run {b.get(k)!r})"
+                return (f"{name} differs in {k} ({names[0]} {a.get(k)!r}, "
+                        f"{names[1]} {b.get(k)!r})")
     hint = "; --epochs / --steps must give the same total" if name == "total steps" else ""
-    return f"{name} differs (checkpoint {a!r}, this run {b!r}{hint})"
+    return f"{name} differs ({names[0]} {a!r}, {names[1]} {b!r}{hint})"
 
 
 def _first_non_finite(host_state) -> str | None:
