@@ -518,9 +518,10 @@ def main_guard(fn: Callable[[], Any]) -> int:
     except (DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _leave(2, str(e))
-    except Interrupted as e:
+    except Interrupted as e:  # the agreed stop, in every process alike: not a failure
         print(e, file=sys.stderr)
-        return _leave(e.exit_code, str(e))
+        distributed.Watch.finish()
+        return e.exit_code
     except KeyboardInterrupt:  # a second SIGTERM / SIGINT (or one before run() started)
         print("interrupted: stopped at once; nothing saved since the last checkpoint",
               file=sys.stderr)
