@@ -21,7 +21,7 @@ import pytest
 from jax._src import array as jax_array
 
 import train_shardmap
-from vit_pure.run import backend, checkpoint, cli, loop
+from vit_pure.run import backend, checkpoint, cli, loop, signals
 from vit_pure.data import cifar10 as data_lib
 from vit_pure import step as step_lib
 
@@ -175,8 +175,8 @@ def test_processes_agree_on_a_stop_every_few_steps(monkeypatch):
     calls = []
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(loop.distributed, "agree_max", lambda v: calls.append(v) or v)
-    stop = loop.StopRequest()
-    every = loop.StopRequest.AGREE_EVERY
+    stop = signals.StopRequest()
+    every = signals.StopRequest.AGREE_EVERY
     assert [stop.agreed(s) for s in range(every + 1)] == [None] * (every + 1)
     stop.signum = 15  # a SIGTERM arrives after step every + 1
     got = [stop.agreed(s) for s in range(every + 1, 2 * every + 1)]
@@ -184,7 +184,7 @@ def test_processes_agree_on_a_stop_every_few_steps(monkeypatch):
     assert stop.agreed(2 * every) == 15  # asked again: the same answer, no collective
     assert calls == [0, 0, 15]
     monkeypatch.setattr(jax, "process_count", lambda: 1)
-    assert loop.StopRequest().agreed(3) is None  # one process: every step, no collective
+    assert signals.StopRequest().agreed(3) is None  # one process: every step, no collective
 
 
 @pytest.mark.parametrize("depth", [1, 2])

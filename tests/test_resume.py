@@ -23,7 +23,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure.run import checkpoint, cli, loop, monitor, resume
+from vit_pure.run import checkpoint, cli, evaluate, loop, monitor, resume
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
 
@@ -377,11 +377,11 @@ def test_eval_only_takes_model_and_policy_from_the_checkpoint_as_values():
     tiny = get_preset("tiny")
     meta = {"model_config": dataclasses.asdict(tiny), "policy": "p=f32,c=bf16,o=f32,m=bf16",
             "matmul_precision": "high", "config": {"dtype": "fp16"}}
-    got = loop.saved_step_config(meta, sc)
+    got = evaluate.saved_step_config(meta, sc)
     assert got.cfg == tiny and got.accum_steps == 1 and got.label_smoothing == sc.label_smoothing
     assert got.policy == Policy.parse("p=f32,c=bf16,o=f32,m=bf16", "high")
     # Older checkpoints: no "policy" in meta, the flags say it.
-    older = loop.saved_step_config({"config": {"dtype": "bf16"}}, sc)
+    older = evaluate.saved_step_config({"config": {"dtype": "bf16"}}, sc)
     assert older.cfg == sc.cfg and older.policy == Policy.parse("bf16")
 
 

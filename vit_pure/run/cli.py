@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import traceback
@@ -10,6 +9,9 @@ from typing import Any, Callable
 
 from vit_pure.run import distributed
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
+from vit_pure.run.checks import (check_checkpoint_flags, check_numbers, check_paths,
+                                 check_process_flags, check_profile_flags,
+                                 check_synthetic_flags, flag_name)
 from vit_pure.config import (ATTENTION_IMPLS, DROPOUT_MASKS, POOLS, PRESETS, REMAT_SAVE_NAMES,
                              get_preset, remat_saved_names)
 from vit_pure.policy import Policy
@@ -40,9 +42,24 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    # Long but flat: one add_argument per flag, grouped as `--help` shows them.
+    """Both scripts' flags, grouped as `--help` shows them (one function a group)."""
     p = OneLineErrorParser(description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_flags(p)
+    _add_optimization_flags(p)
+    _add_recipe_flags(p)
+    _add_memory_flags(p)
+    _add_data_flags(p)
+    _add_eval_flags(p)
+    _add_checkpoint_flags(p)
+    _add_profiling_flags(p)
+    _add_process_flags(p)
+    _add_plan_flags(p)  # --plan N: compile for N devices and print the plan (no training)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --model, --pool, the dtype policy and the execution knobs."""
     g = p.add_argument_group("model and precision")
     g.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
     g.add_argument("--pool", default=None, choices=list(POOLS),
@@ -79,6 +96,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "four 16-bit uniforms per hash (threefry16; keep probability rounded "
                         "to 2^-16); other masks, the same distribution (docs/performance.md)")
 
+
+def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the optimizer and --recipe."""
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
                    help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
@@ -95,6 +115,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="global-norm gradient clipping (0: off)")
     g.add_argument("--seed", type=int, default=0)
 
+
+def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of augmentation and regularisation (the recipe's)."""
     g = p.add_argument_group("recipe: augmentation and regularisation "
                              "(the defaults are the full CIFAR-10 recipe; docs/training.md)")
     g.add_argument("--label-smoothing", type=float, default=0.1)
@@ -124,6 +147,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="evaluate on the mean of each image's logits and its mirror image's "
                         "(test-time augmentation; training is unchanged)")
 
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --accum-steps, --memory-budget."""
     g = p.add_argument_group("memory")
     g.add_argument("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
                    help="gradient accumulation: run each device's slice of the batch as K "
@@ -134,6 +160,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "devices together (default: 80%% of the free device memory; on CPU of the "
                         "available RAM)")
 
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the dataset and its sizes."""
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="cifar10", choices=["cifar10", "synthetic"])
     g.add_argument("--data-dir", default="./data")
@@ -144,6 +173,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--synthetic-test", type=int, default=None, metavar="N",
                    help="--dataset synthetic: test images (default 10000)")
 
+
+def _add_eval_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of evaluation, logging, devices."""
     g = p.add_argument_group("evaluation, logging, devices")
     g.add_argument("--eval-every", type=int, default=1,
                    help="evaluate on the validation split every N epochs (0: never)")
@@ -160,6 +192,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, default=None,
                    help="on a CPU-only machine, run on N fake devices")
 
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of checkpoints and preemption."""
     g = p.add_argument_group("checkpoints and preemption")
     g.add_argument("--ckpt-dir", default=None, metavar="DIR",
                    help="write checkpoints here: at the end of each epoch, every --ckpt-every "
@@ -177,6 +212,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="stop (with a checkpoint) once global step STEP is done, keeping the "
                         "learning-rate schedule of the full run; continue with --resume")
 
+
+def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --profile and its steps."""
     g = p.add_argument_group("profiling")
     g.add_argument("--profile", default=None, metavar="DIR",
                    help="write a jax.profiler trace of --profile-steps here "
@@ -184,6 +222,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="the steps to trace, inclusive, counted as in the log (default 3:5)")
 
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of several processes."""
     g = p.add_argument_group(
         "several processes (hosts)",
         "Run the same command in every process, adding --coordinator, --num-processes and "
@@ -207,8 +248,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process job, letting jax.distributed.initialize detect "
                         "what the three flags above leave out")
-    _add_plan_flags(p)  # --plan N: compile for N devices and print the plan (no training)
-    return p
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
@@ -244,10 +283,10 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     if recipe is not None:  # the recipe's values become defaults: explicit flags win
         parser.set_defaults(**RECIPES[recipe])
     args = parser.parse_args(argv)
-    _check_numbers(parser, args)
-    _check_checkpoint_flags(parser, args)
-    _check_profile_flags(parser, args)
-    _check_synthetic_flags(parser, args)
+    check_numbers(parser, args)
+    check_checkpoint_flags(parser, args)
+    check_profile_flags(parser, args)
+    check_synthetic_flags(parser, args)
     try:
         if (args.policy or args.dtype) != "auto":  # checked here; built by backend.step_config
             Policy.parse(args.policy or args.dtype, args.matmul_precision)
@@ -262,8 +301,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             args.cfg = args.cfg.replace(**{name: rate})
     if args.pool is not None:
         args.cfg = args.cfg.replace(pool=args.pool)
-    _check_process_flags(parser, args)
-    _check_paths(parser, args)
+    check_process_flags(parser, args)
+    check_paths(parser, args)
     return args
 
 
@@ -351,154 +390,6 @@ def require_positive(parser, args, *names: str) -> None:
         value = getattr(args, name)
         if not value > 0:
             parser.error(f"{flag_name(name)} must be positive, got {value}")
-
-
-def _check_numbers(parser, args) -> None:
-    """Every numeric flag within its range: counts, rates, coefficients (NaN never is)."""
-    def at_least(name, low, what):  # None means "not given" (a default chosen later)
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value >= low):
-            parser.error(f"{flag_name(name)} must be {what}, got {value}")
-
-    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices",
-                 "stop_after"):
-        at_least(name, 1, "positive")
-    for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix",
-                 "ckpt_every"):
-        at_least(name, 0, ">= 0")
-    at_least("ckpt_keep", 1, ">= 1")
-    _check_levers(parser, args)
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive number, got {args.lr}")
-    if not 0.0 <= args.label_smoothing < 1.0:
-        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
-    if not 0 <= args.seed < 2 ** 63:  # jax.random.key takes a 64-bit signed seed
-        parser.error(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.memory_budget is not None:
-        if not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
-            parser.error(f"--memory-budget must be positive, got {args.memory_budget}")
-        if args.accum_steps != "auto":
-            parser.error(f"--memory-budget is the budget of --accum-steps auto; with "
-                         f"--accum-steps {args.accum_steps} nothing reads it")
-
-
-def _check_levers(parser, args) -> None:
-    """--ema, --mix-off-epochs, --repeat-aug: the small-data levers (docs/training.md)."""
-    if not (math.isfinite(args.ema) and 0.0 <= args.ema < 1.0):
-        parser.error(f"--ema must be a decay in [0, 1) (0: off), got {args.ema}")
-    if args.mix_off_epochs < 0:
-        parser.error(f"--mix-off-epochs must be >= 0, got {args.mix_off_epochs}")
-    if args.mix_off_epochs and not (args.mixup or args.cutmix):
-        parser.error(f"--mix-off-epochs {args.mix_off_epochs}: there is no mixing to turn "
-                     f"off (add --mixup or --cutmix)")
-    if args.mix_off_epochs and args.mix_off_epochs >= args.epochs:
-        parser.error(f"--mix-off-epochs {args.mix_off_epochs} must be less than --epochs "
-                     f"{args.epochs} (or mixing never runs)")
-    if args.repeat_aug < 1:
-        parser.error(f"--repeat-aug must be >= 1, got {args.repeat_aug}")
-    if args.batch % args.repeat_aug:
-        parser.error(f"--repeat-aug {args.repeat_aug} does not divide --batch {args.batch}")
-
-
-def _check_paths(parser, args) -> None:
-    """Where the run will write: fail now, not after the first epoch's training."""
-    for flag, path in (("--ckpt-dir", args.ckpt_dir), ("--profile", args.profile)):
-        if path is None:
-            continue
-        if os.path.exists(path) and not os.path.isdir(path):
-            parser.error(f"{flag} {path}: exists and is not a directory")
-        parent = os.path.abspath(path)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            parser.error(f"{flag} {path}: cannot create or write it ({parent} is not a "
-                         f"writable directory)")
-    if args.log_json is not None:
-        parent = os.path.dirname(os.path.abspath(args.log_json))
-        if os.path.isdir(args.log_json):
-            parser.error(f"--log-json {args.log_json}: is a directory, expected a file")
-        if not os.path.isdir(parent):
-            parser.error(f"--log-json {args.log_json}: directory {parent} does not exist")
-    if (args.dataset == "cifar10" and os.path.exists(args.data_dir)
-            and not os.path.isdir(args.data_dir)):
-        parser.error(f"--data-dir {args.data_dir}: exists and is not a directory")
-
-
-def _check_checkpoint_flags(parser, args) -> None:
-    if args.stop_after is not None and args.steps is not None and args.stop_after > args.steps:
-        parser.error(f"--stop-after {args.stop_after}: the run ends sooner, at --steps "
-                     f"{args.steps}")
-    if args.ckpt_dir is None:
-        for flag, given in (("--resume", args.resume), ("--ckpt-every", args.ckpt_every),
-                            ("--eval-only", args.eval_only)):
-            if given:
-                parser.error(f"{flag} needs --ckpt-dir")
-
-
-def _check_profile_flags(parser, args) -> None:
-    """--profile-steps A:B -> args.profile_range = (A, B), 1 <= A <= B (default 3:5)."""
-    args.profile_range = None
-    if args.profile is None:
-        if args.profile_steps is not None:
-            parser.error("--profile-steps needs --profile")
-        return
-    text = args.profile_steps or "3:5"
-    first, sep, last = text.partition(":")
-    if not (sep and first.strip().isdigit() and last.strip().isdigit()
-            and 1 <= int(first) <= int(last)):
-        parser.error(f"--profile-steps {text!r}: expected A:B with 1 <= A <= B, e.g. 3:5")
-    args.profile_range = (int(first), int(last))
-    if args.steps is not None and args.profile_range[0] > args.steps:  # nothing to trace
-        parser.error(f"--profile-steps {text}{'' if args.profile_steps else ' (the default)'}"
-                     f": the run has only --steps {args.steps}")
-
-
-def _check_synthetic_flags(parser, args) -> None:
-    """args.synthetic_sizes: the load_dataset keywords of the --synthetic-* flags."""
-    sizes = {f"n_{name}": getattr(args, f"synthetic_{name}") for name in ("train", "val", "test")}
-    sizes = {k: v for k, v in sizes.items() if v is not None}
-    if sizes and args.dataset != "synthetic":
-        parser.error("--synthetic-train/--synthetic-val/--synthetic-test need --dataset synthetic")
-    for k, v in sizes.items():
-        if v < 0:
-            parser.error(f"--synthetic-{k[2:]} must be >= 0")
-    args.synthetic_sizes = sizes
-
-
-def _check_process_flags(parser, args) -> None:
-    """--coordinator / --num-processes / --process-id: all three or none (unless
-    --distributed lets JAX detect them); `start_runtime` joins the job. The timeouts are
-    checked whether or not the run has several processes."""
-    for name in ("init_timeout", "heartbeat_timeout", "shutdown_timeout"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 1):
-            parser.error(f"{flag_name(name)} must be a number of seconds >= 1, got {value:g}")
-    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
-             "--process-id": args.process_id}
-    if not args.distributed and all(v is None for v in given.values()):
-        return  # one process
-    if not args.distributed and None in given.values():
-        missing = ", ".join(k for k, v in given.items() if v is None)
-        parser.error(f"a multi-process run needs --coordinator, --num-processes and "
-                     f"--process-id (missing {missing}); or --distributed, to let JAX detect "
-                     f"them from the cluster (SLURM, Open MPI, Cloud TPU)")
-    if args.coordinator is not None:
-        host, _, port = args.coordinator.rpartition(":")
-        if not (host and port.isdigit() and 1 <= int(port) <= 65535):
-            parser.error(f"--coordinator {args.coordinator!r}: expected HOST:PORT with a "
-                         f"port in 1..65535")
-    if args.num_processes is not None and args.num_processes < 1:
-        parser.error("--num-processes must be >= 1")
-    if args.process_id is not None and args.process_id < 0:
-        parser.error(f"--process-id must be >= 0, got {args.process_id}")
-    if (args.process_id is not None and args.num_processes is not None
-            and not 0 <= args.process_id < args.num_processes):
-        parser.error(f"--process-id must be in 0..{args.num_processes - 1}")
-
-
-def flag_name(name: str) -> str:
-    """The flag an argparse attribute comes from: "drop_path" -> "--drop-path"."""
-    return "--" + name.replace("_", "-")
 
 
 def main_guard(fn: Callable[[], Any]) -> int:

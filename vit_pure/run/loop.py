@@ -12,55 +12,36 @@ two neighbours:
   (`--profile`, `--profile-steps`) and memory figures.
 
 Preemption: SIGTERM / SIGINT finish the current step, write a checkpoint and return
-(`StopRequest`, at the end of this file). A non-finite loss stops the run with an error
+(`StopRequest`, vit_pure/run/signals.py). Evaluation and `--eval-only`:
+vit_pure/run/evaluate.py. A non-finite loss stops the run with an error
 naming the step; in fp16 the dynamic loss scale skips steps whose gradients are not
 finite (vit_pure/step.py) and the run goes on (see monitor.LossWatch).
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import json
 import pathlib
 import signal
-import sys
-import threading
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import jax
 import numpy as np
 
-from vit_pure.run import accum, checkpoint
+from vit_pure.run import accum
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.run import distributed
 from vit_pure.errors import DataError, Interrupted, UsageError
-from vit_pure.config import ViTConfig
 from vit_pure.model import count_params
 from vit_pure.run.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
                               progress_bar)
-from vit_pure.policy import Policy
+from vit_pure.run.evaluate import evaluate_checkpoint, evaluate_split
 from vit_pure.run.resume import Checkpoints, first_difference
+from vit_pure.run.signals import StopRequest
+from vit_pure.run.strategy import Strategy
 from vit_pure.step import StepConfig, init_state, make_optimizer, step_key
-
-
-class Strategy(Protocol):
-    """The parallel mechanics a script provides to `run`."""
-    name: str
-    batch_divisor: int  # the global batch must divide by this (the data-parallel degree)
-    sc: StepConfig  # the step settings it was built with
-
-    def check_batch(self, global_batch: int, flag: str = "--batch",
-                    accum_steps: int = 1) -> None: ...  # UsageError if the batch cannot split
-    def describe(self) -> str: ...
-    def put_state(self, state: dict) -> Any: ...
-    def put_batch(self, *arrays: np.ndarray) -> tuple: ...
-    def put_replicated(self, x) -> Any: ...
-    def train_step(self, state, images, labels, example_ids, key) -> tuple[Any, dict]: ...
-    def eval_step(self, state, images, labels, mask) -> dict: ...
-    def host_state(self, state) -> dict: ...
-    def metrics_to_host(self, metrics: dict) -> dict: ...
 
 
 def run(args, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
@@ -103,7 +84,7 @@ def run(args, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
 
 
 def _run(args, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
-         stop: "StopRequest", profiler: Profiler) -> dict:
+         stop: StopRequest, profiler: Profiler) -> dict:
     # One function on purpose: the whole loop reads top to bottom, like
     # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
@@ -433,7 +414,7 @@ def _checkpoint_reason(args, plan: StepPlan, step: int, end_of_epoch: bool) -> s
     return None
 
 
-def _stop_reason(stop: "StopRequest", args, step: int) -> str | None:
+def _stop_reason(stop: StopRequest, args, step: int) -> str | None:
     """Why to stop before the next step (None: go on). Every process calls it at the same
     points (a signal is agreed between them: see StopRequest.agreed)."""
     signum = stop.agreed(step)
@@ -483,173 +464,3 @@ def _stopped(strategy: Strategy, state, step: int, reason: str, ckpts: Checkpoin
 
 
 # --------------------------------------------------------------------------- evaluation
-def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> dict:
-    """Mean loss and accuracy over a (non-empty) split, each image counted once."""
-    totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    previous = None
-    for images, labels, mask in data_lib.eval_batches(split, batch):
-        # Each process feeds its own rows of the batch (all of them with one process).
-        local = distributed.local_rows(images, labels, mask)
-        sums = strategy.eval_step(state, *strategy.put_batch(*local))
-        if previous is not None:  # one batch in flight while the host fetches the last
-            for k, v in strategy.metrics_to_host(previous).items():
-                totals[k] += v
-        previous = sums
-    for k, v in strategy.metrics_to_host(previous).items():
-        totals[k] += v
-    count = max(totals["count"], 1.0)
-    return {"loss": totals["loss"] / count, "accuracy": totals["correct"] / count,
-            "count": int(totals["count"])}
-
-
-def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: int,
-                   log: Logger, prefix: str, **record) -> dict | None:
-    """Evaluate one split and log it; an empty split is skipped with one log line (None).
-
-    With an EMA of the weights in the state (--ema), the split is evaluated with the EMA
-    weights: that is the run's result, logged as "<split> (EMA weights)" (JSON: split,
-    weights "ema"). The validation split is evaluated with the raw weights too, logged on
-    a second line (JSON: split "val-raw", weights "raw") and returned under "raw", so a
-    run shows whether the EMA helps; the test split only with the EMA weights, once.
-    With --eval-flip every line says so (JSON: eval_flip true).
-    """
-    if len(splits[name]) == 0:
-        log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
-            **record)
-        return None
-    # --eval-flip: each image is scored with its mirror (step.eval_sums); said on every line.
-    flip = {"eval_flip": True} if strategy.sc.eval_flip else {}
-
-    def run(state, label: str, **fields) -> dict:
-        res = evaluate(strategy, state, splits[name], batch)
-        log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-            f"({res['count']} images{', each with its mirror' if flip else ''})",
-            **fields, **flip, **record, **res)
-        return res
-
-    if "ema" not in state:
-        return run(state, "", split=name)
-    res = run(ema_weights(state), " (EMA weights)", split=name, weights="ema")
-    if name == "val":
-        res = {**res, "raw": run(state, " (raw weights)", split=f"{name}-raw", weights="raw")}
-    return res
-
-
-def ema_weights(state) -> dict:
-    """The state with its EMA (--ema) in place of the params, for evaluation: the same
-    pytree and layout (the EMA is laid out like the params), so the same eval step runs.
-    The EMA is float32; params of another dtype (a p=bf16 policy) get it cast to theirs."""
-    ema = jax.tree.map(lambda e, p: e if e.dtype == p.dtype else e.astype(p.dtype),
-                       state["ema"], state["params"])
-    return {**state, "params": ema}
-
-
-def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dict:
-    """--eval-only: the newest intact checkpoint in --ckpt-dir, evaluated on the test split.
-
-    The model and dtype policy come from the checkpoint's own record, so
-    `--eval-only --ckpt-dir DIR` is all it needs; the strategy (script, devices, mesh) is
-    this run's, since checkpoints are stored unsharded.
-    """
-    if args.ckpt_dir is None:
-        raise UsageError("--eval-only needs --ckpt-dir")
-    path = checkpoint.latest(pathlib.Path(args.ckpt_dir), log=log)
-    if path is None:
-        raise UsageError(f"--eval-only: no intact checkpoint in {args.ckpt_dir}")
-    meta = checkpoint.read_meta(path)
-    sc = saved_step_config(meta, sc)
-    optimizer, _ = make_optimizer(args, 1)
-    # A full state for the strategy's placement; only the params are read back.
-    host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
-    # A run trained with --ema is evaluated with its EMA weights, as its final test was.
-    name = "ema" if meta.get("config", {}).get("ema") else "params"
-    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
-        p.shape, np.float32 if name == "ema" else p.dtype), host_state["params"])
-    host_state["params"] = jax.tree.map(lambda w, p: w.astype(p.dtype),
-                                        checkpoint.restore(path, {name: shapes})[name],
-                                        host_state["params"])
-    strategy = make_strategy(sc, optimizer)
-    eval_batch = args.eval_batch or args.batch
-    strategy.check_batch(eval_batch, "--eval-batch")
-    splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)
-    step = int(checkpoint.restore(path, {"step": 0})["step"])
-    log(f"evaluating {path} ({sc.cfg.name}, policy {sc.policy}"
-        f"{', EMA weights' if name == 'ema' else ''}) on the test split")
-    res = evaluate_split(strategy, strategy.put_state(host_state), splits, "test", eval_batch,
-                         log, "", step=step, checkpoint=str(path))
-    return {} if res is None else {"test": res}
-
-
-def saved_step_config(meta: dict, sc: StepConfig) -> StepConfig:
-    """`sc` with the model and dtype policy a checkpoint was trained with (its meta), no
-    accumulation (evaluation does not accumulate) and no EMA in the state (an --ema run's
-    EMA is evaluated in place of the params, see `evaluate_checkpoint`)."""
-    cfg = ViTConfig(**meta["model_config"]) if "model_config" in meta else sc.cfg
-    saved = meta.get("config", {})  # the flags; older checkpoints record no "policy"
-    text = meta.get("policy") or saved.get("policy") or saved.get("dtype", "fp32")
-    policy = Policy.parse(text, meta.get("matmul_precision",
-                                         saved.get("matmul_precision", "default")))
-    return dataclasses.replace(sc, cfg=cfg, policy=policy, accum_steps=1, ema_decay=0.0)
-
-
-# --------------------------------------------------------------------------- preemption
-class StopRequest:
-    """SIGTERM / SIGINT: finish the current step, checkpoint, stop. A second one: stop now.
-
-    The handler only records the signal; the loop looks at it between steps, so a
-    preempted job loses at most the step it was in.
-    """
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    # With several processes, agree every this many steps: a signal stops the run at most
-    # AGREE_EVERY - 1 steps later than with one process.
-    AGREE_EVERY = 10
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.finished = False  # the run ended (trained, or stopped with its checkpoint)
-        self._agreed: tuple[int, int | None] | None = None  # (step, what was agreed there)
-
-    @contextlib.contextmanager
-    def handling_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield  # Python delivers signals to the main thread only; nothing to install
-            return
-        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
-        for s in self.SIGNALS:
-            signal.signal(s, self._handle)
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                if handler is not None:
-                    signal.signal(s, handler)
-
-    def agreed(self, step: int) -> int | None:
-        """The signal to stop for after `step` steps, the same on every process (None: go on).
-
-        A SIGTERM may reach the processes of a job at different times, but they must all
-        stop after the same step (each step is a collective program all of them run), so
-        with several processes each process's signal number is all-gathered and the
-        largest wins. That is a tiny collective, and it waits for the step in flight, so
-        the processes agree only after every AGREE_EVERY-th step (between the others,
-        every process goes on): the same steps on every process, as the collectives need.
-        A step is agreed once; asked again, the answer is the same. One process: no
-        collective, every step.
-        """
-        if jax.process_count() == 1:
-            return self.signum
-        if step % self.AGREE_EVERY:
-            return None
-        if self._agreed is None or self._agreed[0] != step:
-            self._agreed = (step, distributed.agree_max(self.signum or 0) or None)
-        return self._agreed[1]
-
-    def _handle(self, signum, frame):
-        if self.finished:  # the run's end is reached and saved: let it finish cleanly
-            print(f"{signal.Signals(signum).name} after the run ended: finishing",
-                  file=sys.stderr, flush=True)
-            return
-        if self.signum is not None:
-            raise KeyboardInterrupt  # the second signal: stop at once, save nothing
-        self.signum = signum
