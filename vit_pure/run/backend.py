@@ -1,32 +1,29 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Four settings have a right answer that depends on the hardware; each is measured
-(docs/performance.md), and the startup log says what was chosen and why:
+Four settings have a right answer that depends on the hardware; each is measured, and
+its figures are in docs/performance.md (the section named after each). The startup log
+says what was chosen and why:
 
   layers           `--scan` / `--no-scan` not given: an unrolled Python loop over the
-                   encoder blocks on CPU and GPU. The layer scan stacks every layer's saved
-                   activations into (L, ...) buffers for the backward pass; on an H100 that
-                   cost 25% of the step in device-to-device copies and 15% in
-                   dynamic-update-slice fusions (unrolled: 1.53x faster, 30.1 against
-                   55.6 GiB at batch 4096), and on CPU unrolled was faster too. On other
-                   backends (TPU, not measured here) the scan stays: it compiles deep
-                   models faster.
+                   encoder blocks on CPU and GPU, measured faster than the layer scan on
+                   both (the scan stacks every layer's saved activations for the backward
+                   pass: device-to-device copies on a GPU). On other backends (TPU, not
+                   measured here) the scan stays: it compiles deep models faster.
   matmul output    a `--policy` without `m=`, or `--dtype`: matmuls return the compute
                    dtype on accelerators (a bf16-output GEMM still accumulates in float32
-                   inside; 1.19x faster on an H100 than returning float32) and float32 on
-                   CPU (XLA:CPU upcasts a bf16-output dot to float32 entirely).
+                   inside; faster on an H100 than returning float32) and float32 on CPU
+                   (XLA:CPU upcasts a bf16-output dot to float32 entirely).
   attention        `--attention` not given: cuDNN's fused attention (`cudnn`) on an NVIDIA GPU
                    of compute capability 8.0 or more when the policy computes in bf16, else
-                   the two einsums (`einsum`). On an H100 (vit-cifar, batch 4096, bf16) it
-                   ran 39,358 img/s against 36,992 for the einsums, peak 27.1 against
-                   30.1 GiB, with gradients within bf16 rounding of the einsums'
-                   (benchmarks/probes/attention_check.py). fp16 is not measured: einsum there.
+                   the two einsums (`einsum`): faster and smaller on an H100, with gradients
+                   within bf16 rounding of the einsums' (benchmarks/probes/attention_check.py,
+                   docs/performance.md "Attention implementations"). fp16 is not measured:
+                   einsum there.
   dtype            `--dtype auto` (what `--recipe cpu-quick` asks for): bf16 where it is
                    fast (accelerators; CPUs with bf16 arithmetic, avx512_bf16 or amx_bf16),
-                   else fp32. An AVX2-only CPU emulates bf16: vit-cifar at batch 128 ran
-                   15.2 img/s in bf16 against 23.9 in fp32 on an AMD EPYC without
-                   avx512_bf16 (docs/performance.md, "On a CPU"). Asking for bf16 there
-                   explicitly still runs it, with a note.
+                   else fp32. An AVX2-only CPU emulates bf16, slower than fp32 there
+                   (docs/performance.md, "On a CPU"). Asking for bf16 there explicitly still
+                   runs it, with a note.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
