@@ -46,10 +46,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax._src import xla_bridge  # no public "have the backends started?"
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from vit_pure.model import init_params
 from vit_pure import step
 from vit_pure.plan import interconnect as ic
+from vit_pure.plan import targets
 from vit_pure.plan.collectives import (CPU_COMBINER, correct_dtypes, lowered_collectives,
                                        model_calls, read_collectives)
 from vit_pure.plan.report import Plan
@@ -57,6 +61,7 @@ from vit_pure.run import backend, cli
 from vit_pure.run.accum import StepMemory
 from vit_pure.step import init_state
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
+from vit_pure.xla import kernels
 from vit_pure.xla.hlo import dot_flops, parse_module
 
 # The images the training loop feeds: CIFAR-10's (vit_pure/data/cifar10.py), whatever the model's
@@ -92,9 +97,6 @@ def target_hardware(args) -> ic.Hardware:
 def abstract_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
     """ShapeDtypeStructs for the train step's inputs, laid out as the strategy places
     them (shard_map: NamedShardings over its mesh; pmap: a leading device axis)."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
 
     shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
                                                ema=sc.ema_decay > 0))
@@ -118,6 +120,14 @@ def abstract_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
             jax.ShapeDtypeStruct(key.shape, key.dtype))
 
 
+def strategy_platform(strategy) -> str:
+    """The platform of the devices a strategy was built over ("gpu" for a deviceless
+    target, "cpu" for fake CPU devices)."""
+    mesh = getattr(strategy, "mesh", None)
+    devices = mesh.devices.flat if mesh is not None else strategy.devices
+    return next(iter(devices)).platform
+
+
 def mesh_of(strategy) -> dict[str, int]:
     mesh = getattr(strategy, "mesh", None)
     return dict(mesh.shape) if mesh is not None else {"data": strategy.n_devices}
@@ -125,9 +135,6 @@ def mesh_of(strategy) -> dict[str, int]:
 
 def params_per_device(strategy, sc) -> int:
     """Parameter elements one device holds (its blocks of the sharded ones)."""
-    from jax.sharding import PartitionSpec as P
-
-
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg))
     specs = getattr(strategy, "param_specs", None)
     if specs is None:
@@ -149,29 +156,43 @@ def model_flops_per_device(cfg, global_batch: int, devices: int) -> float:
 
 def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                script: str, efficiency: float = cli.DEFAULT_EFFICIENCY,
-               notes: tuple[str, ...] = ()) -> Plan:
-    """Compile `strategy.train_step` for its devices and read the plan out of it."""
+               notes: tuple[str, ...] = (), compiled_for: str = "") -> Plan:
+    """Compile `strategy.train_step` for its devices and read the plan out of it. On GPU
+    devices (a deviceless target) the program is XLA:GPU's as it would run: its collectives
+    async and combined, their dtypes as asked; on CPU devices XLA:CPU's combiner is off and
+    XLA:GPU's combining and dtypes are modelled (module docstring)."""
     t0 = time.perf_counter()
+    gpu = strategy_platform(strategy) == "gpu"
     lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer, global_batch))
-    compiled = lowered.compile(compiler_options={"xla_disable_hlo_passes": CPU_COMBINER})
+    # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default tiles
+    # fail for some shapes ("Couldn't find output tile sizes").
+    compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
+                               else {"xla_disable_hlo_passes": CPU_COMBINER})
     compile_s = time.perf_counter() - t0
     module = parse_module(compiled.as_text())
     mesh = mesh_of(strategy)
     devices = math.prod(mesh.values())
     found = read_collectives(module, mesh, hw.devices_per_node)
-    corrections = correct_dtypes(found, lowered_collectives(lowered.as_text(debug_info=True)))
-    notes = list(notes)
+    corrections = ([] if gpu else
+                   correct_dtypes(found, lowered_collectives(lowered.as_text(debug_info=True))))
+    calls = {id(c): c.count for c in found} if gpu else model_calls(module, found)
+    notes = ([f"compiled for {compiled_for}"] if compiled_for else []) + list(notes)
     if module.unknown_trips:
         notes.append(f"{module.unknown_trips} while loop(s) without a known trip count: "
                      "their collectives are counted once")
+    program_flops, gpu_program = dot_flops(module), None
+    if gpu:  # cuBLAS calls carry their GEMMs (no dot op left in the program)
+        gpu_program = kernels.traffic(kernels.kernels(module),
+                                      targets.memory_bandwidth(hw.name), hw.peak_flops)
+        program_flops += gpu_program["flops"]
     m = StepMemory.of(compiled)
     memory = {"argument": m.argument, "output": m.output, "alias": m.alias, "temp": m.temp}
     per_device_batch = global_batch // mesh.get("data", 1)
     return Plan(script, devices, mesh, hw, efficiency, global_batch, per_device_batch,
                 sc.cfg.seq_len, params_per_device(strategy, sc), found,
-                model_calls(module, found), corrections, dot_flops(module),
+                calls, corrections, program_flops,
                 model_flops_per_device(sc.cfg, global_batch, devices), memory, compile_s, notes,
-                compiled)
+                compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program)
 
 
 def run(args, make_strategy, script: str) -> dict:
@@ -182,11 +203,20 @@ def run(args, make_strategy, script: str) -> dict:
     n = args.plan
     if args.distributed or args.coordinator is not None:
         raise cli.UsageError("--plan compiles on this machine alone: drop the multi-process flags")
-    devices = _fake_devices(n)
-
-
-
-    sc = backend.step_config(args, platform=hw.platform)
+    # The GPU's own compiler where the kit has the GPU's description and JAX's CUDA plugin
+    # is installed (deviceless: no GPU needed); else XLA:CPU on fake CPU devices.
+    target = targets.gpu_target(hw.name) if hw.platform == "gpu" else None
+    if target is not None:
+        devices = targets.gpu_devices(target, n, hw.devices_per_node)
+        compiled_for = (f"{hw.name}: XLA:GPU for {devices[0].device_kind}, deviceless "
+                        f"(vit_pure/plan/targets/{targets.GPU_TARGETS[hw.name]})")
+    else:
+        devices = _fake_devices(n)
+        why = ("" if hw.platform != "gpu" else
+               "; for the GPU's own program: pip install -r requirements-gpu.txt"
+               if hw.name in targets.GPU_TARGETS else f"; the kit has no {hw.name} description")
+        compiled_for = f"XLA:CPU on {n} fake CPU devices{why}"
+    sc = backend.step_config(args, platform=hw.platform, device=devices[0])
     notes = [f"target defaults ({hw.platform}): " + "; ".join(sc.notes)] if sc.notes else []
     k = args.accum_steps
     if k == "auto":
@@ -200,7 +230,7 @@ def run(args, make_strategy, script: str) -> dict:
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
                  f"remat {sc.execution.remat}, accumulation {k}")
     plan = build_plan(strategy, sc, optimizer, args.batch, hw, script=script,
-                      efficiency=args.efficiency, notes=tuple(notes))
+                      efficiency=args.efficiency, notes=tuple(notes), compiled_for=compiled_for)
     print(plan.report(), flush=True)
     record = plan.record()
     if args.plan_json:
@@ -212,8 +242,6 @@ def run(args, make_strategy, script: str) -> dict:
 def _fake_devices(n: int) -> list:
     """n CPU devices: fake ones, asked for before JAX starts its backends. A process that
     has already started them (a test session) must have at least n."""
-    from jax._src import xla_bridge  # no public "have the backends started?"
-
     if not xla_bridge.backends_are_initialized():
         cli.use_cpu_devices(n)
         jax.config.update("jax_platforms", "cpu")

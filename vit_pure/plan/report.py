@@ -10,6 +10,7 @@ import math
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan.collectives import CPU_COMBINER, GPU_COMBINE_BYTES, Collective
 from vit_pure.run.accum import StepMemory
+from vit_pure.xla import kernels
 
 
 @dataclasses.dataclass
@@ -32,6 +33,8 @@ class Plan:
     compile_s: float
     notes: list[str]
     compiled: object = None  # the executable the plan was read from (tests run it)
+    platform: str = "cpu"  # what it was compiled for: "gpu" (a deviceless target) or "cpu"
+    gpu_program: dict | None = None  # kernels and HBM traffic (xla/kernels.py), GPU only
 
     # -- time
     def seconds(self, c: Collective) -> float:
@@ -123,6 +126,7 @@ class Plan:
                           "step_s": no_overlap, "mfu": self.mfu(no_overlap),
                           "step_overlap_s": overlap, "mfu_overlap": self.mfu(overlap)},
             "verdict": verdict, "rule": rule, "compile_s": self.compile_s, "notes": self.notes,
+            "compiled_for": self.platform, "gpu_program": self.gpu_program,
         }
 
     def report(self) -> str:
@@ -130,17 +134,24 @@ class Plan:
         lines = [f"plan: {self.script} for {self.devices} devices, mesh "
                  + " x ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1 or k == "data")
                  + f"; global batch {self.global_batch} ({self.per_device_batch} per data "
-                 f"rank); compiled on {self.devices} fake CPU devices in {self.compile_s:.1f} s",
+                 f"rank); compiled for {self.devices} "
+                 f"{'GPUs (deviceless)' if self.platform == 'gpu' else 'fake CPU devices'} in "
+                 f"{self.compile_s:.1f} s",
                  f"hardware {hw.describe()}", f"  sources: {hw.sources}"]
         lines += [f"  {note}" for note in self.notes]
-        lines.append("corrections for the target:")
-        lines.append(f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
-                     f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
-                     "collectives) modelled for the latency term")
-        lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
-        lines.append("collectives per device (V = bytes per execution; count = executions "
-                     "per optimizer step, loop trip counts included; calls = XLA:GPU calls "
-                     "as modelled, a shared call counted on the row that opens it):")
+        if self.platform == "gpu":
+            lines.append("collectives per device, as XLA:GPU emits them (async, combined; V = "
+                         "bytes per execution; count = executions per optimizer step, loop "
+                         "trip counts included; calls = launches):")
+        else:
+            lines.append("corrections for the target:")
+            lines.append(f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
+                         f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
+                         "collectives) modelled for the latency term")
+            lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
+            lines.append("collectives per device (V = bytes per execution; count = executions "
+                         "per optimizer step, loop trip counts included; calls = XLA:GPU "
+                         "calls as modelled, a shared call counted on the row that opens it):")
         lines.append(f"  {'kind':<19}{'axes':<12}{'dtype':<6}{'ops':>5}{'V min..max':>22}"
                      f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  source")
         groups = collections.defaultdict(list)
@@ -169,7 +180,8 @@ class Plan:
                      f"{self.efficiency:.2f}) = {compute * 1e3:.2f} ms")
         m = self.memory
         lines.append(f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "
-                     f"analysis of the CPU compile: arguments {_size(m['argument'])} + outputs "
+                     f"analysis of the {self.platform.upper()} compile: arguments "
+                     f"{_size(m['argument'])} + outputs "
                      f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
                      f"{_size(m['temp'])}) of {hw.memory_bytes / 2**30:.0f} GiB; params "
                      f"{self.params_per_device:,} per device")
@@ -177,6 +189,8 @@ class Plan:
         lines.append(f"predicted step: {no_overlap * 1e3:.2f} ms with no overlap (MFU "
                      f"{self.mfu(no_overlap):.1%}), {overlap * 1e3:.2f} ms with full overlap "
                      f"(MFU {self.mfu(overlap):.1%}); communication {self.comm_s * 1e3:.2f} ms")
+        if self.gpu_program is not None:
+            lines.append(kernels.report(self.gpu_program))
         verdict, rule = self.verdict()
         lines += [f"verdict: {verdict}", rule]
         return "\n".join(lines)

@@ -179,18 +179,20 @@ def note_missing_cuda(gpu_visible=nvidia_gpu_visible) -> None:
         print(note, file=sys.stderr, flush=True)
 
 
-def step_config(args, platform: str | None = None) -> StepConfig:
+def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     """The step's settings from the parsed flags, with the backend-aware defaults (`resolve`:
     the layer loop, the matmul output dtype, --dtype auto) resolved for `platform`
     (default: the backend JAX runs on, so call this after jax.distributed is started).
-    `notes` says what the hardware decided."""
+    `device` (default: JAX's first) decides whether cuDNN attention runs: the plan passes
+    its target GPU's. `notes` says what the hardware decided."""
     # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
     # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
     platform = platform or jax.default_backend()
     attention = getattr(args, "attention", None)
-    # Locality self-attention (cfg.lsa) runs on the einsum attention only.
-    cudnn = (platform == "gpu" and not args.cfg.lsa
-             and cudnn_attention_runs(jax.devices()[0]))
+    # Locality self-attention (cfg.lsa) runs on the einsum attention only, and cuDNN's
+    # kernel takes head dims that are multiples of 8 up to 128.
+    cudnn = (platform == "gpu" and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
+             and cudnn_attention_runs(device if device is not None else jax.devices()[0]))
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
                       attention=attention, cudnn=cudnn)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
@@ -206,6 +208,11 @@ def step_config(args, platform: str | None = None) -> StepConfig:
                       notes=choices.notes)
 
 
+def _cudnn_head_dim(cfg: ViTConfig) -> bool:
+    """cuDNN's fused attention takes a head dim that is a multiple of 8, at most 128."""
+    return cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+
+
 def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
     """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
     A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
@@ -217,6 +224,10 @@ def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConf
     if platform != "gpu":
         raise UsageError(f"--attention cudnn needs an NVIDIA GPU (cuDNN); this run is on "
                          f"{platform}: use --attention xla (or einsum)")
+    if not _cudnn_head_dim(cfg):
+        raise UsageError(f"--attention cudnn needs a head dim that is a multiple of 8, at "
+                         f"most 128; --model {cfg.name} has {cfg.head_dim}: use --attention "
+                         f"xla (or einsum)")
     if policy.compute_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise UsageError(f"--attention cudnn needs a 16-bit compute dtype (--dtype bf16 or "
                          f"fp16); the policy {policy} computes in float32")

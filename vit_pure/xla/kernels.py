@@ -1,0 +1,143 @@
+"""The kernels of a program compiled for a GPU (XLA:GPU's HLO text) and the HBM traffic
+each one makes, by class, with the step's bandwidth / compute floor.
+
+A kernel is an instruction of a computation that runs on its own (the entry, a while
+body), not inside a fusion: a fusion, a library call (cuBLAS GEMM, cuDNN attention), a
+copy or transpose, a collective. Its traffic is counted as what it reads and writes:
+operand bytes plus output bytes (a library call's scratch workspace left out). That is a
+floor, not a prediction: a kernel re-reading an operand, or caches serving it, changes
+the real figure; and it ranks changes that move large amounts of memory, not those whose
+cost is arithmetic (random bits, for one).
+
+The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
+peak), plus a launch (3 us, an assumption), summed over the kernels in order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+from vit_pure.xla.hlo import Instr, Module, arrays, shape_bytes
+
+CLASSES = ("gemm", "attention", "norms/reductions", "elementwise", "transposes/copies",
+           "collectives", "other")
+LAUNCH_S = 3e-6
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                "all-to-all")
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+                "conditional", "call", "after-all", "partition-id", "replica-id",
+                "opt-barrier", "add-dependency", "domain"}
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
+_LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str      # one of CLASSES
+    bytes: int     # operands + outputs, per execution
+    flops: int     # matmul FLOPs, per execution (GEMMs only)
+    runs: int      # executions per step
+
+
+def classify(instr: Instr) -> str:
+    """The class of a kernel, from its opcode, library target, fusion kind and name."""
+    op = instr.opcode.removesuffix("-start")
+    if op in _COLLECTIVES:
+        return "collectives"
+    if instr.opcode == "custom-call":
+        target = (_TARGET.search(instr.attrs) or [None, ""])[1]
+        if "cublas" in target or "gemm" in target.lower():
+            return "gemm"
+        if "cudnn$fmha" in target or "fmha" in target:
+            return "attention"
+        return "other"
+    fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
+    if "gemm" in fusion_kind or "cublas" in fusion_kind or op in ("dot", "convolution"):
+        return "gemm"
+    if op in ("copy", "transpose") or "transpose" in instr.name or "copy" in instr.name:
+        return "transposes/copies"
+    if "reduce" in instr.name or op == "reduce" or "kind=kInput" in instr.attrs:
+        return "norms/reductions"
+    if op == "fusion" or op in ("add", "multiply", "select", "convert", "broadcast"):
+        return "elementwise"
+    return "other"
+
+
+def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
+    """2 x output elements x contracted size, for a library GEMM call."""
+    m = _LHS_CONTRACTING.search(instr.attrs)
+    lhs = arrays(shapes.get(instr.operands[0], "")) if instr.operands else []
+    out = arrays(instr.shape)
+    if m is None or not lhs or not out:
+        return 0
+    dims = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')]
+    return 2 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
+
+
+def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
+    """Every kernel the program launches per step, in program order. `dot_flops_of(comp)`
+    (optional) gives the matmul FLOPs inside a fused computation (Triton GEMMs)."""
+    fused = {c for instrs in module.computations.values() for i in instrs
+             if i.opcode in ("fusion", "custom-call") for c in i.callees}
+    out = []
+    for comp, instrs in module.computations.items():
+        runs = module.runs.get(comp, 0)
+        if not runs or comp in fused:
+            continue
+        shapes = {i.name: i.shape for i in instrs}
+        for instr in instrs:
+            if instr.opcode in _NOT_KERNELS or instr.opcode.endswith("-done"):
+                continue
+            kind = classify(instr)
+            outputs = instr.shape
+            if instr.opcode == "custom-call" and instr.shape.startswith("("):
+                outputs = instr.shape[1:].split(", s8[")[0]  # the result, not the workspace
+            nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
+                                                for o in instr.operands)
+            flops = 0
+            if kind == "gemm":
+                flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
+                         sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
+            out.append(Kernel(instr.name, kind, nbytes, flops, runs))
+    return out
+
+
+def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
+    """Per class: kernels, HBM bytes and GEMM FLOPs per step, and the floor of the step
+    (module docstring), as JSON-ready numbers."""
+    by = collections.OrderedDict((k, {"kernels": 0, "bytes": 0, "flops": 0}) for k in CLASSES)
+    floor = 0.0
+    for k in found:
+        row = by[k.kind]
+        row["kernels"] += k.runs
+        row["bytes"] += k.bytes * k.runs
+        row["flops"] += k.flops * k.runs
+        floor += k.runs * (max(k.bytes / bandwidth, k.flops / peak_flops) + LAUNCH_S)
+    total = sum(r["bytes"] for r in by.values())
+    return {"classes": {k: v for k, v in by.items() if v["kernels"]},
+            "kernels": sum(r["kernels"] for r in by.values()), "bytes": total,
+            "flops": sum(r["flops"] for r in by.values()), "floor_s": floor,
+            "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
+            "peak_flops": peak_flops, "launch_s": LAUNCH_S}
+
+
+def report(t: dict) -> str:
+    """The traffic table as text."""
+    lines = [f"GPU program: {t['kernels']} kernels per step, {t['bytes'] / 1e9:.2f} GB of HBM "
+             f"traffic (operands + outputs), {t['flops'] / 1e12:.3f} TFLOP in GEMMs; floor "
+             f"{t['floor_s'] * 1e3:.2f} ms (each kernel max(bytes / "
+             f"{t['bandwidth'] / 1e12:.2f} TB/s, FLOPs / {t['peak_flops'] / 1e12:.0f} "
+             f"TFLOP/s) + {t['launch_s'] * 1e6:.0f} us)"]
+    for kind, row in t["classes"].items():
+        lines.append(f"  {kind:18s} {row['kernels']:6d} kernels  {row['bytes'] / 1e9:9.3f} GB  "
+                     f"{100 * row['bytes'] / max(t['bytes'], 1):5.1f}%")
+    return "\n".join(lines)
+
+
+def to_json(t: dict) -> str:
+    return json.dumps(t, indent=1)
