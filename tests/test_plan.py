@@ -37,7 +37,7 @@ import train_shardmap as ts
 from vit_pure import layout, step
 from vit_pure.run import backend, cli
 from vit_pure.plan import build as plan
-from vit_pure.plan import collectives
+from vit_pure.plan import collectives, targets
 from vit_pure.xla import hlo
 from vit_pure.plan import interconnect as ic
 from vit_pure.config import PRESETS
@@ -334,6 +334,10 @@ def test_plan_for_64_devices_from_the_command_line(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["devices"] == 64 and record["mesh"] == {"data": 16, "pipe": 1, "model": 4}
+    if not targets.cuda_plugin_installed():  # (with it, tests/test_deviceless.py's case)
+        assert record["compiled_for"] == "cpu" and record["gpu_program"] is None
+        assert "compiled for XLA:CPU on 64 fake CPU devices; for the GPU's own program: pip " \
+               "install -r requirements-gpu.txt" in run.stdout
     activations = [c for c in record["collectives"] if c["axes"] == "model" and c["bytes"] > 8]
     assert len(activations) == 4 * L
     assert ({(c["dtype"], c["bytes"], c["count"]) for c in activations}
