@@ -137,7 +137,7 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
     """On a GPU, cuDNN's kernel takes bf16 / fp16 only: float32 is refused before any
     compile (checked here by naming the platform)."""
     parser = cli.build_parser("test")
-    args = cli.parse_args(parser, ["--model", "tiny", "--attention", "cudnn",
+    args = cli.parse_args(parser, ["--model", "vit-cifar", "--attention", "cudnn",
                                    "--dtype", "fp32"])
     with pytest.raises(UsageError, match="--attention cudnn needs a 16-bit compute dtype"):
         backend.step_config(args, platform="gpu")
@@ -145,6 +145,21 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
     sc = backend.step_config(args, platform="gpu")
     assert sc.execution.attention == "cudnn"
     assert dataclasses.replace(sc, execution=sc.execution.replace(attention="einsum")) != sc
+
+
+def test_cudnn_needs_a_head_dim_it_takes():
+    """cuDNN's kernel takes head dims that are multiples of 8 up to 128: the tiny model's
+    6 is refused in one line when asked for, and not chosen as the GPU default."""
+    parser = cli.build_parser("test")
+    args = cli.parse_args(parser, ["--model", "tiny", "--attention", "cudnn", "--dtype", "bf16"])
+    with pytest.raises(UsageError, match="needs a head dim that is a multiple of 8, at most "
+                                         "128; --model tiny has 6"):
+        backend.step_config(args, platform="gpu")
+    args = cli.parse_args(parser, ["--model", "tiny", "--dtype", "bf16"])
+    gpu = type("Gpu", (), {"compute_capability": "9.0"})()
+    assert backend.step_config(args, platform="gpu", device=gpu).execution.attention == "einsum"
+    args = cli.parse_args(parser, ["--model", "vit-cifar", "--dtype", "bf16"])
+    assert backend.step_config(args, platform="gpu", device=gpu).execution.attention == "cudnn"
 
 
 def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
