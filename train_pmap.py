@@ -20,7 +20,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import step
-
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, hostmem, loop
 

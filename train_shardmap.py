@@ -66,12 +66,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vit_pure import layout, pipeline, step
-
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
 from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
+from vit_pure.plan import build as plan
+from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 

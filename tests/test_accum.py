@@ -29,8 +29,8 @@ import train_pmap
 import train_shardmap
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
-from vit_pure.run import accum, backend, cli
 from vit_pure.policy import LossScale
+from vit_pure.run import accum, backend, cli
 
 # dropout 0.1 and drop path 0.1: per-example randomness is on; two blocks, not four.
 CFG = PRESETS["tiny"].replace(name="accum-test", depth=2)

@@ -20,18 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
+from jax.extend.core import jaxprs_in_params
 
 from vit_pure import model
 from vit_pure.attention import fused_attention, padded_length
 from vit_pure.config import Execution
-
-from vit_pure.run import backend, cli
 from vit_pure.errors import UsageError
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
+from vit_pure.run import backend, cli
 
 CFG = matrix.CFG  # tiny, depth 2: 4 heads of 6, 17 tokens; dropout and drop path on
 ONE_LAYER = CFG.replace(depth=1)  # for the model-level checks: half the compile time

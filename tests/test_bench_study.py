@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from benchmarks import bench, study
+from train_shardmap import ShardMapStrategy
 from vit_pure import PRESETS, apply, init_params, step
 from vit_pure.xla import flops, hlo
-from train_shardmap import ShardMapStrategy
 
 TINY = PRESETS["tiny"]
 

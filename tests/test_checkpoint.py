@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from vit_pure.run import checkpoint as ckpt
 from vit_pure.errors import CheckpointError
+from vit_pure.run import checkpoint as ckpt
 
 META = {"config": {"model": "vit-tiny", "dim": 7, "lr": 1e-3}, "note": "test"}
 

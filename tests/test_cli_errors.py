@@ -21,8 +21,8 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure.run import checkpoint, cli
 from vit_pure.data import download
+from vit_pure.run import checkpoint, cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).

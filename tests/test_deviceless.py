@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import subprocess_env
+
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
 

@@ -22,7 +22,6 @@ import sys
 import time
 
 import pytest
-
 from test_multiprocess import REPO, _env, _free_port
 
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "1600",

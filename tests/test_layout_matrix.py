@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST
 
 import train_pmap
 import train_shardmap as ts
-from conftest import FAST
 from vit_pure import step
 from vit_pure.config import PRESETS, Execution
 from vit_pure.policy import Policy

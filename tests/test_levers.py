@@ -21,13 +21,13 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from test_layout_matrix import CFG, FAST, tolerances
 
 import train_shardmap as ts
-from test_layout_matrix import CFG, FAST, tolerances
 from vit_pure import apply, step
-from vit_pure.run import backend, checkpoint, loop
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
+from vit_pure.run import backend, checkpoint, loop
 
 DECAY = 0.9
 BATCH, R, STEPS = 16, 2, 3

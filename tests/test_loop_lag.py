@@ -21,9 +21,9 @@ import pytest
 from jax._src import array as jax_array
 
 import train_shardmap
-from vit_pure.run import backend, checkpoint, cli, loop, signals
-from vit_pure.data import cifar10 as data_lib
 from vit_pure import step as step_lib
+from vit_pure.data import cifar10 as data_lib
+from vit_pure.run import backend, checkpoint, cli, loop, signals
 
 STEPS, LOG_EVERY = 24, 4
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "400",

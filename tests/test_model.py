@@ -7,11 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_pure import (PRESETS, Policy, apply, count_params, init_params, model, param_axes,
-                      step)
-from vit_pure.run import backend, cli
-from vit_pure import dropout
+from vit_pure import (
+    PRESETS,
+    Policy,
+    apply,
+    count_params,
+    dropout,
+    init_params,
+    model,
+    param_axes,
+    step,
+)
 from vit_pure.config import DROPOUT_MASKS, Execution, ViTConfig
+from vit_pure.run import backend, cli
 from vit_pure.tools.params_table import format_param_table
 
 TINY = PRESETS["tiny"]

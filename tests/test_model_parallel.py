@@ -29,16 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST, grads_step
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from conftest import FAST, grads_step
 import train_shardmap as ts
-from vit_pure import step
-from vit_pure.run import cli
 from vit_pure import layout as layout_lib
+from vit_pure import step
 from vit_pure.config import PRESETS, Execution
 from vit_pure.policy import LossScale, Policy
+from vit_pure.run import cli
 
 CFG = PRESETS["tiny"].replace(name="mp-test", width=40, heads=8, mlp_dim=56, depth=3)
 # The layer scan: the collective counts below are per loop body (one layer's collectives,

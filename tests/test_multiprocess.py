@@ -33,13 +33,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import train_pmap
 import train_shardmap
-from conftest import subprocess_env
 
 # Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
 from vit_pure.run import backend, checkpoint, cli, loop
+
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

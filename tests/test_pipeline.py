@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import grads_step
+
 import train_shardmap
 from vit_pure import PRESETS, Policy, pipeline, step
 
 # Many pipelined compiles: ~2.5 minutes on 2 cores. Run with `python -m pytest -m slow`.
 from vit_pure.run import cli
+
 pytestmark = pytest.mark.slow
 
 CFG = PRESETS["tiny"]

@@ -29,19 +29,19 @@ import sys
 import jax
 import numpy as np
 import pytest
-
-from benchmarks import bench
 from conftest import subprocess_env
+
 import train_pmap
 import train_shardmap as ts
+from benchmarks import bench
 from vit_pure import layout, step
-from vit_pure.run import backend, cli
-from vit_pure.plan import build as plan
-from vit_pure.plan import collectives, targets
-from vit_pure.xla import hlo
-from vit_pure.plan import interconnect as ic
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
+from vit_pure.plan import build as plan
+from vit_pure.plan import collectives, targets
+from vit_pure.plan import interconnect as ic
+from vit_pure.run import backend, cli
+from vit_pure.xla import hlo
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = PRESETS["tiny"]  # T = 17 tokens, E = 24, depth 4

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from vit_pure import PRESETS, LossScale, Policy, step
-
-from vit_pure.run import cli
 from vit_pure.data import augment as aug
 from vit_pure.data import randaugment as ra
+from vit_pure.run import cli
 
 H, W = 9, 11
 NO_MAGNITUDE_OPS = (ra.identity, ra.auto_contrast, ra.equalize, ra.invert)

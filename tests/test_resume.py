@@ -23,9 +23,9 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure.run import checkpoint, cli, evaluate, loop, monitor, resume
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
+from vit_pure.run import checkpoint, cli, evaluate, loop, monitor, resume
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",

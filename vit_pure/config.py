@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")

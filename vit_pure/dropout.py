@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
 
-
 def example_keys(rng, example_ids):
     """One key per example, from its global index in the batch: (B,) keys."""
     return jax.vmap(lambda i: jax.random.fold_in(rng, i))(example_ids)

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from vit_pure.config import Execution, ViTConfig
 from vit_pure.data import augment as augment_lib
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
-from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import apply, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
 

@@ -45,10 +45,10 @@ import numpy as np
 import train_shardmap
 from benchmarks import bench
 from vit_pure import step
-from vit_pure.run import cli
 from vit_pure.config import ATTENTION_IMPLS, Execution
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
+from vit_pure.run import cli
 
 
 def build_parser() -> argparse.ArgumentParser:

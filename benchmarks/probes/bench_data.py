@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from vit_pure.data import augment as A
-from vit_pure.run import cli
-from vit_pure.data import cifar10 as D
 from vit_pure import step as S
+from vit_pure.data import augment as A
+from vit_pure.data import cifar10 as D
+from vit_pure.run import cli
 
 
 def median_seconds(fn, runs: int) -> float:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from benchmarks import harness
 from vit_pure.data import augment as aug
-from vit_pure.run import cli
 from vit_pure.data import randaugment as ra
+from vit_pure.run import cli
 
 
 def time_jitted(fn, *args, repeats):

@@ -31,7 +31,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from benchmarks import harness
 from vit_pure import dropout, model

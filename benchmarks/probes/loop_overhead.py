@@ -28,9 +28,9 @@ import jax
 
 import train_shardmap
 from benchmarks import bench
-from vit_pure.run import cli, hostmem
 from vit_pure.config import PRESETS
 from vit_pure.policy import Policy
+from vit_pure.run import cli, hostmem
 
 
 def loop_rates(args, log: pathlib.Path) -> list[float]:

@@ -23,11 +23,11 @@ import numpy as np
 import optax
 
 from benchmarks import harness
-from vit_pure.run import cli
 from vit_pure import policy as policy_lib
 from vit_pure import step
 from vit_pure.config import PRESETS
 from vit_pure.policy import LossScale, Policy
+from vit_pure.run import cli
 
 
 def _plain_f32_out(spec, a, b, precision=None):

@@ -34,8 +34,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from vit_pure.data.download import (FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES,
-                                    download_cifar10)
+from vit_pure.data.download import FOLDER, HOW_TO_PROVIDE, TEST_FILE, TRAIN_FILES, download_cifar10
 from vit_pure.errors import DataError, one_line
 
 # Per-channel statistics of CIFAR-10 on [0, 1]-scaled pixels, as commonly used.

@@ -50,18 +50,23 @@ from jax._src import xla_bridge  # no public "have the backends started?"
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure.model import init_params
 from vit_pure import step
+from vit_pure.model import init_params
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
-from vit_pure.plan.collectives import (CPU_COMBINER, correct_dtypes, lowered_collectives,
-                                       model_calls, read_collectives)
+from vit_pure.plan.collectives import (
+    CPU_COMBINER,
+    correct_dtypes,
+    lowered_collectives,
+    model_calls,
+    read_collectives,
+)
 from vit_pure.plan.report import Plan
 from vit_pure.run import backend, cli
 from vit_pure.run.accum import StepMemory
 from vit_pure.step import init_state
-from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
 from vit_pure.xla import kernels
+from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
 from vit_pure.xla.hlo import dot_flops, parse_module
 
 # The images the training loop feeds: CIFAR-10's (vit_pure/data/cifar10.py), whatever the model's

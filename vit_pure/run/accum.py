@@ -48,8 +48,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from vit_pure.run import distributed
 from vit_pure.errors import UsageError
+from vit_pure.run import distributed
 from vit_pure.step import init_state
 
 # Use at most this fraction of the memory the device (or host) reports as available.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 
+
 def flag_name(name: str) -> str:
     """The flag an argparse attribute comes from: "drop_path" -> "--drop-path"."""
     return "--" + name.replace("_", "-")

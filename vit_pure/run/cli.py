@@ -7,14 +7,27 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from vit_pure.run import distributed
+from vit_pure.config import (
+    ATTENTION_IMPLS,
+    DROPOUT_MASKS,
+    POOLS,
+    PRESETS,
+    REMAT_SAVE_NAMES,
+    get_preset,
+    remat_saved_names,
+)
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
-from vit_pure.run.checks import (check_checkpoint_flags, check_numbers, check_paths,
-                                 check_process_flags, check_profile_flags,
-                                 check_synthetic_flags, flag_name)
-from vit_pure.config import (ATTENTION_IMPLS, DROPOUT_MASKS, POOLS, PRESETS, REMAT_SAVE_NAMES,
-                             get_preset, remat_saved_names)
 from vit_pure.policy import Policy
+from vit_pure.run import distributed
+from vit_pure.run.checks import (
+    check_checkpoint_flags,
+    check_numbers,
+    check_paths,
+    check_process_flags,
+    check_profile_flags,
+    check_synthetic_flags,
+    flag_name,
+)
 
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
 DEFAULT_EFFICIENCY = 0.4

@@ -49,7 +49,6 @@ from jax.experimental import multihost_utils
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import DataError
 
-
 # The exit code of a process that stops because another one failed (its own errors keep
 # theirs: 2 for bad input, 130 / 143 for signals, ...). Not a signal's 128 + n.
 EXIT_PEER_FAILED = 3

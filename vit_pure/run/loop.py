@@ -30,14 +30,20 @@ from typing import Callable
 import jax
 import numpy as np
 
-from vit_pure.run import accum
 from vit_pure.data import cifar10 as data_lib
-from vit_pure.run import distributed
 from vit_pure.errors import DataError, Interrupted, UsageError
 from vit_pure.model import count_params
-from vit_pure.run.monitor import (LossWatch, Logger, NoBar, Profiler, Throughput, log_memory,
-                              progress_bar)
+from vit_pure.run import accum, distributed
 from vit_pure.run.evaluate import evaluate_checkpoint, evaluate_split
+from vit_pure.run.monitor import (
+    Logger,
+    LossWatch,
+    NoBar,
+    Profiler,
+    Throughput,
+    log_memory,
+    progress_bar,
+)
 from vit_pure.run.resume import Checkpoints, first_difference
 from vit_pure.run.signals import StopRequest
 from vit_pure.run.strategy import Strategy

@@ -24,9 +24,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from vit_pure.run import checkpoint
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import UsageError
+from vit_pure.run import checkpoint
 from vit_pure.run.cli import flag_name
 from vit_pure.step import StepConfig
 

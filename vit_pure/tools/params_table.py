@@ -9,10 +9,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from vit_pure.run import cli
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.model import init_params
 from vit_pure.policy import parse_dtype
+from vit_pure.run import cli
 
 
 def _path_str(path) -> str:
