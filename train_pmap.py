@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from vit_pure import step
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, hostmem, loop
+from vit_pure.run.settings import RunConfig
 
 AXIS = "data"
 
@@ -124,8 +125,9 @@ def main(argv=None) -> dict:
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
-    sc = backend.step_config(args)
-    return loop.run(args, sc, PmapStrategy)
+    # The flags become two frozen values, here, once: nothing below reads `args`.
+    sc, rc = backend.step_config(args), RunConfig.from_args(args)
+    return loop.run(rc, sc, PmapStrategy)
 
 
 if __name__ == "__main__":

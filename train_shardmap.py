@@ -71,6 +71,7 @@ from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
+from vit_pure.run.settings import RunConfig
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -421,13 +422,14 @@ def main(argv=None) -> dict:
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
-    sc = backend.step_config(args)
+    # The flags become two frozen values, here, once: nothing below reads `args`.
+    sc, rc = backend.step_config(args), RunConfig.from_args(args)
 
     def make_strategy(sc, optimizer):
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,
                                 microbatches=args.microbatches)
 
-    return loop.run(args, sc, make_strategy)
+    return loop.run(rc, sc, make_strategy)
 
 
 if __name__ == "__main__":

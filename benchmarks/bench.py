@@ -91,6 +91,7 @@ from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
 from vit_pure.run import backend, cli, hostmem
 from vit_pure.run.accum import StepMemory
+from vit_pure.run.settings import RunConfig
 from vit_pure.xla.flops import train_flops_per_image
 
 # Published dense (no sparsity) peak throughput in TFLOP/s, per device, by matmul input
@@ -228,7 +229,7 @@ def script_setup(argv: list[str], total_steps: int = 1000,
     """(StepConfig, optimizer) as a training script builds them from `argv`, parsed by
     `parser` (default: the flags both scripts share), with the backend's defaults."""
     args = cli.parse_args(parser or cli.build_parser("bench"), argv)
-    optimizer, _ = step.make_optimizer(args, total_steps)
+    optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, total_steps)
     return backend.step_config(args), optimizer
 
 

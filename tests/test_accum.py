@@ -31,6 +31,9 @@ from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.policy import LossScale
 from vit_pure.run import accum, backend, cli
+from vit_pure.run.settings import RunConfig
+
+settings = RunConfig.from_args  # the frozen settings the scripts build from the flags
 
 # dropout 0.1 and drop path 0.1: per-example randomness is on; two blocks, not four.
 CFG = PRESETS["tiny"].replace(name="accum-test", depth=2)
@@ -248,13 +251,13 @@ def test_bad_accum_steps_is_a_usage_error():
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--accum-steps", "8"])
     with pytest.raises(cli.UsageError, match="per-device batch 4"):
-        accum.build_strategy(args, backend.step_config(args), train_pmap.PmapStrategy,
+        accum.build_strategy(settings(args), backend.step_config(args), train_pmap.PmapStrategy,
                              optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
                              log=_no_log)
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--eval-batch", "12"])
     with pytest.raises(cli.UsageError, match="--eval-batch 12 is not divisible by the 8"):
-        accum.build_strategy(args, backend.step_config(args), train_pmap.PmapStrategy,
+        accum.build_strategy(settings(args), backend.step_config(args), train_pmap.PmapStrategy,
                              optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
                              log=_no_log)
 
@@ -289,7 +292,7 @@ def test_explicit_accum_steps_reach_the_factory_as_a_value():
     def make_strategy(sc, optimizer):
         seen.append(sc)
         return train_pmap.PmapStrategy(sc, optimizer)
-    strategy, got = accum.build_strategy(args, sc, make_strategy, optax.sgd(0.1),
+    strategy, got = accum.build_strategy(settings(args), sc, make_strategy, optax.sgd(0.1),
                                          image_shape=IMAGE_SHAPE, log=_no_log)
     assert [s.accum_steps for s in seen] == [4] and got is strategy.sc is seen[0]
     assert got == dataclasses.replace(sc, accum_steps=4)
@@ -308,7 +311,7 @@ def _auto(budget_gib):
                              cfg=CFG.replace(dropout=0.0, drop_path=0.0))
     records = []
     strategy, sc = accum.build_strategy(
-        args, sc, lambda sc, opt: train_shardmap.ShardMapStrategy(sc, opt, args.mesh),
+        settings(args), sc, lambda sc, opt: train_shardmap.ShardMapStrategy(sc, opt, args.mesh),
         optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
         log=lambda text, **record: records.append(record))
     assert strategy.sc is sc and args.accum_steps == "auto"
@@ -335,9 +338,9 @@ def test_auto_picks_more_micro_batches_under_a_small_budget():
 def test_auto_budget_can_be_injected():
     budget = accum.Budget(1e12, "test")
     args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny", "--batch", "64"])
-    assert accum.resolve_budget(args, budget) is budget
+    assert accum.resolve_budget(args.memory_budget, budget) is budget
     args = cli.parse_args(train_shardmap.build_parser(), ["--memory-budget", "2"])
-    assert accum.resolve_budget(args, None).bytes_per_device == 2 * accum.GiB / 8
+    assert accum.resolve_budget(args.memory_budget, None).bytes_per_device == 2 * accum.GiB / 8
     with pytest.raises(SystemExit):
         cli.parse_args(train_shardmap.build_parser(), ["--memory-budget", "0"])
 

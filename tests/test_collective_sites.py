@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +72,7 @@ def misplaced(sites) -> list:
 
 
 def _optimizer():
-    args = types.SimpleNamespace(lr=1e-3, warmup_steps=1, weight_decay=0.05)
-    return step.make_optimizer(args, 5)[0]
+    return step.make_optimizer(step.OptimConfig(warmup_steps=1), 5)[0]
 
 
 def _step_jaxpr(strategy, sc, optimizer):

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +113,7 @@ def tolerances(policy: Policy) -> tuple[float, float]:
 
 
 def _optimizer():
-    args = types.SimpleNamespace(lr=1e-3, warmup_steps=1, weight_decay=0.05)
-    return step.make_optimizer(args, STEPS)[0]
+    return step.make_optimizer(step.OptimConfig(warmup_steps=1), STEPS)[0]
 
 
 def _batches():

@@ -28,6 +28,7 @@ from vit_pure import apply, step
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
 from vit_pure.run import backend, checkpoint, loop
+from vit_pure.run.settings import RunConfig
 
 DECAY = 0.9
 BATCH, R, STEPS = 16, 2, 3
@@ -39,9 +40,7 @@ SPLITS = data.synthetic_cifar10(n_train=64, n_val=16, n_test=16, seed=0)
 
 
 def _optimizer():
-    import types
-    args = types.SimpleNamespace(lr=1e-3, warmup_steps=1, weight_decay=0.05)
-    return step.make_optimizer(args, STEPS)[0]
+    return step.make_optimizer(step.OptimConfig(warmup_steps=1), STEPS)[0]
 
 
 def _batches():
@@ -197,13 +196,14 @@ def test_mix_schedule_switches_for_the_last_n_epochs():
         built.append(sc)
         return type("Unmixed", (), {"sc": sc, "train_step": "unmixed"})
 
-    args = type("Args", (), {"mix_off_epochs": 2})
-    mixing = loop.MixSchedule(args, SC, plan, make, log=lambda *a, **k: None)
+    rc = RunConfig.from_args(ts.cli.parse_args(ts.build_parser(),
+                                               ["--mix-off-epochs", "2", "--mixup", "0.8"]))
+    mixing = loop.MixSchedule(rc, SC, plan, make, log=lambda *a, **k: None)
     variants = [mixing.train_step(Fake, s) for s in range(23)]
     assert variants == ["mixed"] * 15 + ["unmixed"] * 8  # epochs 4 and 5 (the last, short)
     assert len(built) == 1 and built[0].mixup_alpha == built[0].cutmix_alpha == 0.0
     assert dataclasses.replace(built[0], mixup_alpha=SC.mixup_alpha) == SC
-    none = loop.MixSchedule(type("Args", (), {"mix_off_epochs": 0}), SC, plan, make,
+    none = loop.MixSchedule(dataclasses.replace(rc, mix_off_epochs=0), SC, plan, make,
                             log=lambda *a, **k: None)
     assert all(none.mixes_at(s) for s in range(23))
 
@@ -318,7 +318,7 @@ def test_flags_resumable_across_are_not_compared():
     args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])
     sc = backend.step_config(args, platform="cpu")
     train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
-    now = resume.trajectory(args, sc, train, 10)
+    now = resume.trajectory(RunConfig.from_args(args), sc, train, 10)
     written_with_plan_flags = {**now, "--plan": None, "--efficiency": 0.3, "--hardware": "a100"}
     assert resume.first_difference(written_with_plan_flags, now) is None
     assert "--lr differs" in resume.first_difference({**now, "--lr": 0.5}, now)

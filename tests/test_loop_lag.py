@@ -24,6 +24,7 @@ import train_shardmap
 from vit_pure import step as step_lib
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.run import backend, checkpoint, cli, loop, signals
+from vit_pure.run.settings import RunConfig
 
 STEPS, LOG_EVERY = 24, 4
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "400",
@@ -62,15 +63,15 @@ class _Wrapped:
 def log_every_as_given(monkeypatch):
     """loop.plan_steps without its rule that runs of <= 100 steps log every step."""
     plan_steps = loop.plan_steps
-    monkeypatch.setattr(loop, "plan_steps", lambda args, n: dataclasses.replace(
-        plan_steps(args, n), log_every=args.log_every))
+    monkeypatch.setattr(loop, "plan_steps", lambda rc, n: dataclasses.replace(
+        plan_steps(rc, n), log_every=rc.log_every))
 
 
 def _run(argv, make_strategy=_strategy):
     """loop.run as the script runs it, on one device; returns main_guard's exit code."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
-    return cli.main_guard(lambda: loop.run(args, backend.step_config(args),
-                                           make_strategy))
+    return cli.main_guard(lambda: loop.run(RunConfig.from_args(args),
+                                           backend.step_config(args), make_strategy))
 
 
 def _counting(monkeypatch):
@@ -101,10 +102,10 @@ def _nan_at(step: int):
 def _reference_losses(argv) -> dict[int, dict]:
     """The same steps, each step's metrics read as soon as it is dispatched."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
-    sc = backend.step_config(args)
-    train = data_lib.load_dataset(args.dataset, args.data_dir, **args.synthetic_sizes)["train"]
-    plan = loop.plan_steps(args, len(train))
-    optimizer, schedule = step_lib.make_optimizer(args, plan.total_steps)
+    sc, rc = backend.step_config(args), RunConfig.from_args(args)
+    train = data_lib.load_dataset(rc.dataset, rc.data_dir, **rc.dataset_sizes)["train"]
+    plan = loop.plan_steps(rc, len(train))
+    optimizer, schedule = step_lib.make_optimizer(rc.optim, plan.total_steps)
     strategy = _strategy(sc, optimizer)
     state = strategy.put_state(step_lib.init_state(jax.random.key(args.seed), sc.cfg,
                                                    sc.policy, optimizer))
@@ -192,11 +193,12 @@ def test_inputs_placed_ahead_are_the_steps_batches(depth):
     """_device_inputs yields, for every step from a mid-epoch start, the batch and key
     the step would get (data.train_batches, step.step_key), however deep it places."""
     args = cli.parse_args(train_shardmap.build_parser(), BASE)
+    rc = RunConfig.from_args(args)
     train = data_lib.synthetic_cifar10(n_train=40, n_val=0, n_test=0)["train"]
     plan = loop.StepPlan(steps_per_epoch=5, total_steps=12, epochs=3, log_every=1)
     strategy = _strategy(backend.step_config(args),
-                         step_lib.make_optimizer(args, 12)[0])
-    got = list(loop._device_inputs(args, strategy, train, plan, start=3, depth=depth))
+                         step_lib.make_optimizer(rc.optim, 12)[0])
+    got = list(loop._device_inputs(rc, strategy, train, plan, start=3, depth=depth))
     assert len(got) == 9
     for s, (images, labels, _, key) in enumerate(got, start=3):
         epoch, index = divmod(s, 5)

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import math
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +49,7 @@ LAYOUTS = [(mesh, fsdp) for mesh in MESHES for fsdp in (False, True)]
 
 
 def make_optimizer(total_steps: int = STEPS):
-    args = types.SimpleNamespace(lr=1e-3, warmup_steps=1, weight_decay=0.05)
-    return step.make_optimizer(args, total_steps)[0]
+    return step.make_optimizer(step.OptimConfig(warmup_steps=1), total_steps)[0]
 
 
 def fixed_batches(n: int, batch: int = BATCH, seed: int = 0) -> list[tuple]:

@@ -41,6 +41,7 @@ from vit_pure.plan import build as plan
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.run import backend, cli
+from vit_pure.run.settings import RunConfig
 from vit_pure.xla import hlo
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def _setup(*flags, accum_steps=1):
                                               "--drop-path", "0", *flags])
     sc = backend.step_config(args, platform=H100.platform)
     sc = dataclasses.replace(sc, augment=False, accum_steps=accum_steps)
-    return sc, step.make_optimizer(args, 100)[0]
+    return sc, step.make_optimizer(RunConfig.from_args(args).optim, 100)[0]
 
 
 def _shardmap_plan(mesh, *flags, fsdp=False, microbatches=None, accum_steps=1):

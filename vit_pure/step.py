@@ -46,16 +46,25 @@ def decay_mask(params) -> Any:
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
-def make_optimizer(args, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW's settings (--lr, --weight-decay, --warmup-steps)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_steps: int | None = None  # None: 5% of the run's steps
+
+
+def make_optimizer(optim: OptimConfig,
+                   total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     """AdamW with linear warm-up and cosine decay. Gradient clipping is not in here: it
     needs the *global* gradient norm, which under model parallelism is a collective, so
     the scripts compute the norm and `apply_gradients` clips."""
-    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, total_steps // 20)
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
     warmup = min(warmup, max(total_steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
+        init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)
-    optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=args.weight_decay,
+    optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=optim.weight_decay,
                             mask=decay_mask)
     return optimizer, schedule
 

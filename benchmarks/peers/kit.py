@@ -16,6 +16,7 @@ from vit_pure import step
 from vit_pure.data import cifar10 as data
 from vit_pure.model import count_params, init_params
 from vit_pure.run import accum, backend, cli
+from vit_pure.run.settings import RunConfig
 
 PROFILE_STEPS = 3
 
@@ -50,7 +51,8 @@ def build_kit(job: dict):
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
     sc = backend.step_config(args)
-    optimizer, _ = step.make_optimizer(args, 1000)
+    rc = RunConfig.from_args(args)
+    optimizer, _ = step.make_optimizer(rc.optim, 1000)
     devices = jax.devices()[:1]
 
     def make_strategy(sc, optimizer):
@@ -58,7 +60,7 @@ def build_kit(job: dict):
                                                fsdp=args.fsdp, microbatches=args.microbatches)
 
     # --accum-steps K or auto (this resolves and checks it, as in training).
-    strategy, sc = accum.build_strategy(args, sc, make_strategy, optimizer,
+    strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=(data.HEIGHT, data.WIDTH, data.CHANNELS))
     print(f"kit: {' '.join(kit_argv(job))}; {sc}", file=sys.stderr, flush=True)
     return sc, optimizer, strategy

@@ -64,6 +64,7 @@ from vit_pure.plan.collectives import (
 from vit_pure.plan.report import Plan
 from vit_pure.run import backend, cli
 from vit_pure.run.accum import StepMemory
+from vit_pure.run.settings import RunConfig
 from vit_pure.step import init_state
 from vit_pure.xla import kernels
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
@@ -229,7 +230,7 @@ def run(args, make_strategy, script: str) -> dict:
         notes.append("--accum-steps auto is decided on the device; planned with 1 (give "
                      "--accum-steps K to plan another)")
     sc = dataclasses.replace(sc, accum_steps=k)
-    optimizer, _ = step.make_optimizer(args, 1000)
+    optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, 1000)
     strategy = make_strategy(sc, optimizer, devices)
     strategy.check_batch(args.batch, accum_steps=k)
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "

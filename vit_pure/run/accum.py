@@ -5,11 +5,12 @@ Gradient accumulation itself is `step.accumulate` (a `lax.scan` over K
 micro-batches of each device's slice, the gradients summed, one all-reduce per step
 written by the script). This module decides K and builds the script's strategy with it:
 
-    strategy, sc = build_strategy(args, sc, make_strategy, optimizer,
+    strategy, sc = build_strategy(rc, sc, make_strategy, optimizer,
                                   image_shape=train.images.shape[1:], log=log)
 
-`sc` is a frozen `step.StepConfig`; K reaches the factory as `dataclasses.replace(sc,
-accum_steps=K)` and the returned `sc` carries the chosen K (nothing is written into args).
+`rc` is the run's frozen settings (run/settings.py) and `sc` the step's, a frozen
+`step.StepConfig`; K reaches the factory as `dataclasses.replace(sc, accum_steps=K)`, and
+the returned `sc` carries the chosen K.
 
 The batch rules, one function each, all raising a one-line `cli.UsageError`:
 `per_device_batch` (the global batch splits over the processes, each loading an equal
@@ -50,7 +51,8 @@ import numpy as np
 
 from vit_pure.errors import UsageError
 from vit_pure.run import distributed
-from vit_pure.step import init_state
+from vit_pure.run.settings import RunConfig
+from vit_pure.step import StepConfig, init_state
 
 # Use at most this fraction of the memory the device (or host) reports as available.
 SAFETY = 0.8
@@ -127,15 +129,15 @@ def device_budget(devices=None, safety: float = SAFETY, meminfo: str = "/proc/me
                   f"shared by {len(devices)} local devices")
 
 
-def resolve_budget(args, budget: Budget | None = None) -> Budget:
+def resolve_budget(memory_budget: float | None, budget: Budget | None = None) -> Budget:
     """`budget` if given, else `--memory-budget` (GiB for all local devices together, for a
     shared machine), else the measured `device_budget()`."""
     if budget is not None:
         return budget
-    if getattr(args, "memory_budget", None):
+    if memory_budget:
         n_local = len(jax.local_devices())
-        return Budget(args.memory_budget * GiB / n_local,
-                      f"--memory-budget {args.memory_budget:g} GiB over {n_local} local devices")
+        return Budget(memory_budget * GiB / n_local,
+                      f"--memory-budget {memory_budget:g} GiB over {n_local} local devices")
     return device_budget()
 
 
@@ -228,7 +230,7 @@ def _print(text: str, **_record):
     print(text, flush=True)
 
 
-def build_strategy(args, sc, make_strategy: Callable, optimizer, *,
+def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optimizer, *,
                    image_shape: tuple[int, int, int], log: Callable = _print,
                    budget: Budget | None = None):
     """(strategy, sc): the script's strategy, built with K micro-batches per step, and the
@@ -242,19 +244,19 @@ def build_strategy(args, sc, make_strategy: Callable, optimizer, *,
     for all local devices together: on a shared machine). `image_shape`: one training
     image as the loop will feed it (see `train_step_inputs`).
     """
-    requested = args.accum_steps
+    requested = rc.accum_steps
     k = 1 if requested == "auto" else requested
     strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-    strategy.check_batch(args.batch, accum_steps=k)
-    strategy.check_batch(args.eval_batch or args.batch, "--eval-batch")
+    strategy.check_batch(rc.batch, accum_steps=k)
+    strategy.check_batch(rc.eval_batch, "--eval-batch")
     if requested != "auto":
         return strategy, strategy.sc
 
-    per_device = args.batch // strategy.batch_divisor
-    budget = resolve_budget(args, budget)
-    inputs = train_step_inputs(strategy, strategy.sc, optimizer, args.batch, image_shape)
+    per_device = rc.batch // strategy.batch_divisor
+    budget = resolve_budget(rc.memory_budget, budget)
+    inputs = train_step_inputs(strategy, strategy.sc, optimizer, rc.batch, image_shape)
     measured: list[StepMemory] = []
-    ks = [k for k in candidates(per_device) if _allows(strategy, args.batch, k)]
+    ks = [k for k in candidates(per_device) if _allows(strategy, rc.batch, k)]
     for k in ks:
         if k > 1:
             if (k != ks[-1] and len(measured) >= 2

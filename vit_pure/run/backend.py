@@ -188,7 +188,7 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
     # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
     platform = platform or jax.default_backend()
-    attention = getattr(args, "attention", None)
+    attention = args.attention
     # Locality self-attention (cfg.lsa) runs on the einsum attention only, and cuDNN's
     # kernel takes head dims that are multiples of 8 up to 128.
     cudnn = (platform == "gpu" and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
@@ -197,14 +197,14 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
                       attention=attention, cudnn=cudnn)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
-                          dropout_masks=getattr(args, "dropout_masks", "bernoulli"))
+                          dropout_masks=args.dropout_masks)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,
-                      randaugment=tuple(getattr(args, "randaugment", (0, 0))),
-                      mixup_alpha=getattr(args, "mixup", 0.0),
-                      cutmix_alpha=getattr(args, "cutmix", 0.0),
-                      ema_decay=getattr(args, "ema", 0.0),
-                      eval_flip=getattr(args, "eval_flip", False),
+                      randaugment=tuple(args.randaugment),
+                      mixup_alpha=args.mixup,
+                      cutmix_alpha=args.cutmix,
+                      ema_decay=args.ema,
+                      eval_flip=args.eval_flip,
                       notes=choices.notes)
 
 

@@ -16,6 +16,7 @@ from vit_pure.errors import UsageError
 from vit_pure.policy import Policy
 from vit_pure.run import checkpoint, distributed
 from vit_pure.run.monitor import Logger
+from vit_pure.run.settings import RunConfig
 from vit_pure.run.strategy import Strategy
 from vit_pure.step import StepConfig, init_state, make_optimizer
 
@@ -81,21 +82,21 @@ def ema_weights(state) -> dict:
     return {**state, "params": ema}
 
 
-def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dict:
+def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger) -> dict:
     """--eval-only: the newest intact checkpoint in --ckpt-dir, evaluated on the test split.
 
     The model and dtype policy come from the checkpoint's own record, so
     `--eval-only --ckpt-dir DIR` is all it needs; the strategy (script, devices, mesh) is
     this run's, since checkpoints are stored unsharded.
     """
-    if args.ckpt_dir is None:
+    if rc.ckpt_dir is None:
         raise UsageError("--eval-only needs --ckpt-dir")
-    path = checkpoint.latest(pathlib.Path(args.ckpt_dir), log=log)
+    path = checkpoint.latest(pathlib.Path(rc.ckpt_dir), log=log)
     if path is None:
-        raise UsageError(f"--eval-only: no intact checkpoint in {args.ckpt_dir}")
+        raise UsageError(f"--eval-only: no intact checkpoint in {rc.ckpt_dir}")
     meta = checkpoint.read_meta(path)
     sc = saved_step_config(meta, sc)
-    optimizer, _ = make_optimizer(args, 1)
+    optimizer, _ = make_optimizer(rc.optim, 1)
     # A full state for the strategy's placement; only the params are read back.
     host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
     # A run trained with --ema is evaluated with its EMA weights, as its final test was.
@@ -106,9 +107,9 @@ def evaluate_checkpoint(args, sc: StepConfig, make_strategy, log: Logger) -> dic
                                         checkpoint.restore(path, {name: shapes})[name],
                                         host_state["params"])
     strategy = make_strategy(sc, optimizer)
-    eval_batch = args.eval_batch or args.batch
+    eval_batch = rc.eval_batch
     strategy.check_batch(eval_batch, "--eval-batch")
-    splits = data_lib.load_dataset(args.dataset, args.data_dir, log=log, **args.synthetic_sizes)
+    splits = data_lib.load_dataset(rc.dataset, rc.data_dir, log=log, **rc.dataset_sizes)
     step = int(checkpoint.restore(path, {"step": 0})["step"])
     log(f"evaluating {path} ({sc.cfg.name}, policy {sc.policy}"
         f"{', EMA weights' if name == 'ema' else ''}) on the test split")

@@ -27,7 +27,8 @@ import numpy as np
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import UsageError
 from vit_pure.run import checkpoint
-from vit_pure.run.cli import flag_name
+from vit_pure.run.checks import flag_name
+from vit_pure.run.settings import RunConfig
 from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
@@ -74,15 +75,9 @@ def move_aside(path: pathlib.Path) -> pathlib.Path:
         aside = path.with_name(f"corrupt-{path.name}.{n}")
 
 
-def run_config(args) -> dict:
-    """Every flag's value (JSON), as recorded in each checkpoint's meta."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
-            if isinstance(v, (str, int, float, bool, type(None), list, tuple))}
-
-
-def trajectory(args, sc: StepConfig, train: data_lib.Split, total_steps: int) -> dict:
+def trajectory(rc: RunConfig, sc: StepConfig, train: data_lib.Split, total_steps: int) -> dict:
     """What a checkpoint must share with this run to continue it, by display name."""
-    flags = {flag_name(k): v for k, v in run_config(args).items()
+    flags = {flag_name(k): v for k, v in rc.flags
              if k not in RESUMABLE_ACROSS}
     labels = np.ascontiguousarray(train.labels)
     derived = {
@@ -102,16 +97,16 @@ def trajectory(args, sc: StepConfig, train: data_lib.Split, total_steps: int) ->
 class Checkpoints:
     """This run's checkpoint directory: where to resume from, and writing new ones."""
 
-    def __init__(self, args, sc: StepConfig, train: data_lib.Split, steps_per_epoch: int,
+    def __init__(self, rc: RunConfig, sc: StepConfig, train: data_lib.Split, steps_per_epoch: int,
                  total_steps: int, log: Callable, is_main: bool):
-        self.dir = None if args.ckpt_dir is None else pathlib.Path(args.ckpt_dir)
-        self.args, self.sc, self.log, self.is_main = args, sc, log, is_main
-        self.trajectory = trajectory(args, sc, train, total_steps)
+        self.dir = None if rc.ckpt_dir is None else pathlib.Path(rc.ckpt_dir)
+        self.rc, self.sc, self.log, self.is_main = rc, sc, log, is_main
+        self.trajectory = trajectory(rc, sc, train, total_steps)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         # The run's randomness is key(seed) folded with (epoch, step) at each step
         # (step.step_key), so this base key is the RNG state; stored, and compared on
         # resume (it also catches a different jax PRNG implementation).
-        self.rng = np.asarray(jax.random.key_data(jax.random.key(args.seed)))
+        self.rng = np.asarray(jax.random.key_data(jax.random.key(rc.seed)))
         self.last: pathlib.Path | None = None  # the newest checkpoint written or resumed
         self.saved_step: int | None = None
         self.last_loss: float | None = None  # the training loss logged before it was written
@@ -135,7 +130,7 @@ class Checkpoints:
         if self.dir is None:
             return None
         existing = checkpoint.list_checkpoints(self.dir)
-        if not self.args.resume:
+        if not self.rc.resume:
             if existing:
                 raise UsageError(
                     f"--ckpt-dir {self.dir} already holds checkpoints (newest "
@@ -199,7 +194,7 @@ class Checkpoints:
                 "data": {"epoch": epoch, "batch_in_epoch": index,
                          "steps_per_epoch": self.steps_per_epoch},
                 "total_steps": self.total_steps,
-                "config": run_config(self.args),
+                "config": dict(self.rc.flags),
                 "model_config": dataclasses.asdict(self.sc.cfg),
                 # The dtype policy as this run resolved it (--eval-only reads it back).
                 "policy": str(self.sc.policy),
@@ -209,7 +204,7 @@ class Checkpoints:
                 "metrics": metrics,
             }
             path = checkpoint.save(self.dir, step, {**host, "rng": self.rng}, meta,
-                                   keep=self.args.ckpt_keep)
+                                   keep=self.rc.ckpt_keep)
             self.log(f"checkpoint {path} ({why})", event="checkpoint", step=step,
                      path=str(path), reason=why)
         self.last, self.saved_step = path, step

@@ -1,0 +1,92 @@
+"""The flags become frozen values at the entry, and nothing below the entry reads them.
+
+`RunConfig.from_args` (vit_pure/run/settings.py) and `backend.step_config` turn the parsed
+command line into two frozen values; the loop, resume, accumulation, evaluation and the
+step take those. These tests pin the conversion to the parser's defaults and keep the
+argparse Namespace out of the modules below the entry.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+
+import train_shardmap
+from vit_pure.run import cli
+from vit_pure.run.settings import RunConfig
+from vit_pure.step import OptimConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The modules that may read the parsed flags: the scripts' entry and its converters
+# (cli, checks, backend.step_config, settings), the planner's entry (`--plan N` is a
+# command of its own), and the stand-alone tools with parsers of their own.
+ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/backend.py",
+         "vit_pure/run/settings.py", "vit_pure/plan/build.py", "vit_pure/tools/plot.py",
+         "vit_pure/tools/params_table.py"}
+
+
+def _parse(*argv):
+    return cli.parse_args(train_shardmap.build_parser(), list(argv))
+
+
+def test_defaults_are_the_parsers():
+    """What a user gets with no flags: the parser's defaults, carried unchanged."""
+    args = _parse()
+    rc = RunConfig.from_args(args)
+    assert (rc.batch, rc.eval_batch, rc.epochs, rc.seed) == (128, 128, 200, 0)
+    assert rc.accum_steps == "auto" and rc.final_eval and rc.progress and not rc.resume
+    assert rc.synthetic_sizes == () and rc.profile_range is None
+    # OptimConfig's own defaults (tests build it bare) are the parser's.
+    assert rc.optim == OptimConfig() == OptimConfig(args.lr, args.weight_decay,
+                                                    args.warmup_steps)
+    assert dict(rc.flags)["model"] == "vit-cifar" and dict(rc.flags)["batch"] == 128
+
+
+def test_flags_reach_the_settings():
+    rc = RunConfig.from_args(_parse(
+        "--batch", "64", "--eval-batch", "32", "--dataset", "synthetic", "--synthetic-train",
+        "96", "--lr", "0.01", "--warmup-steps", "3", "--no-final-eval", "--no-progress",
+        "--profile", "/tmp/p", "--profile-steps", "2:4", "--accum-steps", "2",
+        "--mix-off-epochs", "5", "--mixup", "0.8", "--repeat-aug", "2"))
+    assert (rc.batch, rc.eval_batch, rc.accum_steps, rc.repeat_aug) == (64, 32, 2, 2)
+    assert rc.dataset_sizes == {"n_train": 96}
+    assert rc.optim == OptimConfig(lr=0.01, weight_decay=0.05, warmup_steps=3)
+    assert not rc.final_eval and not rc.progress and rc.profile_range == (2, 4)
+    assert rc.mix_off_epochs == 5
+    # The record a checkpoint keeps: JSON values, tuples as lists.
+    assert dict(rc.flags)["profile_range"] == [2, 4]
+
+
+def test_settings_are_frozen():
+    rc = RunConfig.from_args(_parse())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rc.batch = 1  # type: ignore[misc]
+
+
+def _reads_args(path: pathlib.Path) -> list[int]:
+    """Lines where a module uses a name `args` (a parameter, a variable, an attribute of
+    it) other than as a keyword argument (`threading.Thread(args=...)`)."""
+    tree = ast.parse(path.read_text())
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if (isinstance(node, ast.Name) and node.id == "args")
+                   or (isinstance(node, ast.arg) and node.arg == "args")})
+
+
+def test_nothing_below_the_entry_reads_the_namespace():
+    """The loop, resume, accumulation, evaluation, checkpoints, the step, the model...:
+    none takes or reads `args`. A new `def f(args, ...)` below the entry fails here."""
+    below = [p for p in sorted((ROOT / "vit_pure").rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in ENTRY]
+    assert len(below) > 20  # the walk found the package
+    offenders = {str(p.relative_to(ROOT)): lines for p in below if (lines := _reads_args(p))}
+    assert offenders == {}
+
+
+def test_the_check_sees_an_args_parameter(tmp_path):
+    """The static check above can fail: it finds both a parameter and a read."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def run(args, sc):\n    return args.batch\n")
+    assert _reads_args(bad) == [1, 2]

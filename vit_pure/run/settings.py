@@ -1,0 +1,90 @@
+"""The run's settings: the command line, turned once into a frozen value.
+
+The scripts parse the flags (run/cli.py), then build two frozen values from them and hand
+those down: `step.StepConfig` (what the compiled step computes; run/backend.py builds it)
+and `RunConfig` (everything around the step: data, schedule, checkpoints, logging). No
+module below the scripts reads the argparse Namespace, so what a function can depend on
+is what its signature shows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from vit_pure.step import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the training loop, its checkpoints and its logs take from the flags.
+
+    The values are the flags' (run/cli.py documents each); `from_args` builds it. Every
+    field but `flags` is read by the loop; `flags` is the whole command line's values,
+    recorded in each checkpoint and compared on `--resume` (run/resume.py).
+    """
+    # ---- data
+    dataset: str
+    data_dir: str
+    synthetic_sizes: tuple[tuple[str, int], ...]  # load_dataset keywords: (("n_train", N),)
+    batch: int                      # global batch of a training step
+    eval_batch: int                 # --eval-batch, or --batch when not given
+    repeat_aug: int
+    seed: int
+    # ---- schedule
+    epochs: int
+    steps: int | None               # a cap on the optimizer steps
+    stop_after: int | None          # stop (and save) after this step; the schedule is unchanged
+    optim: OptimConfig
+    accum_steps: int | str          # K, or "auto" (run/accum.py)
+    memory_budget: float | None     # GiB over all local devices, for --accum-steps auto
+    mix_off_epochs: int
+    # ---- evaluation and logging
+    eval_every: int
+    final_eval: bool
+    eval_only: bool
+    log_json: str | None
+    log_every: int
+    progress: bool
+    profile: str | None
+    profile_range: tuple[int, int] | None
+    # ---- checkpoints
+    ckpt_dir: str | None
+    ckpt_every: int
+    ckpt_keep: int
+    resume: bool
+    # ---- the record
+    flags: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """The settings of a command line that `cli.parse_args` has checked."""
+        return cls(
+            dataset=args.dataset, data_dir=args.data_dir,
+            synthetic_sizes=tuple(sorted(args.synthetic_sizes.items())),
+            batch=args.batch, eval_batch=args.eval_batch or args.batch,
+            repeat_aug=args.repeat_aug, seed=args.seed,
+            epochs=args.epochs, steps=args.steps, stop_after=args.stop_after,
+            optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
+                              warmup_steps=args.warmup_steps),
+            accum_steps=args.accum_steps, memory_budget=args.memory_budget,
+            mix_off_epochs=args.mix_off_epochs,
+            eval_every=args.eval_every, final_eval=not args.no_final_eval,
+            eval_only=args.eval_only, log_json=args.log_json, log_every=args.log_every,
+            progress=not args.no_progress, profile=args.profile,
+            profile_range=args.profile_range,
+            ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, ckpt_keep=args.ckpt_keep,
+            resume=args.resume,
+            flags=tuple(recorded_flags(args).items()))
+
+    @property
+    def dataset_sizes(self) -> dict[str, int]:
+        """The synthetic set's sizes as `data.cifar10.load_dataset` takes them."""
+        return dict(self.synthetic_sizes)
+
+
+def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag's value as JSON takes it, by attribute name, sorted: what a checkpoint
+    records of the command line (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
+            if isinstance(v, (str, int, float, bool, type(None), list, tuple))}
