@@ -13,6 +13,7 @@ import pytest
 
 from vit_pure.errors import CheckpointError
 from vit_pure.run import checkpoint as ckpt
+from vit_pure.run import checkpoint_arrays
 
 META = {"config": {"model": "vit-tiny", "dim": 7, "lr": 1e-3}, "note": "test"}
 
@@ -186,7 +187,8 @@ def test_io_error_during_save_is_one_line(tmp_path, monkeypatch, errno_, where):
 
         monkeypatch.setattr(np.lib.format, "write_array", write_array)
     elif where == "manifest":
-        monkeypatch.setattr(ckpt, "_write_bytes", lambda path, data: (_ for _ in ()).throw(fault))
+        monkeypatch.setattr(checkpoint_arrays, "write_bytes",
+                            lambda path, data: (_ for _ in ()).throw(fault))
     else:
         real_mkdir = pathlib.Path.mkdir
 

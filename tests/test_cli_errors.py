@@ -22,7 +22,7 @@ import pytest
 import train_pmap
 import train_shardmap
 from vit_pure.data import download
-from vit_pure.run import checkpoint, cli
+from vit_pure.run import checkpoint_arrays, cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).
@@ -256,7 +256,7 @@ def test_disk_full_at_a_save_is_one_line(tmp_path, capsys, monkeypatch):
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint, "_write_bytes", full)
+    monkeypatch.setattr(checkpoint_arrays, "write_bytes", full)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     code = _main("pmap", BASE + ["--ckpt-dir", str(tmp_path / "ck")])
     _assert_one_line(code, capsys.readouterr().err,

@@ -25,7 +25,7 @@ import train_pmap
 import train_shardmap
 from vit_pure.config import get_preset
 from vit_pure.model import init_params
-from vit_pure.run import checkpoint, cli, evaluate, loop, monitor, resume
+from vit_pure.run import checkpoint, checkpoint_arrays, cli, evaluate, loop, monitor, resume
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",
@@ -295,13 +295,13 @@ class SimulatedCrash(BaseException):
 def test_a_crash_while_saving_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     """The process dies while writing step 4's checkpoint: step 3's stays complete and
     loadable, and the half-written one is never read."""
-    real = checkpoint._write_bytes
+    real = checkpoint_arrays.write_bytes
 
     def write_bytes(path, data):
         if ".tmp-step_00000004" in str(path):
             raise SimulatedCrash("simulated crash while writing the manifest")
         real(path, data)
-    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+    monkeypatch.setattr(checkpoint_arrays, "write_bytes", write_bytes)
     ckpts = tmp_path / "ckpts"
     with pytest.raises(SimulatedCrash, match="simulated crash"):
         train_pmap.main(BASE + ["--steps", "4", "--ckpt-dir", str(ckpts), "--ckpt-every", "1"])

@@ -105,13 +105,11 @@ step before it) rather than half written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import re
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -119,16 +117,16 @@ import jax
 import numpy as np
 
 from vit_pure.errors import CheckpointError, one_line
+from vit_pure.run import checkpoint_arrays as arrays
+from vit_pure.run.checkpoint_arrays import ARRAYS_FILE
 
 FORMAT = "vit_pure.checkpoint"
 VERSION = 1
-ARRAYS_FILE = "arrays.npz"
 MANIFEST_FILE = "manifest.json"
 
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _TMP_PREFIX = ".tmp-"  # a save in progress, or one that crashed
 _TRASH_PREFIX = ".trash-"  # a checkpoint on its way out (retention, or re-save of a step)
-_NATIVE_KINDS = "biufc"  # bool, signed, unsigned, float, complex: .npy without pickle
 
 
 def step_dir_name(step: int) -> str:
@@ -162,9 +160,9 @@ def save(
         raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
     step = int(step)
     # Check everything that can be checked before touching the disk.
-    leaves = [kv for name, tree in _checked_items(state) for kv in _flatten(name, tree)[0]]
+    leaves = [kv for name, tree in _checked_items(state) for kv in arrays.flatten(name, tree)[0]]
     for key, leaf in leaves:
-        _check_storable(key, leaf)
+        arrays.check_storable(key, leaf)
     try:
         meta_json = json.loads(json.dumps(dict(meta)))
     except (TypeError, ValueError) as e:
@@ -202,33 +200,33 @@ def _write_checkpoint(tmp: pathlib.Path, final: pathlib.Path, ckpt_dir: pathlib.
 
     def stored_arrays() -> Iterator[tuple[str, np.ndarray]]:
         for key, leaf in leaves:
-            stored, dtype_name = _encode(_to_host(leaf))
+            stored, dtype_name = arrays.encode(arrays.to_host(leaf))
             entries.append(
                 {
                     "key": key,
                     "dtype": dtype_name,
                     "stored_dtype": stored.dtype.name,
                     "shape": list(stored.shape),
-                    "sha256": _sha256(stored),
+                    "sha256": arrays.sha256(stored),
                 }
             )
             yield key, stored
 
-    _write_npz(tmp / ARRAYS_FILE, stored_arrays())
+    arrays.write_npz(tmp / ARRAYS_FILE, stored_arrays())
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "meta": meta_json,
                 "arrays": entries}
-    _write_bytes(tmp / MANIFEST_FILE, _manifest_text(manifest).encode())
-    _fsync_dir(tmp)
+    arrays.write_bytes(tmp / MANIFEST_FILE, _manifest_text(manifest).encode())
+    arrays.fsync_dir(tmp)
 
     if final.exists():  # re-save of the same step: move the old one away, then swap in
         old = ckpt_dir / f"{_TRASH_PREFIX}{final.name}-{os.getpid()}"
         os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
+        arrays.fsync_dir(ckpt_dir)
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
+        arrays.fsync_dir(ckpt_dir)
 
 
 def _checked_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -238,77 +236,11 @@ def _checked_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return list(state.items())
 
 
-def _check_storable(key: str, leaf: Any) -> None:
-    """Refuse, before anything is written, a leaf whose dtype has no pickle-free form."""
-    if not hasattr(leaf, "dtype"):  # a Python scalar (or something stranger)
-        leaf = np.asarray(leaf)
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        raise CheckpointError(f"{key}: typed PRNG key; save jax.random.key_data(key) instead")
-    dtype = np.dtype(leaf.dtype)
-    if dtype.kind not in _NATIVE_KINDS and not _is_ml_dtype(dtype):
-        raise CheckpointError(f"{key}: dtype {dtype} cannot be stored without pickle")
-
-
-def _to_host(leaf: Any) -> np.ndarray:
-    """The whole leaf as a host numpy array (one device fetch; Python scalars too)."""
-    return np.asarray(jax.device_get(leaf))
-
-
-def _encode(array: np.ndarray) -> tuple[np.ndarray, str]:
-    """(array as stored in the .npz, real dtype name); see "Dtypes" in the module docstring."""
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    stored = array
-    if _is_ml_dtype(array.dtype):  # the same bits as an unsigned int of the same width
-        stored = array.view(np.dtype(f"uint{8 * array.dtype.itemsize}"))
-    return _c_order(stored), array.dtype.name
-
-
-def _c_order(array: np.ndarray) -> np.ndarray:
-    # (np.ascontiguousarray would turn a 0-d array into shape (1,).)
-    return array if array.flags.c_contiguous else array.copy(order="C")
-
-
-def _is_ml_dtype(dtype: np.dtype) -> bool:
-    return dtype.type.__module__.split(".")[0] == "ml_dtypes"
-
-
-def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(_c_order(array).data).hexdigest()
-
-
 def _manifest_text(manifest: dict[str, Any]) -> str:
     """JSON with one line per field and one line per array entry, for people reading it."""
     fields = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in manifest.items() if k != "arrays"]
-    arrays = ",\n  ".join(json.dumps(entry) for entry in manifest["arrays"])
-    return "{\n" + ",\n".join(fields) + ',\n "arrays": [\n  ' + arrays + "\n ]\n}\n"
-
-
-def _write_npz(path: pathlib.Path, arrays: Iterator[tuple[str, np.ndarray]]) -> None:
-    """An uncompressed .npz, as ``np.savez`` writes it, then fsync."""
-    with open(path, "wb") as f:
-        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for key, array in arrays:
-                with zf.open(key + ".npy", "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_bytes(path: pathlib.Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    """Make the directory's entries (created / renamed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    entries = ",\n  ".join(json.dumps(entry) for entry in manifest["arrays"])
+    return "{\n" + ",\n".join(fields) + ',\n "arrays": [\n  ' + entries + "\n ]\n}\n"
 
 
 def _delete_dir(path: pathlib.Path) -> None:
@@ -372,13 +304,13 @@ def verify(path: str | os.PathLike) -> None:
     """Raise CheckpointError unless the manifest and every array in it are intact."""
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
-    with _open_npz(path) as npz:
+    with arrays.open_npz(path) as npz:
         listed = {e["key"] for e in manifest["arrays"]}
         extra = sorted(set(npz.files) - listed)
         if extra:
             raise CheckpointError(f"{extra[0]}: in {ARRAYS_FILE} but not in {MANIFEST_FILE}")
         for entry in manifest["arrays"]:
-            _read_stored(npz, entry)
+            arrays.read_stored(npz, entry)
 
 
 def load_numpy(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -389,8 +321,8 @@ def load_numpy(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
-    with _open_npz(path) as npz:
-        return {e["key"]: _decode(e, _read_stored(npz, e)) for e in manifest["arrays"]}
+    with arrays.open_npz(path) as npz:
+        return {e["key"]: arrays.decode(e, arrays.read_stored(npz, e)) for e in manifest["arrays"]}
 
 
 def restore(path: str | os.PathLike, template: Mapping[str, Any]) -> dict[str, Any]:
@@ -407,9 +339,9 @@ def restore(path: str | os.PathLike, template: Mapping[str, Any]) -> dict[str, A
     manifest = _read_manifest(path)
     entries = {e["key"]: e for e in manifest["arrays"]}
     restored = {}
-    with _open_npz(path) as npz:
+    with arrays.open_npz(path) as npz:
         for name, tree in _checked_items(template):
-            keyed, treedef = _flatten(name, tree)
+            keyed, treedef = arrays.flatten(name, tree)
             wanted = {key for key, _ in keyed}
             present = {key for key in entries if key == name or key.startswith(name + "/")}
             _require_none(sorted(wanted - present), "is in the template but not in the checkpoint")
@@ -434,7 +366,7 @@ def _restore_leaf(key: str, like: Any, entry: dict[str, Any], npz: Any) -> Any:
                 f"{key}: template is a Python {type(like).__name__}, checkpoint has "
                 f"{dtype_name}{list(shape)}"
             )
-        return type(like)(_read_stored(npz, entry).item())
+        return type(like)(arrays.read_stored(npz, entry).item())
     try:
         like_shape, like_dtype = tuple(like.shape), np.dtype(like.dtype)
     except (AttributeError, TypeError) as e:
@@ -450,7 +382,7 @@ def _restore_leaf(key: str, like: Any, entry: dict[str, Any], npz: Any) -> Any:
         raise CheckpointError(
             f"{key}: dtype {dtype_name} in the checkpoint, {like_dtype.name} in the template"
         )
-    return _decode(entry, _read_stored(npz, entry))
+    return arrays.decode(entry, arrays.read_stored(npz, entry))
 
 
 def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
@@ -483,85 +415,3 @@ def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
     return manifest
 
 
-def _open_npz(path: pathlib.Path) -> Any:
-    try:
-        return np.load(path / ARRAYS_FILE, allow_pickle=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"{ARRAYS_FILE} is missing") from None
-    except Exception as e:  # a truncated zip, garbage, ...: all mean "corrupt"
-        raise CheckpointError(f"{ARRAYS_FILE} is unreadable: {one_line(e)}") from None
-
-
-def _read_stored(npz: Any, entry: dict[str, Any]) -> np.ndarray:
-    """The array of ``entry`` as stored, after checking dtype, shape and checksum."""
-    key = entry["key"]
-    if key not in npz.files:
-        raise CheckpointError(f"{key}: missing from {ARRAYS_FILE}")
-    try:
-        array = npz[key]
-    except Exception as e:  # bad CRC, truncated member, an object array (pickle), ...
-        raise CheckpointError(f"{key}: unreadable: {one_line(e)}") from None
-    if array.dtype != np.dtype(entry["stored_dtype"]) or list(array.shape) != entry["shape"]:
-        raise CheckpointError(
-            f"{key}: stored as {array.dtype}{list(array.shape)}, manifest says "
-            f"{entry['stored_dtype']}{entry['shape']}"
-        )
-    if _sha256(array) != entry["sha256"]:
-        raise CheckpointError(f"{key}: sha256 checksum mismatch")
-    return array
-
-
-def _decode(entry: dict[str, Any], stored: np.ndarray) -> np.ndarray:
-    """View a stored array as its real dtype (the bits are the same)."""
-    if entry["dtype"] == entry["stored_dtype"]:
-        return stored
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise CheckpointError(
-            f"{entry['key']}: dtype {entry['dtype']} needs the ml_dtypes package "
-            "(or read the raw bits as described in vit_pure/run/checkpoint.py)"
-        ) from None
-    dtype = getattr(ml_dtypes, entry["dtype"], None)
-    if dtype is None or np.dtype(dtype).itemsize != stored.dtype.itemsize:
-        raise CheckpointError(f"{entry['key']}: unknown dtype {entry['dtype']!r}")
-    return stored.view(dtype)
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def _flatten(name: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """[(key, leaf)] in pytree order, and the treedef; keys as in the module docstring."""
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    keyed = [(_key(name, path), leaf) for path, leaf in paths_and_leaves]
-    seen: set[str] = set()
-    for key, _ in keyed:
-        if key in seen:
-            raise CheckpointError(f"{key}: two leaves of {name!r} have this key")
-        seen.add(key)
-    return keyed, treedef
-
-
-def _key(name: str, path: tuple[Any, ...]) -> str:
-    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
-
-    parts = [name]
-    for entry in path:
-        if isinstance(entry, DictKey):
-            part = entry.key
-        elif isinstance(entry, SequenceKey):
-            part = entry.idx
-        elif isinstance(entry, GetAttrKey):
-            part = entry.name
-        elif isinstance(entry, FlattenedIndexKey):
-            part = entry.key
-        else:
-            part = entry
-        part = str(part)
-        if not part or "/" in part:
-            raise CheckpointError(
-                f"{'/'.join(parts)}: pytree key {part!r} is empty or contains '/'"
-            )
-        parts.append(part)
-    return "/".join(parts)
