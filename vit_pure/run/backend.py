@@ -105,9 +105,8 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
                      f"{_cpu_kind(flags) if on_cpu else 'accelerator'})")
     policy = Policy.parse(text, matmul_precision)
     if on_cpu and policy.compute_dtype == jnp.bfloat16 and not bf16_fast:
-        notes.append(f"dtype: bf16 as asked, but {_cpu_kind(flags)}: XLA emulates it, measured "
-                     "slower than fp32 (vit-cifar batch 128: 8.7 vs 12.3 img/s); "
-                     "--dtype fp32 is faster here")
+        notes.append(f"dtype: bf16 as asked, but {_cpu_kind(flags)}: XLA emulates it, slower "
+                     "than fp32 (docs/precision.md); --dtype fp32 is faster here")
     if not Policy.gives_matmul_dtype(text) and policy.compute_dtype != jnp.float32:
         matmul = jnp.dtype(jnp.float32) if on_cpu else policy.compute_dtype
         policy = dataclasses.replace(policy, matmul_dtype=matmul)

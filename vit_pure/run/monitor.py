@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 
 class Logger:
@@ -35,11 +36,7 @@ class Logger:
         if not self.enabled:
             return
         if text:
-            try:
-                from tqdm import tqdm
-                tqdm.write(text)
-            except ImportError:  # pragma: no cover
-                print(text, flush=True)
+            tqdm.write(text)  # above an open progress bar, not through it
         if record and self.file:
             self.file.write(json.dumps(record) + "\n")
 
@@ -227,5 +224,4 @@ def progress_bar(total: int, desc: str, enabled: bool):
     """A tqdm bar on stderr, or a `NoBar` when disabled."""
     if not enabled:
         return NoBar()
-    from tqdm import tqdm
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
