@@ -84,6 +84,20 @@ def init_state(key, cfg: ViTConfig, policy: Policy, optimizer, *, ema: bool = Fa
     return state
 
 
+def step_input_shapes(sc: StepConfig, optimizer, global_batch: int,
+                      image_shape: tuple[int, int, int]) -> tuple:
+    """The train step's inputs as `jax.ShapeDtypeStruct`s, unplaced: (state, images,
+    labels, example ids, key). `image_shape` (h, w, C) is what the loop feeds (the
+    dataset's images, uint8; the step resizes them to the model's input on the device).
+    What compiles the step without data starts here: the planner (abstract, laid out as
+    a strategy places them) and `--accum-steps auto`'s measurement (zeros, placed)."""
+    state = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
+                                              ema=sc.ema_decay > 0))
+    ids = jax.ShapeDtypeStruct((global_batch,), jnp.int32)
+    return (state, jax.ShapeDtypeStruct((global_batch, *image_shape), jnp.uint8), ids, ids,
+            jax.eval_shape(lambda: jax.random.key(0)))
+
+
 # --------------------------------------------------------------------------- weight EMA
 def ema_decay_at(decay: float, step) -> jax.Array:
     """The EMA's decay for the update after `step` optimizer steps were already taken (0 for

@@ -45,7 +45,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 from jax._src import xla_bridge  # no public "have the backends started?"
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -65,7 +64,6 @@ from vit_pure.plan.report import Plan
 from vit_pure.run import backend, cli
 from vit_pure.run.accum import StepMemory
 from vit_pure.run.settings import RunConfig
-from vit_pure.step import init_state
 from vit_pure.xla import kernels
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
 from vit_pure.xla.hlo import dot_flops, parse_module
@@ -104,11 +102,9 @@ def abstract_inputs(strategy, sc, optimizer, global_batch: int) -> tuple:
     """ShapeDtypeStructs for the train step's inputs, laid out as the strategy places
     them (shard_map: NamedShardings over its mesh; pmap: a leading device axis)."""
 
-    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
-                                               ema=sc.ema_decay > 0))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    batch = [((global_batch, *DATASET_IMAGE_SHAPE), jnp.uint8),
-             ((global_batch,), jnp.int32), ((global_batch,), jnp.int32)]
+    shapes, *batch, key = step.step_input_shapes(sc, optimizer, global_batch,
+                                                 DATASET_IMAGE_SHAPE)
+    batch = [(x.shape, x.dtype) for x in batch]
     mesh = getattr(strategy, "mesh", None)
     if mesh is not None:
         def place(spec, tree):

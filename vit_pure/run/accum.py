@@ -52,7 +52,7 @@ import numpy as np
 from vit_pure.errors import UsageError
 from vit_pure.run import distributed
 from vit_pure.run.settings import RunConfig
-from vit_pure.step import StepConfig, init_state
+from vit_pure.step import StepConfig, step_input_shapes
 
 # Use at most this fraction of the memory the device (or host) reports as available.
 SAFETY = 0.8
@@ -161,13 +161,10 @@ def train_step_inputs(strategy, sc, optimizer, global_batch: int,
     which needs arrays (a stand-in without data fails inside jax). They take the bytes
     the real state will take; `free` them once the compiles are done.
     """
-    shapes = jax.eval_shape(lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer,
-                                               ema=sc.ema_decay > 0))
-    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-    batch = (np.zeros((global_batch, *image_shape), np.uint8),
-             np.zeros((global_batch,), np.int32), np.zeros((global_batch,), np.int32))
+    *shapes, _key = step_input_shapes(sc, optimizer, global_batch, image_shape)
+    state, *batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     # As in the loop: each process feeds its own rows of the global batch.
-    return (strategy.put_state(zeros), *strategy.put_batch(*distributed.local_rows(*batch)),
+    return (strategy.put_state(state), *strategy.put_batch(*distributed.local_rows(*batch)),
             strategy.put_replicated(jax.random.key(0)))
 
 
