@@ -14,7 +14,8 @@ with ../train_pmap.py and ../train_shardmap.py beside it, which write the collec
 model.py calls three small modules beside it: attention.py (the fused attention variants),
 dropout.py (dropout masks) and remat.py (what a rematerialised block keeps).
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
-run/ (flags, loop, checkpoints, several processes), plan/ (the communication plan),
+run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
+processes), plan/ (the communication plan),
 xla/ (reading compiled programs), tools/ (small command-line tools). Imports run
 downwards only: the reading path imports data/ and errors.py, and run/ and plan/ import
 the reading path.
