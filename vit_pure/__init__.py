@@ -15,10 +15,9 @@ model.py calls three small modules beside it: attention.py (the fused attention 
 dropout.py (dropout masks) and remat.py (what a rematerialised block keeps).
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
-processes), plan/ (the communication plan),
-xla/ (reading compiled programs), tools/ (small command-line tools). Imports run
-downwards only: the reading path imports data/ and errors.py, and run/ and plan/ import
-the reading path.
+processes), plan/ (the communication plan), xla/ (reading compiled programs), tools/
+(small command-line tools). Imports run downwards only: the reading path imports data/
+and errors.py, and run/ and plan/ import the reading path.
 """
 from vit_pure.config import PRESETS, ViTConfig, get_preset
 from vit_pure.model import apply, count_params, init_params, param_axes
