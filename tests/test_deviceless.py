@@ -1,9 +1,10 @@
-"""The plan compiled for a GPU without one (vit_pure/plan/targets.py, vit_pure/xla/kernels.py).
+"""The plan compiled for a GPU without one (vit_pure/plan/targets.py, vit_pure/xla/kernels.py)
+and benchmarks.deviceless.
 
 The kernel reading is checked on a hand-written fragment of XLA:GPU's HLO (no plugin
 needed). The compiles need JAX's CUDA plugin (`pip install -r requirements-gpu.txt`, about
-5.5 GB): they are skipped, saying so, where it is not installed, which includes .ci/run
-(its install takes about 100 s of the CI's 15 minutes). Run them with the plugin:
+5.5 GB): they are marked slow and skipped, saying so, where it is not installed. .ci/run
+installs it before its slow tests. Run them with the plugin:
 `python -m pytest -q -m slow tests/test_deviceless.py`.
 """
 from __future__ import annotations
