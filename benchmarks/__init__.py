@@ -5,6 +5,8 @@ The tools (each one's --help is its docstring, with the commands it was run with
     python -m benchmarks.bench ...              images/s, FLOPs, MFU, memory per configuration
     python -m benchmarks.study ...              the dtype / precision grid
     python -m benchmarks.peers ...              the kit against Flax NNX and PyTorch, one device
+    python -m benchmarks.deviceless ...         configurations compiled for an H100 without one:
+                                                memory, kernels, HBM traffic by class, floor
     python -m benchmarks.profile_breakdown DIR  a profiler trace's device time by kernel kind
 
 The probes, each one question (benchmarks/probes/__init__.py says where its answer is):

@@ -1,15 +1,17 @@
-"""The plan compiled for a GPU without one (vit_pure/plan/targets.py, vit_pure/xla/kernels.py).
+"""The plan compiled for a GPU without one (vit_pure/plan/targets.py, vit_pure/xla/kernels.py)
+and benchmarks.deviceless.
 
 The kernel reading is checked on a hand-written fragment of XLA:GPU's HLO (no plugin
 needed). The compiles need JAX's CUDA plugin (`pip install -r requirements-gpu.txt`, about
-5.5 GB): they are skipped, saying so, where it is not installed, which includes .ci/run
-(its install takes about 100 s of the CI's 15 minutes). Run them with the plugin:
+5.5 GB): they are marked slow and skipped, saying so, where it is not installed. .ci/run
+installs it before its slow tests. Run them with the plugin:
 `python -m pytest -q -m slow tests/test_deviceless.py`.
 """
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -74,35 +76,155 @@ def test_the_h100_description_is_the_gpu_the_kit_measured():
     assert targets.memory_bandwidth("h100") == 3.35232e12
 
 
-def _plan(tmp_path, *flags) -> dict:
-    out = tmp_path / "plan.json"
+def _plan(tmp_path, *flags) -> tuple[dict, hlo.Module]:
+    """The plan's record of `train_shardmap.py FLAGS --hardware h100 --plan-json`, and the
+    program XLA:GPU compiled (XLA's own dump of it, read back)."""
+    out, dump = tmp_path / "plan.json", tmp_path / "dump"
+    env = subprocess_env(JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] += f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
     run = subprocess.run([sys.executable, "train_shardmap.py", *flags, "--hardware", "h100",
                           "--plan-json", str(out)], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env=subprocess_env(JAX_PLATFORMS="cpu"))
+                         timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled for h100: XLA:GPU for NVIDIA H100 80GB HBM3, deviceless" in run.stdout
-    return json.loads(out.read_text())
+    [program] = dump.glob("*jit_train_step*gpu_after_optimizations.txt")
+    return json.loads(out.read_text()), hlo.parse_module(program.read_text())
 
 
 @needs_plugin
 @pytest.mark.slow
 def test_a_tiny_model_compiles_for_eight_h100s(tmp_path):
-    record = _plan(tmp_path, "--model", "tiny", "--batch", "64", "--dtype", "bf16",
-                   "--mesh", "data=4,model=2", "--plan", "8", "--accum-steps", "1")
+    """A data x model mesh of 8 GPUs: the plan's collective rows are the program's
+    collectives, launch for launch (XLA:GPU's async, combined all-reduces)."""
+    record, program = _plan(tmp_path, "--model", "tiny", "--batch", "64", "--dtype", "bf16",
+                            "--mesh", "data=4,model=2", "--plan", "8", "--accum-steps", "1")
     assert record["compiled_for"] == "gpu" and record["devices"] == 8
-    program = record["gpu_program"]
-    assert program["kernels"] > 0 and program["classes"]["gemm"]["kernels"] > 0
+    gpu = record["gpu_program"]
+    assert gpu["kernels"] > 0 and gpu["classes"]["gemm"]["kernels"] > 0
     assert {c["kind"] for c in record["collectives"]} == {"all-reduce"}
     assert {c["axes"] for c in record["collectives"]} == {"model", "data"}
     assert record["memory"]["total"] > 0
+    starts = [i for instrs in program.computations.values() for i in instrs
+              if i.opcode == "all-reduce-start"]
+    assert starts, "XLA:GPU's all-reduces are async: all-reduce-start / -done"
+    assert sum(c["count"] for c in record["collectives"]) == len(starts)
+    assert gpu["classes"]["collectives"]["kernels"] == len(starts)
+
+
+def _kernel_of(entry: dict[str, hlo.Instr], name: str) -> hlo.Instr:
+    """The kernel behind a value: through get-tuple-element and bitcast (no kernels)."""
+    instr = entry[name]
+    while instr.opcode in ("get-tuple-element", "bitcast"):
+        instr = entry[instr.operands[0]]
+    return instr
+
+
+def _transposes(module: hlo.Module, instr: hlo.Instr) -> bool:
+    """Whether a kernel is, or its fused computations hold, a transpose or a copy."""
+    if kernels.classify(instr) == "transposes/copies":
+        return True
+    pending, seen = list(instr.callees), set()
+    while pending:
+        comp = pending.pop()
+        if comp in seen:
+            continue
+        seen.add(comp)
+        for i in module.computations.get(comp, []):
+            if i.opcode in ("transpose", "copy"):
+                return True
+            pending += i.callees
+    return False
 
 
 @needs_plugin
 @pytest.mark.slow
 def test_the_headline_program_calls_cudnn_attention(tmp_path):
     """vit-cifar in bf16 on the H100: cuDNN's fused attention, forward and backward, once
-    per layer each (6 layers), chosen for the target (not for this CPU)."""
-    record = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
-                   "--accum-steps", "1")
+    per layer each (6 layers), chosen for the target (not for this CPU); and the kernels
+    that make its q, k, v and read its outputs only pad and slice the token axis (the
+    (B, T, H, D) layout of the qkv GEMM): no head transposes around it."""
+    record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
+                            "--accum-steps", "1")
     assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6
     assert any("attention: cuDNN fused" in note for note in record["notes"])
+    entry = {i.name: i for i in program.computations[program.entry]}
+    calls = [i for i in entry.values() if kernels.classify(i) == "attention"]
+    targets_called = [re.search(r'custom_call_target="([^"]+)"', c.attrs).group(1)
+                      for c in calls]
+    assert sorted(targets_called) == (["__cudnn$fmhaSoftmax"] * 6
+                                      + ["__cudnn$fmhaSoftmaxBackward"] * 6)
+    readers = {}  # kernel -> the kernels that read its outputs
+    for i in entry.values():
+        if i.opcode not in ("get-tuple-element", "bitcast"):
+            for o in i.operands:
+                readers.setdefault(_kernel_of(entry, o).name, []).append(i)
+    called = {c.name for c in calls}
+    for call in calls:
+        around = [_kernel_of(entry, o) for o in call.operands] + readers[call.name]
+        moved = [k.name for k in around if k.name not in called and _transposes(program, k)]
+        assert not moved, f"{call.name}: transposes around it: {moved}"
+
+
+def test_the_benchmark_refuses_bad_rows_in_one_line():
+    """benchmarks.deviceless checks every row's flags with the training script's parser
+    before it compiles anything: one line, exit code 2 (plugin or not)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.deviceless", "--model", "tiny",
+                          "--kit", "ok=--dropout 0", "--kit", "bad=--no-such-flag"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=subprocess_env())
+    assert run.returncode == 2
+    assert run.stderr.strip() == ("error: --kit 'bad=--no-such-flag': the training script "
+                                  "refuses it: unrecognized arguments: --no-such-flag")
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_the_benchmark_compiles_its_rows_for_the_h100(tmp_path):
+    """One tiny row through benchmarks.deviceless: its figures are the deviceless plan's,
+    its NAME=VALUE words reach its process only, and the table shows it."""
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.deviceless", "--model", "tiny",
+                          "--batch", "16", "--kit", "nodrop=VIT_PURE_ROW_PROBE=7 --dropout 0",
+                          "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=subprocess_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = json.loads(out.read_text())["results"]
+    assert "error" not in row, row
+    assert row["name"] == "nodrop" and row["env"] == {"VIT_PURE_ROW_PROBE": "7"}
+    m, gpu = row["memory"], row["gpu_program"]
+    assert m["total"] == m["argument"] + m["output"] - m["alias"] + m["temp"] > 0
+    assert gpu["kernels"] == sum(c["kernels"] for c in gpu["classes"].values()) > 0
+    assert gpu["bytes"] == sum(c["bytes"] for c in gpu["classes"].values()) > 0
+    assert gpu["flops"] == gpu["classes"]["gemm"]["flops"] > 0
+    assert any("compiled for h100: XLA:GPU" in n for n in row["notes"])
+    table = [ln for ln in run.stdout.splitlines() if ln.startswith("| nodrop |")]
+    assert len(table) == 1 and f"| {gpu['kernels']:,} |" in table[0]
+
+
+# What pip says when no registry answers (then the GPU install cannot be checked here).
+OFFLINE = ("NewConnectionError", "Failed to establish a new connection", "Network is unreachable",
+           "Temporary failure in name resolution", "ConnectTimeout", "Max retries exceeded")
+
+
+@pytest.mark.slow  # without the plugin, pip fetches the CUDA wheels' metadata: about a minute
+def test_the_gpu_install_command_resolves():
+    """`pip install -r requirements-gpu.txt` (README's GPU command) resolves, and to the
+    CUDA build of the jax installed here: it would install no other jax, and its plugin,
+    if any is to be installed, is of the same version."""
+    import jax
+
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                          "--report", "-", "-r", "requirements-gpu.txt"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 and any(word in run.stderr for word in OFFLINE):
+        pytest.skip("no package registry answers: " + run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    to_install = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                  for i in report["install"]}
+    assert "jax" not in to_install and "jaxlib" not in to_install, to_install
+    for name in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+        assert to_install.get(name, jax.__version__) == jax.__version__, to_install
+    if not targets.cuda_plugin_installed():
+        assert "jax-cuda12-plugin" in to_install, to_install

@@ -1,0 +1,192 @@
+"""The kit's training step compiled for a GPU without one, configurations side by side.
+
+    python -m benchmarks.deviceless                       # the default rows, below
+    python -m benchmarks.deviceless --kit "as written=" --kit "einsum=--attention einsum" \
+        --kit "save-dots=--remat block-save-dots" --json deviceless.json
+    python -m benchmarks.deviceless --model tiny --batch 64 --kit "tiny="   # a quick check
+
+Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FLAGS]
+--plan G --hardware H` (the plan's deviceless compile, vit_pure/plan/build.py), run in a
+process of its own (benchmarks/harness.py's child runner). `--kit LABEL=FLAGS` (repeatable)
+gives a row's label and extra training-script flags, after any NAME=VALUE words that set
+environment variables for that row only (as benchmarks.peers reads them). Without --kit:
+
+    headline          no extra flags (cuDNN attention, unrolled layers, m=bf16: the GPU's
+                      defaults, resolved for the target)
+    einsum            --attention einsum
+    dropout 0         --dropout 0
+    block-save-dots   --remat block-save-dots
+
+Nothing runs: XLA:GPU compiles the step for the described GPU
+(vit_pure/plan/targets/*.txtpb) with JAX's CUDA plugin (`pip install -r
+requirements-gpu.txt`; no driver, no GPU; without the plugin this tool stops with one line).
+Columns, per device and per step, from the compiled program:
+
+    peak GiB       XLA's memory analysis: arguments + outputs - aliased + temporaries
+                   (vit_pure/run/accum.py's StepMemory, as the plan reports it)
+    kernels        kernels launched (fusions, library calls, copies, collectives)
+    GB by class    HBM traffic, each kernel's operand + output bytes, by class
+                   (vit_pure/xla/kernels.py): GEMM, attention, norms/reductions,
+                   elementwise, transposes/copies; "rest" is collectives and other
+    TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
+    floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
+                   a floor, not a prediction of the step time
+    compile s      the deviceless compile
+
+Autotuning is off (there is no device to time on) and GEMMs go to cuBLAS; the real GPU's
+program can differ in its tiles and fusions. docs/performance.md compares these figures
+with the H100's measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import train_shardmap  # imports jax, but starts no backend
+from benchmarks import harness
+from benchmarks.peers.driver import check_kit_flags, parse_kit_variant, versions, write_json
+from vit_pure.config import PRESETS
+from vit_pure.errors import UsageError
+from vit_pure.plan import targets
+from vit_pure.run import cli
+
+DEFAULT_ROWS = ("headline=", "einsum=--attention einsum", "dropout 0=--dropout 0",
+                "block-save-dots=--remat block-save-dots")
+# The classes of vit_pure/xla/kernels.py shown as columns; the others are summed in "rest".
+SHOWN = {"gemm": "GEMM", "attention": "attention", "norms/reductions": "norms",
+         "elementwise": "elementwise", "transposes/copies": "transposes"}
+# The children compile for the GPU on this machine's CPU: no GPU backend to start, and
+# the plugin's start-up check (which needs a driver) skipped.
+CHILD_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+
+
+# ============================================================================= the child
+def row_argv(job: dict) -> list[str]:
+    """The training script's command line of a row: the plan's deviceless compile."""
+    return ["--model", job["model"], "--batch", str(job["batch"]), "--dtype", job["dtype"],
+            "--accum-steps", "1", *job["flags"], "--plan", str(job["gpus"]),
+            "--hardware", job["hardware"]]
+
+
+def run_row(job: dict) -> dict:
+    """Compile one row for the GPU (train_shardmap's --plan) and keep the program's figures."""
+    record = train_shardmap.main(row_argv(job))
+    if record["compiled_for"] != "gpu":
+        raise RuntimeError(f"compiled for {record['compiled_for']}, not the GPU: "
+                           + "; ".join(n for n in record["notes"] if "compiled for" in n))
+    return {"name": job["name"], "memory": record["memory"],
+            "gpu_program": record["gpu_program"], "flops": record["flops"],
+            "compile_s": record["compile_s"], "notes": record["notes"],
+            "env": {k: os.environ.get(k) for k in job["env"]}}
+
+
+# ============================================================================ the parent
+def build_jobs(args) -> list[dict]:
+    """One job per row, its flags checked by the training script's parser first."""
+    common = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
+              "gpus": args.gpus, "hardware": args.hardware}
+    jobs = []
+    for text in args.kit or DEFAULT_ROWS:
+        label, env, flags = parse_kit_variant(text)
+        check_kit_flags(row_argv({**common, "flags": flags}), text)
+        jobs.append({**common, "name": label, "flags": flags, "env": env})
+    return jobs
+
+
+def _figure(x: float) -> str:
+    """Two decimals from 1 up (the H100's sizes), three significant digits below (a tiny
+    model's)."""
+    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
+
+
+def table(rows: list[dict]) -> str:
+    """The Markdown table of the rows (a failed row shows its error)."""
+    head = (["row", "peak GiB", "kernels"] + [f"{c} GB" for c in SHOWN.values()]
+            + ["rest GB", "total GB", "TFLOP", "floor ms", "compile s"])
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["name"], f"failed: {r['error']}"])
+            continue
+        g = r["gpu_program"]
+        by = {k: v["bytes"] for k, v in g["classes"].items()}
+        rest = g["bytes"] - sum(by.get(k, 0) for k in SHOWN)
+        lines.append([r["name"], _figure(r["memory"]["total"] / 2**30), f"{g['kernels']:,}",
+                      *(_figure(by.get(k, 0) / 1e9) for k in SHOWN), _figure(rest / 1e9),
+                      _figure(g["bytes"] / 1e9),
+                      _figure(r["flops"]["program_per_device"] / 1e12),
+                      _figure(g["floor_s"] * 1e3), f"{r['compile_s']:.1f}"])
+    return harness.markdown_table(head, lines, numeric=range(1, len(head)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.doc_parser(__doc__)
+    p.prog = "python -m benchmarks.deviceless"
+    a = p.add_argument
+    a("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset (all rows)")
+    a("--batch", type=int, default=4096, help="global batch (all rows)")
+    a("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    a("--gpus", type=int, default=1,
+      help="GPUs to compile for (the plan's N; a row's --mesh lays them out)")
+    a("--hardware", default="h100", choices=sorted(targets.GPU_TARGETS),
+      help="the GPU described in vit_pure/plan/targets/")
+    a("--kit", action="append", default=[], metavar="LABEL=FLAGS",
+      help="a row with these extra training-script flags, after any NAME=VALUE environment "
+           "variables for that row only (repeatable; default: the rows above)")
+    a("--entry-timeout", type=float, default=600.0, help="seconds per row before it is killed")
+    a("--json", default=None, metavar="PATH", help="write every figure to this JSON file")
+    return p
+
+
+def parse(argv) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    cli.require_positive(p, args, "batch", "gpus", "entry_timeout")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    jobs = build_jobs(args)
+    if not targets.cuda_plugin_installed():
+        raise UsageError("JAX's CUDA plugin is not installed, so nothing can compile for the "
+                         "GPU: pip install -r requirements-gpu.txt")
+    record = {"command": harness.command_line("benchmarks.deviceless", argv),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
+              "versions": versions() | {"jax-cuda12-plugin":
+                                        harness.package_version("jax-cuda12-plugin")},
+              "model": args.model, "batch": args.batch, "dtype": args.dtype,
+              "gpus": args.gpus, "hardware": args.hardware, "results": []}
+    print(f"# deviceless {args.hardware} x {args.gpus}: {args.model}, batch {args.batch}, "
+          f"{args.dtype}; {harness.machine_line()}")
+    print(f"# command: {record['command']}", flush=True)
+    for job in jobs:
+        env = {**os.environ, **CHILD_ENV, **job["env"]}
+        row = harness.run_child("benchmarks.deviceless", job, timeout=args.entry_timeout,
+                                env=env)
+        row.setdefault("name", job["name"])
+        record["results"].append(row)
+        print(f"# {row['name']}: " + (f"failed after {row['wall_s']:.0f} s: {row['error']}"
+                                      if "error" in row else f"{row['wall_s']:.0f} s"),
+              flush=True)
+        if args.json:
+            write_json(args.json, record)
+    print()
+    print(table(record["results"]))
+    return record
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        job = json.loads(sys.argv[sys.argv.index("--child") + 1])
+        sys.exit(harness.child_main(run_row, job))
+    try:
+        main()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
