@@ -205,6 +205,8 @@ def test_fsdp_remat_counts_its_backward_regathers(fsdp_remat):
     assert remat.memory_bytes != plain.memory_bytes
     assert remat.memory["temp"] < plain.memory["temp"]
     assert not [line for line in remat.corrections if "merged by XLA:CPU" in line]
+    # The re-gathers read weights saved behind remat's barrier: prefetches, not waits.
+    assert {c.overlap for c in regathers} == {OVERLAPPABLE}
 
 
 def test_count_correction_restores_what_the_cpu_compile_merges(fsdp_remat):

@@ -8,6 +8,8 @@ wait for it. Two kinds can:
   elementwise update; the metrics' scalars);
 * it needs no computed value: no matmul is upstream of it, so it can be issued as early as
   its inputs exist (FSDP's weight all-gathers, which read only the parameters: a prefetch).
+  Values that pass through remat's optimization barrier count as available: they were
+  saved in the forward pass (FSDP's backward re-gathers under --remat block).
 
 Everything else is on the critical path: a matmul produced its operand and another matmul
 waits for its result (tensor parallelism's activation all-reduces, the pipeline's
@@ -15,6 +17,10 @@ hand-offs). "Matmul" is a dot or convolution, a library GEMM or attention call, 
 call or loop that contains one. Inside a loop body (a scan over layers, ticks or
 micro-batches), a result that leaves the body through its loop-carried tuple and is read by
 a matmul of the next iteration counts as needed by a matmul.
+
+Not credited: a backward all-reduce of tensor parallelism could also run beside the same
+layer's weight-gradient matmul, which does not need it (Megatron overlaps the two); the
+plan counts it as critical, so its floor can overstate that part.
 
 Pure text analysis of the parsed HLO (vit_pure/xla/hlo.py); nothing runs.
 """
@@ -91,7 +97,10 @@ def classify_overlap(module: Module, found: list[Collective]) -> None:
         by_name = {i.name: i for i in instrs}
         users, operands = collections.defaultdict(list), {}
         for i in instrs:
-            operands[i.name] = [o for o in i.operands if o in by_name]
+            # Remat's barrier holds values saved in the forward pass: what passes through
+            # it is available long before the backward needs it (a source, not a wait).
+            operands[i.name] = ([] if i.opcode == "opt-barrier" else
+                                [o for o in i.operands if o in by_name])
             for o in operands[i.name]:
                 users[o].append(i.name)
         compute = {name for name, i in by_name.items() if computes(i)}
