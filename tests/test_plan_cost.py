@@ -59,8 +59,9 @@ def test_cross_node_latency_is_the_small_message_floor():
 
 @pytest.mark.parametrize("size, busbw", [(4 * GiB, 476e9), (58e6, 150e9)])
 def test_intra_node_curve_at_its_cited_points(size, busbw):
-    """8 H100 in one node: 476 GB/s all-reduce busbw measured at large sizes (nccl-tests
-    issue 290), ~150 GB/s for a 58 MB all-reduce (the JAX scaling book)."""
+    """8 H100 in one node: 476 GB/s all-reduce busbw measured at large sizes
+    (github.com/NVIDIA/nccl-tests/issues/290), ~150 GB/s for a 58 MB all-reduce (the JAX
+    scaling book)."""
     t = ic.transfer_seconds(ic.ALL_REDUCE, size, ic.Placement(8, 1), H100)
     assert size / t * 2 * 7 / 8 == pytest.approx(busbw, rel=0.25)
 

@@ -139,8 +139,8 @@ class Hardware:
 # [NVL]   H100 inside a node (8 GPUs, NVSwitch): the peak all-reduce bus bandwidth with
 #         NVLink SHARP is ~480 GB/s on 8 GPUs and ring collectives (all-gather,
 #         reduce-scatter) reach ~370 GB/s of NVLink's 450 one way (NCCL maintainer,
-#         github.com/NVIDIA/nccl-tests issue 212); a single-node all_reduce_perf run on 8
-#         H100 measured 476 GB/s (github.com/NVIDIA/nccl-tests issue 290, "in the expected
+#         github.com/NVIDIA/nccl-tests/issues/212); a single-node all_reduce_perf run on 8
+#         H100 measured 476 GB/s (github.com/NVIDIA/nccl-tests/issues/290, "in the expected
 #         range for H100"). The JAX scaling book (jax-ml.github.io/scaling-book/gpus)
 #         measures ~150 GB/s for a 58 MB all-reduce on 8 H100: with the peak and the shape
 #         k of [X16], that places half the peak at 19 MB chunks (58 MB / 8 = 7.25 MB chunks
