@@ -15,13 +15,17 @@ tests/test_plan.py (whose helpers build them).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import subprocess
+import sys
 
 import pytest
-from test_plan import BATCH, H100, _from, _setup, _shardmap_plan
+from conftest import subprocess_env
+from test_plan import BATCH, H100, REPO, _from, _setup, _shardmap_plan
 
 from vit_pure.plan import build as plan
-from vit_pure.plan import collectives
+from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan.overlap import CRITICAL, OVERLAPPABLE
 from vit_pure.xla import hlo
@@ -225,6 +229,36 @@ def test_count_correction_restores_what_the_cpu_compile_merges(fsdp_remat):
     n_found = sum(c.kind == ic.ALL_GATHER for c in found)
     assert n_found < n_asked and lines
     assert n_found + sum(c.kind == ic.ALL_GATHER for c in merged) == n_asked
+
+
+def _gpu_plan(tmp_path, name, *flags) -> dict:
+    out = tmp_path / f"{name}.json"
+    run = subprocess.run([sys.executable, "train_shardmap.py", "--model", "tiny", "--batch", "64",
+                          "--dtype", "bf16", "--mesh", "data=8", "--fsdp", "--plan", "8",
+                          "--accum-steps", "1", "--hardware", "h100", *flags, "--plan-json",
+                          str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=subprocess_env(JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not targets.cuda_plugin_installed(),
+                    reason="JAX's CUDA plugin is not installed (requirements-gpu.txt)")
+@pytest.mark.slow
+def test_xla_gpu_keeps_the_regathers_and_they_prefetch(tmp_path):
+    """XLA:GPU's own program (deviceless): with --remat block it gathers the block
+    weights again (the bytes grow by theirs), and every gather, combined or not, reads no
+    computed value."""
+    plain, remat = _gpu_plan(tmp_path, "plain"), _gpu_plan(tmp_path, "remat", "--remat", "block")
+    assert plain["compiled_for"] == remat["compiled_for"] == "gpu"
+
+    def gathered(record):
+        return sum(c["bytes"] * c["count"] for c in record["collectives"]
+                   if c["kind"] == ic.ALL_GATHER)
+
+    assert gathered(remat) > gathered(plain)
+    assert {c["overlap"] for c in remat["collectives"] if c["kind"] == ic.ALL_GATHER} == \
+        {OVERLAPPABLE}
 
 
 # ------------------------------------------------------------ efficiency

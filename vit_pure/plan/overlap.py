@@ -67,6 +67,20 @@ def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
     return seen
 
 
+def _data_operands(instr: Instr, by_name: dict[str, Instr]) -> list[str]:
+    """The values `instr` reads. Remat's barrier holds values saved in the forward pass:
+    what passes through it is available long before the backward needs it (a source, not a
+    wait). An element of a tuple built in the same computation reads only that element."""
+    if instr.opcode == "opt-barrier":
+        return []
+    if instr.opcode == "get-tuple-element" and instr.operands:
+        tup = by_name.get(instr.operands[0])
+        if tup is not None and tup.opcode == "tuple" and instr.index is not None \
+                and instr.index < len(tup.operands):
+            return [o for o in tup.operands[instr.index:instr.index + 1] if o in by_name]
+    return [o for o in instr.operands if o in by_name]
+
+
 def _loop_bodies(module: Module) -> set[str]:
     return {c for instrs in module.computations.values() for i in instrs
             if i.opcode == "while" for c in i.callees}
@@ -97,10 +111,7 @@ def classify_overlap(module: Module, found: list[Collective]) -> None:
         by_name = {i.name: i for i in instrs}
         users, operands = collections.defaultdict(list), {}
         for i in instrs:
-            # Remat's barrier holds values saved in the forward pass: what passes through
-            # it is available long before the backward needs it (a source, not a wait).
-            operands[i.name] = ([] if i.opcode == "opt-barrier" else
-                                [o for o in i.operands if o in by_name])
+            operands[i.name] = _data_operands(i, by_name)
             for o in operands[i.name]:
                 users[o].append(i.name)
         compute = {name for name, i in by_name.items() if computes(i)}
