@@ -39,9 +39,10 @@ so the slower one sets the time:
     all-reduce                   twice each term
     collective-permute           V / W_intra(V) inside a node, V / W_inter(V) across nodes
 
-Why the larger, not the sum: in the cited 16-H100 run (two nodes) the sum would need each
-GPU's NIC to carry 185 GB/s at 8 GiB, seven times its 25 GB/s line rate; the larger of the
-two needs 22.6 GB/s.
+Why the larger, not the sum: in the cited 16-H100 run (two nodes, 8 GiB in 47.5 ms) the
+in-node stage alone takes about 32 ms at NVLink's ~460 GB/s, so a sum would leave 15 ms for
+each GPU's NIC to carry its 1 GiB: 72 GB/s, nearly three times its 25 GB/s line rate. The
+larger of the two needs 22.6 GB/s.
 
 PLACEMENT. Mesh position i (row-major over the mesh's axes, the order jax.make_mesh hands
 devices out, innermost axis fastest) is on node i // devices_per_node. A collective's groups
