@@ -14,16 +14,22 @@ compiled per-device program, not out of a description of the model:
    (the product of the `known_trip_count`s of the while loops around it: `--scan`,
    `--accum-steps`); and the kit's file:line that wrote it (the op's metadata points into
    the stack-frame table at the top of the HLO text; the innermost frame in the kit).
-2. Bytes as the target moves them. The step is built with the target's defaults
-   (`hardware.resolve` for the target's platform: on a GPU the matmuls return bf16).
-   Two XLA:CPU habits are undone: its all-reduce combiner is switched off for the compile
-   (`cpu-all-reduce-combiner`), so every array keeps its own collective and its source
-   line; XLA:GPU's combining (30 MiB buckets of independent collectives, XLA's
-   kDefaultAllReduceCombineThreshold) is then modelled for the latency term. And XLA:CPU
+2. Bytes and counts as the target moves them. The step is built with the target's
+   defaults (`hardware.resolve` for the target's platform: on a GPU the matmuls return
+   bf16). Three XLA:CPU habits are undone. Its all-reduce combiner is switched off for the
+   compile (`cpu-all-reduce-combiner`), so every array keeps its own collective and its
+   source line; XLA:GPU's combining (30 MiB buckets of independent collectives, XLA's
+   kDefaultAllReduceCombineThreshold) is then modelled: a bucket is one call, priced at
+   its size. Its `cse_barrier_expander` is switched off too, so remat's barriers survive
+   and the program recomputes (FSDP's re-gathers included) as XLA:GPU's does. And XLA:CPU
    upcasts bf16 all-reduces to f32: where the lowered StableHLO (what JAX asked for) has
    another dtype than the compiled op at the same source line and size, the lowered dtype
-   counts. The report lists each correction.
-3. Time per mesh axis from the formulas in vit_pure/plan/interconnect.py and its cited table.
+   counts; where it has more ops at one line and size, the missing ones count. The
+   report lists each correction.
+3. Time per mesh axis from the message-size-aware formulas in
+   vit_pure/plan/interconnect.py and its cited curves, each collective priced by its
+   slowest group; each collective marked critical-path or overlappable from the program's
+   data flow (vit_pure/plan/overlap.py).
 4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
    trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
    body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
@@ -31,9 +37,11 @@ compiled per-device program, not out of a description of the model:
    pipeline's idle ticks, the embedding and head every tensor-parallel rank repeats.
 5. Memory per device: XLA's memory analysis of the compiled step (arguments + outputs -
    aliased + temporaries). Of the CPU compile: XLA:GPU's buffer assignment differs.
-6. The step with no overlap (compute + communication) and with full overlap (the larger
-   of the two), MFU for both (model FLOPs, bench.py's count, over step x peak), and a
-   verdict with the rule that gave it.
+6. The step with no overlap (compute + communication) and its floor with overlap by
+   dependency (compute + critical-path collectives, the overlappable ones hidden up to the
+   compute: critical + max(compute, overlappable)), MFU for both (model FLOPs, bench.py's
+   count, over step x peak), at the given efficiency and at the measured one where the
+   hardware table has one; and a verdict with the rule that gave it.
 
 This module writes no collective: it compiles the scripts' steps and reads them.
 """
@@ -54,12 +62,15 @@ from vit_pure.model import init_params
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.plan.collectives import (
+    CPU_BARRIER_EXPANDER,
     CPU_COMBINER,
+    correct_counts,
     correct_dtypes,
     lowered_collectives,
     model_calls,
     read_collectives,
 )
+from vit_pure.plan.overlap import classify_overlap
 from vit_pure.plan.report import Plan
 from vit_pure.run import backend, cli
 from vit_pure.run.accum import StepMemory
@@ -168,16 +179,25 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer, global_batch))
     # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default tiles
     # fail for some shapes ("Couldn't find output tile sizes").
-    compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
-                               else {"xla_disable_hlo_passes": CPU_COMBINER})
+    compiled = lowered.compile(
+        compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
+        else {"xla_disable_hlo_passes": f"{CPU_COMBINER},{CPU_BARRIER_EXPANDER}"})
     compile_s = time.perf_counter() - t0
     module = parse_module(compiled.as_text())
     mesh = mesh_of(strategy)
     devices = math.prod(mesh.values())
     found = read_collectives(module, mesh, hw.devices_per_node)
-    corrections = ([] if gpu else
-                   correct_dtypes(found, lowered_collectives(lowered.as_text(debug_info=True))))
-    calls = {id(c): c.count for c in found} if gpu else model_calls(module, found)
+    classify_overlap(module, found)
+    if gpu:  # XLA:GPU's own calls, each its own message
+        calls, corrections = {id(c): c.count for c in found}, []
+    else:
+        asked = lowered_collectives(lowered.as_text(debug_info=True))
+        corrections = correct_dtypes(found, asked)
+        calls = model_calls(module, found)
+        merged, merged_lines = correct_counts(found, asked)
+        found += merged
+        calls |= {id(c): c.count for c in merged}
+        corrections += merged_lines
     notes = ([f"compiled for {compiled_for}"] if compiled_for else []) + list(notes)
     if module.unknown_trips:
         notes.append(f"{module.unknown_trips} while loop(s) without a known trip count: "

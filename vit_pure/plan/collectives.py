@@ -19,6 +19,10 @@ from vit_pure.xla.hlo import DTYPE_BYTES, Module, arrays, kit_path, op_source, s
 GPU_COMBINE_BYTES = 30 * 2**20 + 7
 # The CPU pass that would merge the per-array all-reduces (and lose their source lines).
 CPU_COMBINER = "cpu-all-reduce-combiner"
+# The pass that drops remat's optimization barriers before CSE; without them XLA:CPU merges
+# each recomputed value (FSDP's re-gathers included) into its forward copy, which XLA:GPU
+# does not. Kept off, so the CPU program recomputes (and holds memory) as the GPU's does.
+CPU_BARRIER_EXPANDER = "cse_barrier_expander"
 _COLLECTIVE_OPS = {"all-reduce": ic.ALL_REDUCE, "all-reduce-start": ic.ALL_REDUCE,
                    "all-gather": ic.ALL_GATHER, "all-gather-start": ic.ALL_GATHER,
                    "reduce-scatter": ic.REDUCE_SCATTER, "collective-permute": ic.PERMUTE,
@@ -40,10 +44,14 @@ class Collective:
     index: int               # position in its computation (schedule order)
     compiled_dtype: str = ""
     name: str = ""           # the HLO instruction's name
+    message: int = 0         # bytes of the call that carries it (its bucket); 0: nbytes
+    overlap: str = ""        # CRITICAL or OVERLAPPABLE (classify_overlap)
+    reason: str = ""         # why: what it waits for, what waits for it
 
     def record(self) -> dict:
         return {"kind": self.kind, "axes": self.axes, "dtype": self.dtype,
-                "bytes": self.nbytes, "count": self.count, "source": self.source}
+                "bytes": self.nbytes, "count": self.count, "source": self.source,
+                "overlap": self.overlap}
 
 
 def _replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
@@ -188,6 +196,28 @@ def correct_dtypes(found: list[Collective], lowered: list[tuple[str, str, int, s
             for (kind, old, new, source), n in sorted(done.items())]
 
 
+def correct_counts(found: list[Collective],
+                   lowered: list[tuple[str, str, int, str]]) -> tuple[list[Collective], list[str]]:
+    """Where the lowered program has more collectives of one kind, source line and size than
+    the compiled one, the compiled program merged some that the target keeps (XLA:CPU folds
+    a re-gather into its forward copy once remat's barrier is gone; XLA:GPU keeps the
+    barrier). Returns the missing ones (copies of a compiled op with that key: same count,
+    placement and overlap) and one line per source."""
+    asked = collections.Counter((kind, source, elements) for kind, source, elements, _ in lowered)
+    have = collections.defaultdict(list)
+    for c in found:
+        have[(c.kind, c.source.split(" ")[0], c.elements)].append(c)
+    added, lines = [], []
+    for (kind, source, elements), cs in sorted(have.items()):
+        missing = asked.get((kind, source, elements), 0) - len(cs)
+        for k in range(max(missing, 0)):
+            added.append(dataclasses.replace(cs[0], name=f"{cs[0].name}.lowered{k}"))
+        if missing > 0:
+            lines.append(f"{missing} {kind} op(s) at {source} ({elements:,} elements): in the "
+                         f"lowered program, merged by XLA:CPU's compile; counted")
+    return added, lines
+
+
 # ------------------------------------------------------- combining, as XLA:GPU would
 def model_calls(module: Module, found: list[Collective],
                 threshold: int = GPU_COMBINE_BYTES) -> dict[int, int]:
@@ -196,7 +226,8 @@ def model_calls(module: Module, found: list[Collective],
     computation share a call until the bucket holds `threshold` bytes. Independent: no
     path from one to the other (read from the operands). Permutes are not combined.
     Returns {id(collective): calls per step it starts} (a bucket's call is charged to
-    the collective that opens it)."""
+    the collective that opens it), and sets each collective's `message` to its bucket's
+    bytes."""
     by_comp = collections.defaultdict(list)
     for c in found:
         by_comp[c.computation].append(c)
@@ -217,9 +248,12 @@ def model_calls(module: Module, found: list[Collective],
             bucket = open_buckets.get(key)
             if (c.kind != ic.PERMUTE and bucket is not None and not (mine & bucket[0])
                     and bucket[1] + c.nbytes <= threshold):
-                open_buckets[key] = (bucket[0] | bit[c.index], bucket[1] + c.nbytes)
+                open_buckets[key] = (bucket[0] | bit[c.index], bucket[1] + c.nbytes,
+                                     bucket[2] + [c])
                 calls[id(c)] = 0
             else:
-                open_buckets[key] = (bit[c.index], c.nbytes)
+                open_buckets[key] = (bit[c.index], c.nbytes, [c])
                 calls[id(c)] = c.count
+            for member in open_buckets[key][2]:  # the call's size sets its bandwidth
+                member.message = open_buckets[key][1]
     return calls

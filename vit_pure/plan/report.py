@@ -8,7 +8,13 @@ import dataclasses
 import math
 
 from vit_pure.plan import interconnect as ic
-from vit_pure.plan.collectives import CPU_COMBINER, GPU_COMBINE_BYTES, Collective
+from vit_pure.plan.collectives import (
+    CPU_BARRIER_EXPANDER,
+    CPU_COMBINER,
+    GPU_COMBINE_BYTES,
+    Collective,
+)
+from vit_pure.plan.overlap import CRITICAL
 from vit_pure.run.accum import StepMemory
 from vit_pure.xla import kernels
 
@@ -38,28 +44,52 @@ class Plan:
 
     # -- time
     def seconds(self, c: Collective) -> float:
-        return (c.count * ic.transfer_seconds(c.kind, c.nbytes, c.where, self.hardware)
+        return (c.count * ic.transfer_seconds(c.kind, c.nbytes, c.where, self.hardware,
+                                              c.message)
                 + self.calls.get(id(c), c.count) * ic.latency_seconds(c.where, self.hardware))
 
     def per_axis(self) -> dict[str, dict]:
         out = {}
         for c in self.collectives:
             row = out.setdefault(c.axes, {"bytes": 0, "wire_bytes": 0.0, "calls": 0,
-                                          "ops": 0, "seconds": 0.0})
+                                          "ops": 0, "seconds": 0.0, "critical_s": 0.0,
+                                          "groups": 0, "straddling": 0, "nodes": 1})
             row["bytes"] += c.nbytes * c.count
             row["wire_bytes"] += c.count * ic.wire_bytes(c.kind, c.nbytes, c.where.n)
             row["calls"] += self.calls.get(id(c), c.count)
             row["ops"] += c.count
             row["seconds"] += self.seconds(c)
+            row["critical_s"] += self.seconds(c) if c.overlap == CRITICAL else 0.0
+            if c.where.straddling >= row["straddling"]:
+                row["groups"], row["straddling"] = c.where.groups, c.where.straddling
+            row["nodes"] = max(row["nodes"], c.where.nodes)
         return out
+
+    def compute_at(self, efficiency: float) -> float:
+        return self.program_flops / (self.hardware.peak_flops * efficiency)
 
     @property
     def compute_s(self) -> float:
-        return self.program_flops / (self.hardware.peak_flops * self.efficiency)
+        return self.compute_at(self.efficiency)
 
     @property
     def comm_s(self) -> float:
         return sum(self.seconds(c) for c in self.collectives)
+
+    @property
+    def critical_s(self) -> float:
+        """Collectives on the critical path: no compute can hide them."""
+        return sum(self.seconds(c) for c in self.collectives if c.overlap == CRITICAL)
+
+    def steps(self, efficiency: float) -> dict:
+        """The step with no overlap, and its floor with overlap by dependency: compute plus
+        the critical-path collectives, the overlappable ones hidden up to the compute."""
+        compute, critical = self.compute_at(efficiency), self.critical_s
+        hideable = self.comm_s - critical
+        no_overlap, floor = compute + self.comm_s, critical + max(compute, hideable)
+        return {"efficiency": efficiency, "compute_s": compute, "step_s": no_overlap,
+                "mfu": self.mfu(no_overlap), "step_overlap_s": floor,
+                "mfu_overlap": self.mfu(floor)}
 
     def mfu(self, step_s: float) -> float:
         return self.model_flops / (step_s * self.hardware.peak_flops) if step_s else 0.0
@@ -87,21 +117,27 @@ class Plan:
                     f"({comm * 1e3:.2f} of {compute * 1e3:.2f} ms){memory}", rule)
         axis, row = max(axes.items(), key=lambda kv: kv[1]["seconds"])
         share = row["seconds"] / compute
-        advice = self._advice(axis, row["seconds"], compute)
+        advice = self._advice(axis, row, compute)
         return (f"communication-bound {ratio:.2f}x; '{axis}' alone {share:.1f}x the compute "
                 f"({row['seconds'] * 1e3:.2f} vs {compute * 1e3:.2f} ms): {advice}{memory}", rule)
 
-    def _advice(self, axis: str, axis_s: float, compute_s: float) -> str:
-        b = self.per_device_batch
+    def _advice(self, axis: str, row: dict, compute_s: float) -> str:
+        b, per_node = self.per_device_batch, self.hardware.devices_per_node
         if axis == "data" or axis.startswith("data"):
-            need = math.ceil(b * axis_s / compute_s)
+            need = math.ceil(b * row["seconds"] / compute_s)
             return (f"raise the per-device batch from {b} to >= {need} images "
                     f"(>= {need * self.tokens_per_image:,} tokens), or fewer, larger "
                     f"devices on 'data'")
         if "model" in axis:
-            return ("tensor parallelism's activation all-reduces grow with the batch: keep "
-                    f"'model' inside a node (<= {self.hardware.devices_per_node}) or use a "
-                    "smaller model= and more data=")
+            size = self.mesh.get("model", 1)
+            fits = ([d for d in range(1, per_node + 1) if per_node % d == 0])
+            where = (f"model={size} does not divide the {per_node} devices of a node, so "
+                     f"{row['straddling']} of its {row['groups']} groups straddle nodes; "
+                     f"choose model in {{{', '.join(map(str, fits))}}}"
+                     if per_node % size else f"'model' stays inside a node (model={size} "
+                     f"divides {per_node})")
+            return ("tensor parallelism's activation all-reduces grow with the batch and sit "
+                    f"on the critical path: {where}, or use a smaller model= and more data=")
         if "pipe" in axis:
             return "fewer pipeline stages, or more micro-batches per stage"
         return "reduce the collectives on this axis"
@@ -109,8 +145,7 @@ class Plan:
     # -- output
     def record(self) -> dict:
         verdict, rule = self.verdict()
-        no_overlap = self.compute_s + self.comm_s
-        overlap = max(self.compute_s, self.comm_s)
+        measured = self.hardware.measured_efficiency
         return {
             "devices": self.devices, "mesh": self.mesh, "script": self.script,
             "hardware": dataclasses.asdict(self.hardware) | {"efficiency": self.efficiency},
@@ -122,12 +157,28 @@ class Plan:
             "flops": {"program_per_device": self.program_flops,
                       "model_per_device": self.model_flops},
             "memory": self.memory | {"total": self.memory_bytes},
-            "predicted": {"compute_s": self.compute_s, "comm_s": self.comm_s,
-                          "step_s": no_overlap, "mfu": self.mfu(no_overlap),
-                          "step_overlap_s": overlap, "mfu_overlap": self.mfu(overlap)},
+            "predicted": self.steps(self.efficiency) | {
+                "comm_s": self.comm_s, "critical_s": self.critical_s,
+                "at_measured_efficiency": self.steps(measured) if measured else None},
             "verdict": verdict, "rule": rule, "compile_s": self.compile_s, "notes": self.notes,
             "compiled_for": self.platform, "gpu_program": self.gpu_program,
         }
+
+    def _efficiencies(self) -> list[tuple[str, float]]:
+        """The given efficiency and, where the hardware table has one, the measured one."""
+        hw = self.hardware
+        out = [("given: --efficiency; the default is an assumption", self.efficiency)]
+        if hw.measured_efficiency:
+            out.append((f"measured: {hw.efficiency_source}", hw.measured_efficiency))
+        return out
+
+    def _compute_lines(self) -> list[str]:
+        hw = self.hardware
+        return [f"compute: {self.program_flops / 1e9:,.1f} GFLOP per device per step (dot ops "
+                f"of the compiled program, trip counts included; model "
+                f"{self.model_flops / 1e9:,.1f}) / ({hw.peak_flops / 1e12:.0f} TFLOP/s x "
+                f"{eff:.3f}) = {self.compute_at(eff) * 1e3:.2f} ms ({label})"
+                for label, eff in self._efficiencies()]
 
     def report(self) -> str:
         hw = self.hardware
@@ -147,17 +198,20 @@ class Plan:
             lines.append("corrections for the target:")
             lines.append(f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
                          f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
-                         "collectives) modelled for the latency term")
+                         "collectives) modelled: one call per bucket, priced at its size")
+            lines.append(f"  XLA:CPU's {CPU_BARRIER_EXPANDER} switched off: remat's barriers "
+                         "stay, so recomputed values (and their re-gathers) stay as on a GPU")
             lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
             lines.append("collectives per device (V = bytes per execution; count = executions "
                          "per optimizer step, loop trip counts included; calls = XLA:GPU "
                          "calls as modelled, a shared call counted on the row that opens it):")
         lines.append(f"  {'kind':<19}{'axes':<12}{'dtype':<6}{'ops':>5}{'V min..max':>22}"
-                     f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  source")
+                     f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  "
+                     f"{'overlap':<13}source")
         groups = collections.defaultdict(list)
         for c in self.collectives:
-            groups[(c.kind, c.axes, c.dtype, c.source)].append(c)
-        for (kind, axes, dtype, source), cs in sorted(
+            groups[(c.kind, c.axes, c.dtype, c.source, c.overlap)].append(c)
+        for (kind, axes, dtype, source, overlap), cs in sorted(
                 groups.items(), key=lambda kv: -sum(self.seconds(c) for c in kv[1])):
             sizes = [c.nbytes for c in cs]
             span = (_size(min(sizes)) if min(sizes) == max(sizes)
@@ -167,17 +221,17 @@ class Plan:
                 f"{sum(c.count for c in cs):>11}"
                 f"{sum(self.calls.get(id(c), c.count) for c in cs):>7}"
                 f"{sum(c.nbytes * c.count for c in cs) / 1e6:>10.1f}"
-                f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {source}")
-        lines.append("per mesh axis (per device per step):")
+                f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {overlap:<13}{source}")
+        lines.append("  (critical: a matmul makes its input and another waits for it; "
+                     "overlappable: no matmul waits for it, or it needs none: a prefetch)")
+        lines.append("per mesh axis (per device per step; each collective priced by its "
+                     "slowest group):")
         for axis, row in sorted(self.per_axis().items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(f"  {axis:<12} V {row['bytes'] / 1e6:9.1f} MB, sent on the wire "
                          f"{row['wire_bytes'] / 1e6:9.1f} MB, {row['ops']} executions in "
-                         f"{row['calls']} calls: {row['seconds'] * 1e3:.3f} ms")
-        compute = self.compute_s
-        lines.append(f"compute: {self.program_flops / 1e9:,.1f} GFLOP per device per step "
-                     f"(dot ops of the compiled program, trip counts included; model "
-                     f"{self.model_flops / 1e9:,.1f}) / ({hw.peak_flops / 1e12:.0f} TFLOP/s x "
-                     f"{self.efficiency:.2f}) = {compute * 1e3:.2f} ms")
+                         f"{row['calls']} calls: {row['seconds'] * 1e3:.3f} ms "
+                         f"({row['critical_s'] * 1e3:.3f} critical); {_placed(row, hw)}")
+        lines += self._compute_lines()
         m = self.memory
         lines.append(f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "
                      f"analysis of the {self.platform.upper()} compile: arguments "
@@ -185,15 +239,29 @@ class Plan:
                      f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
                      f"{_size(m['temp'])}) of {hw.memory_bytes / 2**30:.0f} GiB; params "
                      f"{self.params_per_device:,} per device")
-        no_overlap, overlap = compute + self.comm_s, max(compute, self.comm_s)
-        lines.append(f"predicted step: {no_overlap * 1e3:.2f} ms with no overlap (MFU "
-                     f"{self.mfu(no_overlap):.1%}), {overlap * 1e3:.2f} ms with full overlap "
-                     f"(MFU {self.mfu(overlap):.1%}); communication {self.comm_s * 1e3:.2f} ms")
+        lines.append(f"communication {self.comm_s * 1e3:.2f} ms, of it critical-path "
+                     f"{self.critical_s * 1e3:.2f} ms (never hidden) and overlappable "
+                     f"{(self.comm_s - self.critical_s) * 1e3:.2f} ms (hidden up to the compute)")
+        for label, eff in self._efficiencies():
+            step = self.steps(eff)
+            lines.append(f"predicted step at efficiency {eff:.3f} ({label}): "
+                         f"{step['step_s'] * 1e3:.2f} ms with no overlap (MFU "
+                         f"{step['mfu']:.1%}), {step['step_overlap_s'] * 1e3:.2f} ms with "
+                         f"overlap by dependency (MFU {step['mfu_overlap']:.1%})")
         if self.gpu_program is not None:
             lines.append(kernels.report(self.gpu_program))
         verdict, rule = self.verdict()
         lines += [f"verdict: {verdict}", rule]
         return "\n".join(lines)
+
+
+def _placed(row: dict, hw: ic.Hardware) -> str:
+    if row["straddling"] and row["straddling"] < row["groups"]:
+        return (f"{row['straddling']} of {row['groups']} groups CROSS A NODE BOUNDARY "
+                f"({hw.devices_per_node} devices a node): priced across nodes")
+    if row["nodes"] > 1:
+        return f"every group spans {row['nodes']} nodes"
+    return "inside a node"
 
 
 def _size(n: float) -> str:
