@@ -267,9 +267,10 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
     """The planning flags (both scripts; vit_pure/plan/build.py reads them)."""
     g = parser.add_argument_group(
         "planning a run at scale (docs/planning.md)",
-        "--plan N compiles the training step for N devices on fake CPU devices, trains "
-        "nothing, and prints its collectives, their cost on --hardware, the compute, the "
-        "memory, the predicted step and a verdict.")
+        "--plan N compiles the training step for N devices (for the GPU itself where JAX's "
+        "CUDA plugin is installed, else on fake CPU devices), trains nothing, and prints its "
+        "collectives, their cost on --hardware, the compute, the memory, the predicted step "
+        "and a verdict.")
     g.add_argument("--plan", type=int, default=None, metavar="N",
                    help="plan the step for N devices instead of training")
     g.add_argument("--hardware", default="h100", metavar="NAME",
@@ -282,13 +283,17 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                         "for GPUs)")
     g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
                    help="fraction of the peak the step's matmuls reach (measure it with "
-                        "bench.py on one device: its 'MFU (datasheet)')")
+                        "bench.py on one device: its 'MFU (datasheet)'); the plan is also "
+                        "shown at the hardware's measured MFU where the kit has one")
     g.add_argument("--peak-tflops", type=float, default=None, help="override the peak")
     g.add_argument("--intra-gbps", type=float, default=None, metavar="GB/S",
-                   help="override the bus bandwidth inside a node")
+                   help="override the peak of the bus-bandwidth curve inside a node "
+                        "(smaller messages get less of it; docs/planning.md)")
     g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
-                   help="override the per-device bandwidth across nodes")
-    g.add_argument("--latency-us", type=float, default=None, help="override the latency per call")
+                   help="override the peak of the per-device bandwidth curve across "
+                        "nodes (the H100 curve is for one 200 Gb/s NIC per GPU; docs/planning.md)")
+    g.add_argument("--latency-us", type=float, default=None, metavar="US",
+                   help="override the latency per call, in microseconds")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
