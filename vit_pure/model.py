@@ -58,6 +58,7 @@ it too.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -167,12 +168,59 @@ def count_params(params) -> int:
 
 # ---------------------------------------------------------------------------- primitives
 def _layer_norm(x, p, eps):
-    """LayerNorm with float32 statistics; returns x's dtype."""
+    """LayerNorm with float32 statistics; returns x's dtype (`_normalise`)."""
+    return _normalise(x, _varying_like(p["scale"], x), _varying_like(p["bias"], x), eps)
+
+
+def _varying_like(w, x):
+    """w marked as varying over the manual mesh axes x varies over (inside shard_map;
+    outside, w itself), as autodiff's implicit broadcast does: a custom VJP's cotangent
+    for w must have w's type, and the transpose of this cast sums it over those axes."""
+    axes = jax.typeof(x).mat.varying - jax.typeof(w).mat.varying
+    return jax.lax.pcast(w, tuple(sorted(axes, key=str)), to="varying") if axes else w
+
+
+def _ln_statistics(x, eps):
+    """Per-token mean and 1 / std over the last axis, float32, shape (..., 1)."""
     xf = x.astype(F32)
     mean = xf.mean(-1, keepdims=True)
     var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * p["scale"].astype(F32) + p["bias"].astype(F32)).astype(x.dtype)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _normalise(x, scale, bias, eps):
+    """(x - mean) / std * scale + bias over the last axis, the statistics and the
+    arithmetic in float32, the result in x's dtype.
+
+    A custom VJP so that the backward pass reads and writes what a fused kernel would:
+    it keeps x as it came (the compute dtype) and the two float32 statistics per token,
+    and returns dx in x's dtype, each formula in float32 inside its kernel. Plain autodiff
+    keeps float32 copies of the (B, T, E) intermediates and sums the scale and bias
+    gradients through them (on a GPU, in layouts that need transposes)."""
+    return _normalise_fwd(x, scale, bias, eps)[0]
+
+
+def _normalise_fwd(x, scale, bias, eps):
+    mean, rstd = _ln_statistics(x, eps)
+    y = (x.astype(F32) - mean) * rstd
+    y = (y * scale.astype(F32) + bias.astype(F32)).astype(x.dtype)
+    return y, (x, scale, bias, mean, rstd)
+
+
+def _normalise_bwd(eps, residuals, dy):
+    x, scale, bias, mean, rstd = residuals
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))  # every axis but the normalised one
+    dscale = jnp.sum(dy * xhat, axis=rows).astype(scale.dtype)
+    dbias = jnp.sum(dy, axis=rows).astype(bias.dtype)
+    g = dy * scale.astype(F32)
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), dscale, dbias
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
 
 
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
