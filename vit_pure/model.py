@@ -58,6 +58,7 @@ it too.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -167,12 +168,94 @@ def count_params(params) -> int:
 
 # ---------------------------------------------------------------------------- primitives
 def _layer_norm(x, p, eps):
-    """LayerNorm with float32 statistics; returns x's dtype."""
+    """LayerNorm with float32 statistics; returns x's dtype (`_normalise`)."""
+    return _normalise(x, _varying_like(p["scale"], x), _varying_like(p["bias"], x), eps)
+
+
+def _varying_like(w, x):
+    """w marked as varying over the manual mesh axes x varies over (inside shard_map;
+    outside, w itself), as autodiff's implicit broadcast does: a custom VJP's cotangent
+    for w must have w's type, and the transpose of this cast sums it over those axes."""
+    axes = jax.typeof(x).mat.varying - jax.typeof(w).mat.varying
+    return jax.lax.pcast(w, tuple(sorted(axes, key=str)), to="varying") if axes else w
+
+
+def _ln_statistics(x, eps):
+    """Per-token mean and 1 / std over the last axis, float32, shape (..., 1)."""
     xf = x.astype(F32)
     mean = xf.mean(-1, keepdims=True)
     var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * p["scale"].astype(F32) + p["bias"].astype(F32)).astype(x.dtype)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _normalise(x, scale, bias, eps):
+    """(x - mean) / std * scale + bias over the last axis, the statistics and the
+    arithmetic in float32, the result in x's dtype.
+
+    A custom VJP so that the backward pass reads and writes what a fused kernel would:
+    it keeps x as it came (the compute dtype) and the two float32 statistics per token,
+    and returns dx in x's dtype, each formula in float32 inside its kernel. Plain autodiff
+    keeps float32 copies of the (B, T, E) intermediates and sums the scale and bias
+    gradients through them (on a GPU, in layouts that need transposes)."""
+    return _normalise_fwd(x, scale, bias, eps)[0]
+
+
+def _normalise_fwd(x, scale, bias, eps):
+    mean, rstd = _ln_statistics(x, eps)
+    y = (x.astype(F32) - mean) * rstd
+    y = (y * scale.astype(F32) + bias.astype(F32)).astype(x.dtype)
+    return y, (x, scale, bias, mean, rstd)
+
+
+def _normalise_bwd(eps, residuals, dy):
+    x, scale, bias, mean, rstd = residuals
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))  # every axis but the normalised one
+    dscale = jnp.sum(dy * xhat, axis=rows).astype(scale.dtype)
+    dbias = jnp.sum(dy, axis=rows).astype(bias.dtype)
+    g = dy * scale.astype(F32)
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), dscale, dbias
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bias_gelu(y, bias, dtype):
+    """GELU (tanh form, as `jax.nn.gelu`) of y + bias: the sum rounded to y's dtype (the
+    matmul dtype), the activation in float32 arithmetic, returned in `dtype`.
+
+    A custom VJP so that the backward pass keeps only the (B, T, M) pre-activation in
+    the matmul dtype and computes the activation's derivative (its formula, in float32)
+    and the bias gradient from it in one pass, returning the pre-activation gradient in
+    the matmul dtype. Plain autodiff keeps the tanh form's intermediates for it."""
+    return _bias_gelu_fwd(y, bias, dtype)[0]
+
+
+def _bias_gelu_fwd(y, bias, dtype):
+    x = y + bias.astype(y.dtype)
+    return jax.nn.gelu(x.astype(F32)).astype(dtype), (x, bias)
+
+
+def _bias_gelu_bwd(dtype, residuals, dz):
+    x, bias = residuals
+    xf = x.astype(F32)
+    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf * xf * xf))
+    slope = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * xf * xf)
+    # The barrier: dx is written once, in the matmul dtype, and the bias gradient reads
+    # it back (else XLA:GPU writes the float32 product out for the reduction to read).
+    dx = jax.lax.optimization_barrier((dz.astype(F32) * slope).astype(x.dtype))
+    rows = tuple(range(x.ndim - 1))
+    return dx, jnp.sum(dx.astype(F32), axis=rows).astype(bias.dtype)
+
+
+_bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
@@ -289,7 +372,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
            tp_axis):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
-    # policy.py); their bias adds run in md, the softmax and LayerNorm in f32.
+    # policy.py); their bias adds run in md, the softmax, LayerNorm and GELU in f32.
     cd, md = policy.compute_dtype, policy.matmul_dtype
     attention, masks = execution.attention, execution.dropout_masks
     E = x.shape[-1]
@@ -317,8 +400,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
-    h = save_dot(matmul(h, m["fc1"]["kernel"], policy)) + m["fc1"]["bias"].astype(md)  # (B, T, Ml)
-    h = checkpoint_name(jax.nn.gelu(h).astype(cd), GELU)
+    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B, T, Ml) md
+    h = checkpoint_name(_bias_gelu(h, _varying_like(m["fc1"]["bias"], h), cd), GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
     y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
