@@ -54,7 +54,7 @@ def _compute_checker(module: Module):
             return True
         return any(computation_has(c) for c in instr.callees)
 
-    return computes, computation_has
+    return computes
 
 
 def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
@@ -101,7 +101,7 @@ def _next_iteration_computes(instrs: list[Instr], reached: set[str], users, is_c
 
 def classify_overlap(module: Module, found: list[Collective]) -> None:
     """Set each collective's `overlap` (CRITICAL / OVERLAPPABLE) and `reason`."""
-    computes, _ = _compute_checker(module)
+    computes = _compute_checker(module)
     bodies = _loop_bodies(module)
     by_comp = collections.defaultdict(list)
     for c in found:

@@ -58,8 +58,9 @@ class Plan:
             row["wire_bytes"] += c.count * ic.wire_bytes(c.kind, c.nbytes, c.where.n)
             row["calls"] += self.calls.get(id(c), c.count)
             row["ops"] += c.count
-            row["seconds"] += self.seconds(c)
-            row["critical_s"] += self.seconds(c) if c.overlap == CRITICAL else 0.0
+            seconds = self.seconds(c)
+            row["seconds"] += seconds
+            row["critical_s"] += seconds if c.overlap == CRITICAL else 0.0
             if c.where.straddling >= row["straddling"]:
                 row["groups"], row["straddling"] = c.where.groups, c.where.straddling
             row["nodes"] = max(row["nodes"], c.where.nodes)
@@ -84,9 +85,8 @@ class Plan:
     def steps(self, efficiency: float) -> dict:
         """The step with no overlap, and its floor with overlap by dependency: compute plus
         the critical-path collectives, the overlappable ones hidden up to the compute."""
-        compute, critical = self.compute_at(efficiency), self.critical_s
-        hideable = self.comm_s - critical
-        no_overlap, floor = compute + self.comm_s, critical + max(compute, hideable)
+        compute, comm, critical = self.compute_at(efficiency), self.comm_s, self.critical_s
+        no_overlap, floor = compute + comm, critical + max(compute, comm - critical)
         return {"efficiency": efficiency, "compute_s": compute, "step_s": no_overlap,
                 "mfu": self.mfu(no_overlap), "step_overlap_s": floor,
                 "mfu_overlap": self.mfu(floor)}
