@@ -259,21 +259,25 @@ _bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
+    """Dropout on x (B, T, E) or (B*T, E): each example's elements lie together, and its
+    mask over them (x.size / B, drawn as one flat vector) comes from its own key."""
     if ex_keys is None or rate == 0.0:
         return x
     keys = site_keys(ex_keys, layer, site)
-    keep = jax.vmap(lambda k: keep_mask(k, x.shape[1:], rate, masks))(keys)
+    per_example = (x.size // keys.shape[0],)
+    keep = jax.vmap(lambda k: keep_mask(k, per_example, rate, masks))(keys).reshape(x.shape)
     keep = checkpoint_name(keep, MASK)
     return jnp.where(keep, x / keep_probability(rate, masks), 0).astype(x.dtype)
 
 
 def _drop_path(x, rate, ex_keys, layer, site):
-    """Stochastic depth: zero the whole residual branch x (B, T, E) for some examples."""
+    """Stochastic depth: zero the whole residual branch x (B*T, E) for some examples."""
     if ex_keys is None:
         return x
     keys = site_keys(ex_keys, layer, site)
     keep = checkpoint_name(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys), MASK)
-    return jnp.where(keep[:, None, None], x / (1.0 - rate), 0).astype(x.dtype)
+    keep = jnp.repeat(keep, x.shape[0] // keep.shape[0])  # (B*T,): each token its example's
+    return jnp.where(keep[:, None], x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def _copy_to_tp(x, tp_axis):
@@ -370,12 +374,13 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
 
 def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Execution,
            tp_axis):
-    """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B, T, E)."""
+    """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B*T, E),
+    the residual stream as one row per token (`encoder`); attention alone sees (B, T)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
     # policy.py); their bias adds run in md, the softmax, LayerNorm and GELU in f32.
     cd, md = policy.compute_dtype, policy.matmul_dtype
     attention, masks = execution.attention, execution.dropout_masks
-    E = x.shape[-1]
+    E, T = x.shape[-1], cfg.seq_len
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
     path_keys = ex_keys if cfg.drop_path > 0 else None
@@ -383,8 +388,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
-    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B, T, 3*Hl*D) md
-    qkv = qkv + a["qkv"]["bias"].reshape(-1).astype(md)
+    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B*T, 3*Hl*D) md
+    qkv = (qkv + a["qkv"]["bias"].reshape(-1).astype(md)).reshape(-1, T, qkv.shape[-1])
     if attention == "einsum":
         ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
     elif cfg.lsa:
@@ -392,6 +397,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
                          f"attention only, not {attention!r}")
     else:
         ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)
+    ctx = ctx.reshape(-1, ctx.shape[-1])  # (B*T, Hl*D)
     y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
     y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
@@ -400,7 +406,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
-    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B, T, Ml) md
+    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml) md
     h = checkpoint_name(_bias_gelu(h, _varying_like(m["fc1"]["bias"], h), cd), GELU)
     y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
     y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
@@ -411,7 +417,13 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
             execution: Execution = Execution(), tp_axis=None, gather: Callable | None = None,
             layer_offset=0):
-    """Run the stacked blocks (leading axis = layers) over x (B, T, E).
+    """Run the stacked blocks (leading axis = layers) over x (B, T, E); returns (B, T, E).
+
+    Inside, the residual stream is a (B*T, E) matrix, one row per token (a free reshape):
+    every matmul, LayerNorm, bias, GELU and dropout then works on rows, and attention
+    alone reshapes to (B, T). Carried as (B, T, E), XLA:GPU lays the stream out batch-
+    minor and transposes it around every matmul (docs/performance.md, "Cutting the
+    headline's traffic, deviceless").
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). Each layer's params are made ready just before use
@@ -433,12 +445,14 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     elif saved:
         body = jax.checkpoint(body, policy=save_policy(saved))
     layers = layer_offset + jnp.arange(num_layers)
+    B, T, E = x.shape
+    x = x.reshape(B * T, E)
     if execution.scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
-        return x
-    for i in range(num_layers):
-        x = body(x, (jax.tree.map(lambda a: a[i], blocks), layers[i]))
-    return x
+    else:
+        for i in range(num_layers):
+            x = body(x, (jax.tree.map(lambda a: a[i], blocks), layers[i]))
+    return x.reshape(B, T, E)
 
 
 def head(params, x, cfg: ViTConfig, policy: Policy):
