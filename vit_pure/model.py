@@ -210,6 +210,10 @@ def _normalise_fwd(x, scale, bias, eps):
 
 def _normalise_bwd(eps, residuals, dy):
     x, scale, bias, mean, rstd = residuals
+    # The barrier: the statistics are read as saved (8 bytes a token). Else XLA:GPU
+    # recomputes them inside the dx kernel, and the scale gradient's column sum, which
+    # cannot share that row-wise kernel, reads a float32 (B*T, E) product written for it.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
     xhat = (x.astype(F32) - mean) * rstd
     dy = dy.astype(F32)
     rows = tuple(range(x.ndim - 1))  # every axis but the normalised one
