@@ -125,7 +125,9 @@ class Execution:
                    Python loop, unrolled in the trace (False: measured faster on CPU
                    and GPU, docs/performance.md).
     remat          what the backward pass keeps (vit_pure/remat.py tags the values):
-      "none"             every activation the backward pass needs (fastest);
+      "none"             every activation the backward pass needs but the GELU's
+                         output, which the backward recomputes in the kernel of its
+                         derivative (model._gelu_matmul; fastest);
       "block"            only each block's input: the whole block forward is recomputed
                          in the backward pass (about one more forward pass);
       "block-save-dots"  the outputs of the block's matmuls and attention products (with

@@ -262,6 +262,23 @@ def _bias_gelu_bwd(dtype, residuals, dz):
 _bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
+def _gelu_matmul(y, bias, w, dtype, policy: Policy, recompute: bool):
+    """`_bias_gelu`(y, bias) @ w with the policy's matmul. With `recompute` (remat "none",
+    where nothing else is recomputed) the GELU's output, a (B*T, M) activation, is not
+    kept for the backward pass: the backward recomputes it from y, which the GELU's
+    derivative reads anyway, and XLA makes both in one kernel. A block then holds one
+    (B*T, M) array less and writes one more (docs/performance.md, "Cutting the
+    headline's traffic, deviceless"). Under the other remat modes the block's own
+    checkpoint decides what is kept."""
+    def gelu_matmul(y, bias, w):
+        return matmul(checkpoint_name(_bias_gelu(y, bias, dtype), GELU), w, policy)
+
+    if not recompute:
+        return gelu_matmul(y, bias, w)
+    return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(
+        y, bias, w)
+
+
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
     """Dropout on x (B, T, E) or (B*T, E): each example's elements lie together, and its
     mask over them (x.size / B, drawn as one flat vector) comes from its own key."""
@@ -411,8 +428,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml) md
-    h = checkpoint_name(_bias_gelu(h, _varying_like(m["fc1"]["bias"], h), cd), GELU)
-    y = matmul(h, m["fc2"]["kernel"], policy)  # partial sum over hidden units
+    y = _gelu_matmul(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], cd, policy,
+                     recompute=execution.remat == "none")
     y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
