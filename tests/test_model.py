@@ -179,6 +179,27 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     assert float(jnp.mean((out == 0) != (other == 0))) > 0.1
 
 
+@pytest.mark.parametrize("masks", DROPOUT_MASKS)
+def test_masks_on_token_rows_belong_to_their_example(masks):
+    """Inside the encoder the stream is (B*T, E), one row per token: dropout draws the
+    same mask there as on (B, T, E), and stochastic depth keeps or drops all T rows of an
+    example together, scaled by 1 / (1 - rate), with each example's choice its own (the
+    same whether its batch neighbours are there or not)."""
+    B, T, E, rate = 6, 5, 4, 0.5
+    keys = dropout.example_keys(jax.random.key(1), jnp.arange(B))
+    x = jax.random.normal(jax.random.key(2), (B, T, E))
+    rows = model._dropout(x.reshape(B * T, E), 0.3, keys, 2, model._SITE_MLP, masks)
+    np.testing.assert_array_equal(rows, model._dropout(x, 0.3, keys, 2, model._SITE_MLP,
+                                                       masks).reshape(B * T, E))
+    paths = model._drop_path(jnp.ones((B * T, E)), rate, keys, 3, model._SITE_PATH_MLP)
+    per_example = np.asarray(paths).reshape(B, T * E)
+    assert set(np.unique(per_example)) <= {0.0, 1.0 / (1 - rate)}
+    assert (per_example == per_example[:, :1]).all()  # all rows of an example alike
+    assert 0 < (per_example[:, 0] == 0).sum() < B  # some examples dropped, some kept
+    alone = model._drop_path(jnp.ones((T, E)), rate, keys[2:3], 3, model._SITE_PATH_MLP)
+    np.testing.assert_array_equal(alone, paths[2 * T:3 * T])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pmap", "pp+tp+fsdp"])
 def test_threefry16_masks_match_data_parallel_under_other_strategies(layout):
