@@ -4,6 +4,7 @@
     python -m benchmarks.deviceless --kit "as written=" --kit "einsum=--attention einsum" \
         --kit "save-dots=--remat block-save-dots" --json deviceless.json
     python -m benchmarks.deviceless --model tiny --batch 64 --kit "tiny="   # a quick check
+    python -m benchmarks.deviceless --kit "headline=" --top 12   # where its traffic goes
 
 Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FLAGS]
 --plan G --hardware H` (the plan's deviceless compile, vit_pure/plan/build.py), run in a
@@ -33,6 +34,8 @@ Columns, per device and per step, from the compiled program:
                    a floor, not a prediction of the step time
     compile s      the deviceless compile
 
+`--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
+
 Autotuning is off (there is no device to time on) and GEMMs go to cuBLAS; the real GPU's
 program can differ in its tiles and fusions. docs/performance.md compares these figures
 with the H100's measurements.
@@ -53,6 +56,7 @@ from vit_pure.config import PRESETS
 from vit_pure.errors import UsageError
 from vit_pure.plan import targets
 from vit_pure.run import cli
+from vit_pure.xla import kernels
 
 DEFAULT_ROWS = ("headline=", "einsum=--attention einsum", "dropout 0=--dropout 0",
                 "block-save-dots=--remat block-save-dots")
@@ -138,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="a row with these extra training-script flags, after any NAME=VALUE environment "
            "variables for that row only (repeatable; default: the rows above)")
     a("--entry-timeout", type=float, default=600.0, help="seconds per row before it is killed")
+    a("--top", type=int, default=0, metavar="N",
+      help=f"after the table, each row's N kernels with the most traffic (at most "
+           f"{kernels.LARGEST}: their class, output shape as laid out, JAX operation)")
     a("--json", default=None, metavar="PATH", help="write every figure to this JSON file")
     return p
 
@@ -146,6 +153,8 @@ def parse(argv) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     cli.require_positive(p, args, "batch", "gpus", "entry_timeout")
+    if not 0 <= args.top <= kernels.LARGEST:
+        p.error(f"--top must be 0 to {kernels.LARGEST}, got {args.top}")
     return args
 
 
@@ -178,6 +187,9 @@ def main(argv=None) -> dict:
             write_json(args.json, record)
     print()
     print(table(record["results"]))
+    for row in record["results"] if args.top else ():
+        if "error" not in row:
+            print(f"\n{row['name']}: {kernels.largest_report(row['gpu_program'], args.top)}")
     return record
 
 

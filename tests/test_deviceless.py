@@ -9,6 +9,7 @@ installs it before its slow tests. Run them with the plugin:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -42,7 +43,7 @@ ENTRY %main (a: bf16[64,16], w: bf16[16,32], q: bf16[2,72,4,8]) -> bf16[64,32] {
   %gemm = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%a, %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %out = bf16[64,32]{1,0} get-tuple-element(%gemm), index=0
   %fmha = (bf16[2,72,4,8]{3,2,1,0}, f32[2,4,72]{2,1,0}, s8[1024]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax"
-  %loop_add_fusion = bf16[64,32]{1,0} fusion(%out, %out), kind=kLoop, calls=%fused_add
+  %loop_add_fusion = bf16[64,32]{1,0} fusion(%out, %out), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/jvp()/add" stack_frame_id=3}
   %input_reduce_fusion = f32[64]{0} fusion(%loop_add_fusion), kind=kInput, calls=%fused_add
   %loop_transpose_fusion = bf16[32,64]{1,0} fusion(%loop_add_fusion), kind=kLoop, calls=%fused_add
   %all-reduce-start = bf16[64,32]{1,0} all-reduce-start(%loop_add_fusion), replica_groups={{0}}, to_apply=%fused_add
@@ -68,6 +69,18 @@ def test_kernels_and_their_traffic_by_class():
     assert t["floor_s"] == pytest.approx(sum(max(k.bytes / 1e9, k.flops / 1e12)
                                              for k in found.values()) + 6 * kernels.LAUNCH_S)
     assert "gemm" in kernels.report(t) and "transposes/copies" in kernels.report(t)
+    # The kernels that move the most, largest first, with their shape and JAX operation
+    # (no two alike here: each its own group).
+    assert [k["name"] for k in t["largest"]] == sorted(
+        found, key=lambda n: (-found[n].bytes, list(found).index(n)))
+    [add] = [k for k in t["largest"] if k["name"] == "loop_add_fusion"]
+    assert (add["kind"], add["shape"], add["op"], add["bytes"], add["kernels"]) == (
+        "elementwise", "bf16[64,32]{1,0}", "jvp()/add", found["loop_add_fusion"].bytes, 1)
+    twice = kernels.traffic([found["loop_add_fusion"], dataclasses.replace(
+        found["loop_add_fusion"], name="loop_add_fusion.1")], 1e9, 1e12)["largest"]
+    assert [(g["kernels"], g["bytes"]) for g in twice] == [(2, 2 * add["bytes"])]
+    report = kernels.largest_report(t, 6)
+    assert len(report.splitlines()) == 7 and "jvp()/add" in report
 
 
 def test_the_h100_description_is_the_gpu_the_kit_measured():

@@ -250,6 +250,7 @@ class Plan:
                          f"overlap by dependency (MFU {step['mfu_overlap']:.1%})")
         if self.gpu_program is not None:
             lines.append(kernels.report(self.gpu_program))
+            lines.append(kernels.largest_report(self.gpu_program, 5))
         verdict, rule = self.verdict()
         lines += [f"verdict: {verdict}", rule]
         return "\n".join(lines)

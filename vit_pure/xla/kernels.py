@@ -11,12 +11,16 @@ cost is arithmetic (random bits, for one).
 
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
 peak), plus a launch (3 us, an assumption), summed over the kernels in order.
+
+`traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
+layer, say) together: their class, output shape (as XLA lays it out: dimensions major to
+minor) and the JAX operation they came from (the tail of the `op_name`). That is where a
+change to the step starts.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import re
 
@@ -25,6 +29,7 @@ from vit_pure.xla.hlo import Instr, Module, arrays, shape_bytes
 CLASSES = ("gemm", "attention", "norms/reductions", "elementwise", "transposes/copies",
            "collectives", "other")
 LAUNCH_S = 3e-6
+LARGEST = 12  # groups of alike kernels listed by `traffic`
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                 "all-to-all")
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -33,6 +38,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +48,8 @@ class Kernel:
     bytes: int     # operands + outputs, per execution
     flops: int     # matmul FLOPs, per execution (GEMMs only)
     runs: int      # executions per step
+    shape: str = ""  # its output, physical layout (XLA:GPU's shapes are major to minor)
+    op: str = ""     # the JAX operation it came from: its op_name's last two parts
 
 
 def classify(instr: Instr) -> str:
@@ -103,7 +111,9 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             if kind == "gemm":
                 flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
-            out.append(Kernel(instr.name, kind, nbytes, flops, runs))
+            op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
+            out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
+                              "/".join(op.split("/")[-2:])))
     return out
 
 
@@ -119,7 +129,15 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
         row["flops"] += k.flops * k.runs
         floor += k.runs * (max(k.bytes / bandwidth, k.flops / peak_flops) + LAUNCH_S)
     total = sum(r["bytes"] for r in by.values())
-    return {"classes": {k: v for k, v in by.items() if v["kernels"]},
+    alike = collections.OrderedDict()  # (class, shape, op) -> the group, first seen first
+    for k in found:
+        group = alike.setdefault((k.kind, k.shape, k.op), {
+            "name": k.name, "kind": k.kind, "shape": k.shape, "op": k.op, "kernels": 0,
+            "bytes": 0})
+        group["kernels"] += k.runs
+        group["bytes"] += k.bytes * k.runs
+    largest = sorted(alike.values(), key=lambda g: -g["bytes"])[:LARGEST]
+    return {"classes": {k: v for k, v in by.items() if v["kernels"]}, "largest": largest,
             "kernels": sum(r["kernels"] for r in by.values()), "bytes": total,
             "flops": sum(r["flops"] for r in by.values()), "floor_s": floor,
             "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
@@ -139,5 +157,12 @@ def report(t: dict) -> str:
     return "\n".join(lines)
 
 
-def to_json(t: dict) -> str:
-    return json.dumps(t, indent=1)
+def largest_report(t: dict, n: int = LARGEST) -> str:
+    """The `n` groups of alike kernels of `traffic` that move the most bytes per step, one
+    line each."""
+    lines = [f"where the traffic goes, {min(n, len(t['largest']))} largest (GB per step, "
+             "kernels, class, output as laid out, JAX operation):"]
+    for g in t["largest"][:n]:
+        lines.append(f"  {g['bytes'] / 1e9:8.3f} {g['kernels']:4d}  {g['kind']:18s} "
+                     f"{g['shape'][:64]}  {g['op'] or g['name']}")
+    return "\n".join(lines)
