@@ -467,6 +467,8 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
         body = jax.checkpoint(body, policy=save_policy(saved))
     layers = layer_offset + jnp.arange(num_layers)
     B, T, E = x.shape
+    if T != cfg.seq_len:  # `_block` splits the rows into examples of cfg.seq_len tokens
+        raise ValueError(f"{cfg.name}: the encoder takes {cfg.seq_len} tokens, got {T}")
     x = x.reshape(B * T, E)
     if execution.scan:
         x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
