@@ -41,7 +41,8 @@ def to_host(leaf: Any) -> np.ndarray:
 
 
 def encode(array: np.ndarray) -> tuple[np.ndarray, str]:
-    """(array as stored in the .npz, real dtype name); see "Dtypes" in the module docstring."""
+    """(array as stored in the .npz, real dtype name): the dtypes as checkpoint.py's
+    docstring describes them."""
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     stored = array
@@ -129,7 +130,8 @@ def decode(entry: dict[str, Any], stored: np.ndarray) -> np.ndarray:
 
 
 def flatten(name: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """[(key, leaf)] in pytree order, and the treedef; keys as in the module docstring."""
+    """[(key, leaf)] in pytree order, and the treedef; keys as checkpoint.py's docstring
+    describes them."""
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     keyed = [(leaf_key(name, path), leaf) for path, leaf in paths_and_leaves]
     seen: set[str] = set()
