@@ -15,15 +15,18 @@ Different layouts sum in different orders (per-device partial sums, all-reduces,
 partial products), so low-precision policies agree to a few roundings, not bit for bit.
 
 The model with a convolutional stem, a mean-pooling head and locality self-attention
-(ViTConfig.stem, .pool and .lsa: `STEM_CFG`) runs every layout under every policy too, with
-the (loop, remat) pairs spread over them so that each layout and each policy meets all
-four: 20 more cells.
+(ViTConfig.stem, .pool and .lsa: `STEM_CFG`) runs too. 100 cells in all: the full
+product for the model without a stem (80) and a Latin square for the model with one (20).
 
-The default run takes 10 of the 100 cells (`_cells`): each layout under fp32 (the stem
-model) and under one low-precision policy (the plain model), which meets every policy and
-every (loop, remat) pair. `python -m pytest -m slow tests/test_layout_matrix.py` runs the
-other 90, and CI runs both. The cells are grouped in one test class per policy
-(`TestFp32`, ...), so that the test workers can share them out.
+Which cells run where (`_cells`): CI runs 40, a Latin square per model (pairwise
+coverage: each model meets every layout x policy, layout x loop pair and policy x loop
+pair, and the two squares share no triple). The default run takes 10 of them: each layout
+under fp32 (the stem model) and under one low-precision policy (the plain model), which
+meets every policy and every (loop, remat) pair; `python -m pytest -m slow` runs the
+other 30. The other 60 cells of the full product are marked `exhaustive`:
+`python -m pytest -m exhaustive tests/test_layout_matrix.py` runs them (about 3 minutes
+on 2 cores). The cells are grouped in one test class per policy (`TestFp32`, ...), so
+that the test workers can share them out.
 """
 from __future__ import annotations
 
@@ -72,25 +75,32 @@ LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
 
 
 def _cells(policy: str) -> list:
-    """The cells of one policy, each marked `slow` unless it is one of the default 10.
+    """The cells of one policy: the default 10 unmarked, the other 30 of CI's 40 `slow`,
+    the remaining 60 `exhaustive`.
 
-    The cells: for the model without a stem, all 80; for the model with one, a Latin
-    square (layout i under policy j runs loop pair (i + j) mod 4), 20. The default run
-    takes two cells of that square per layout: the stem model under fp32, and the model
-    without a stem under one of the three low-precision policies (layout i under
-    low-precision policy i mod 3). So each layout meets fp32 and a low precision, every
-    policy runs, every (loop, remat) pair runs at least twice, and both models run."""
+    Each model runs a Latin square over (layout, policy) -> loop pair, 20 cells: layout i
+    under policy j runs loop pair (i + j) mod 4 for the model with a stem and (i + j + 2)
+    mod 4 for the model without. So each model meets every (layout, policy), every
+    (layout, loop pair) and every (policy, loop pair), and the two squares share no
+    (layout, policy, loop pair) triple: 40 of the 80. The other 60 cells of the model
+    without a stem complete the full product; `-m exhaustive` runs them.
+
+    The default run takes two cells of the squares per layout: the stem model under fp32,
+    and the model without a stem under one of the three low-precision policies (layout i
+    under low-precision policy i mod 3). So each layout meets fp32 and a low precision,
+    every policy runs, every (loop, remat) pair runs at least twice, and both models run."""
     low = [p for p in POLICIES if p != "fp32"]
     j = list(POLICIES).index(policy)
     cells = []
     for (i, layout), (k, (scan, remat)) in itertools.product(enumerate(LAYOUTS),
                                                              enumerate(LOOPS)):
-        square = k == (i + j) % len(LOOPS)
         name = f"{layout}-{'scan' if scan else 'unrolled'}-{remat}"
-        default = square and policy == low[i % len(low)]
-        marks = () if default else (pytest.mark.slow,)
+        if k == (i + j + 2) % len(LOOPS):
+            marks = () if policy == low[i % len(low)] else (pytest.mark.slow,)
+        else:
+            marks = (pytest.mark.exhaustive,)
         cells.append(pytest.param(layout, scan, remat, False, marks=marks, id=name))
-        if square:
+        if k == (i + j) % len(LOOPS):
             marks = () if policy == "fp32" else (pytest.mark.slow,)
             cells.append(pytest.param(layout, scan, remat, True, marks=marks,
                                       id=f"{name}-stem"))
@@ -240,3 +250,27 @@ def test_gap_pool_under_pipeline_tensor_and_fsdp_matches_data_parallel():
     cfg = CFG.replace(name="matrix-test-gap", pool="gap")
     assert_matches(run("dp", "fp32", False, "none", cfg),
                    run("pp+tp+fsdp", "fp32", False, "none", cfg), "fp32", cfg)
+
+
+def test_ci_cells_cover_every_pair():
+    """The 40 cells CI runs (all but the `exhaustive` ones) cover, for each model, every
+    (layout, policy), (layout, loop) and (policy, loop) pair; the 10 default cells run
+    every layout, policy and loop pair; all 100 are distinct."""
+    cells = {policy: _cells(policy) for policy in POLICIES}
+    rows = [(policy, *c.values, {m.name for m in c.marks}) for policy in POLICIES
+            for c in cells[policy]]
+    assert len({r[:5] for r in rows}) == len(rows) == 100
+    ci = [r for r in rows if "exhaustive" not in r[5]]
+    assert len(ci) == 40
+    for stem in (False, True):
+        got = [(policy, layout, (scan, remat)) for policy, layout, scan, remat, s, _ in ci
+               if s == stem]
+        assert len(got) == 20
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            want = len(POLICIES), len(LAYOUTS), len(LOOPS)
+            assert len({(g[a], g[b]) for g in got}) == want[a] * want[b]
+    default = [r for r in rows if not r[5]]
+    assert len(default) == 10
+    assert {r[1] for r in default} == set(LAYOUTS)
+    assert {r[0] for r in default} == set(POLICIES)
+    assert {(r[2], r[3]) for r in default} == set(LOOPS)
