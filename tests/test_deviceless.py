@@ -9,6 +9,7 @@ installs it before its slow tests. Run them with the plugin:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pathlib
@@ -158,7 +159,9 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     (B, T, H, D) layout of the qkv GEMM): no head transposes around it. Nor around the
     matmuls: with the residual stream as (B*T, E) rows (model.encoder), transposes and
     copies are under 10% of the step's traffic (19.7% with it carried as (B, T, E), which
-    XLA:GPU laid out batch-minor; 8.0% now, mostly the dropout masks)."""
+    XLA:GPU laid out batch-minor; 8.0% now, mostly the dropout masks). And fc1's bias
+    and GELU run in its cuBLASLt call's epilogue, once per layer (`model._gelu`: written
+    in float32 after the bias, XLA kept a separate GELU kernel)."""
     record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
                             "--accum-steps", "1")
     assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6
@@ -182,6 +185,10 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     gpu = record["gpu_program"]
     moved = gpu["classes"]["transposes/copies"]["bytes"] / gpu["bytes"]
     assert moved < 0.10, f"transposes and copies are {moved:.1%} of the traffic"
+    epilogues = collections.Counter(
+        re.search(r'"epilogue":"([A-Z_]+)"', i.attrs).group(1) for i in entry.values()
+        if 'custom_call_target="__cublas$lt$matmul"' in i.attrs)
+    assert epilogues["BIAS_GELU_AUX"] == 6, epilogues
 
 
 def test_the_benchmark_refuses_bad_rows_in_one_line():

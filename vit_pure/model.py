@@ -227,56 +227,76 @@ def _normalise_bwd(eps, residuals, dy):
 _normalise.defvjp(_normalise_fwd, _normalise_bwd)
 
 
+@jax.custom_vjp
+def _add_bias(y, bias):
+    """y + bias, the bias cast to y's dtype (the matmul dtype), its gradient summed over
+    the rows in float32.
+
+    The forward is a plain add after the matmul, the form XLA:GPU folds into cuBLASLt's
+    bias epilogue. A custom VJP for the sum: an optimisation barrier makes it read the
+    incoming gradient as its producer wrote it, in y's dtype; without it XLA:GPU writes
+    the float32 product out for the reduction to read (+15 GB of HBM traffic in the
+    headline step, docs/performance.md)."""
+    return y + bias.astype(y.dtype)
+
+
+def _add_bias_fwd(y, bias):
+    return _add_bias(y, bias), bias
+
+
+def _add_bias_bwd(bias, dy):
+    dy = jax.lax.optimization_barrier(dy)
+    rows = tuple(range(dy.ndim - 1))
+    return dy, jnp.sum(dy.astype(F32), axis=rows).astype(bias.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
 _GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _bias_gelu(y, bias, dtype):
-    """GELU (tanh form, as `jax.nn.gelu`) of y + bias: the sum rounded to y's dtype (the
-    matmul dtype), the activation in float32 arithmetic, returned in `dtype`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gelu(x, dtype):
+    """GELU (tanh form, `jax.nn.gelu`) of x in x's dtype (the matmul dtype), returned
+    in `dtype`.
 
-    A custom VJP so that the backward pass keeps only the (B, T, M) pre-activation in
-    the matmul dtype and computes the activation's derivative (its formula, in float32)
-    and the bias gradient from it in one pass, returning the pre-activation gradient in
-    the matmul dtype. Plain autodiff keeps the tanh form's intermediates for it."""
-    return _bias_gelu_fwd(y, bias, dtype)[0]
-
-
-def _bias_gelu_fwd(y, bias, dtype):
-    x = y + bias.astype(y.dtype)
-    return jax.nn.gelu(x.astype(F32)).astype(dtype), (x, bias)
+    Written in x's dtype right after fc1's matmul and bias add so that XLA:GPU folds it
+    into the GEMM: cuBLASLt's `BIAS_GELU_AUX` epilogue applies bias and GELU before it
+    rounds its result, and writes x too, for the backward. A custom VJP so that the
+    backward keeps only x, in the matmul dtype, and evaluates the derivative's formula in
+    float32, returning x's gradient in x's dtype."""
+    return jax.nn.gelu(x).astype(dtype)
 
 
-def _bias_gelu_bwd(dtype, residuals, dz):
-    x, bias = residuals
+def _gelu_fwd(x, dtype):
+    return _gelu(x, dtype), x
+
+
+def _gelu_bwd(dtype, x, dz):
     xf = x.astype(F32)
     t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf * xf * xf))
     slope = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * xf * xf)
-    # The barrier: dx is written once, in the matmul dtype, and the bias gradient reads
-    # it back (else XLA:GPU writes the float32 product out for the reduction to read).
-    dx = jax.lax.optimization_barrier((dz.astype(F32) * slope).astype(x.dtype))
-    rows = tuple(range(x.ndim - 1))
-    return dx, jnp.sum(dx.astype(F32), axis=rows).astype(bias.dtype)
+    return ((dz.astype(F32) * slope).astype(x.dtype),)
 
 
-_bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+_gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _gelu_matmul(y, bias, w, dtype, policy: Policy, recompute: bool):
-    """`_bias_gelu`(y, bias) @ w with the policy's matmul. With `recompute` (remat "none",
-    where nothing else is recomputed) the GELU's output, a (B*T, M) activation, is not
-    kept for the backward pass: the backward recomputes it from y, which the GELU's
+def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
+    """`_gelu`(x) @ w with the policy's matmul. With `recompute` (remat "none", where
+    nothing else is recomputed) the GELU's output, a (B*T, M) activation, is not kept
+    for the backward pass: the backward recomputes it from x, which the GELU's
     derivative reads anyway, and XLA makes both in one kernel. A block then holds one
     (B*T, M) array less and writes one more (docs/performance.md, "Cutting the
     headline's traffic, deviceless"). Under the other remat modes the block's own
     checkpoint decides what is kept."""
-    def gelu_matmul(y, bias, w):
-        return matmul(checkpoint_name(_bias_gelu(y, bias, dtype), GELU), w, policy)
+    def gelu_matmul(x, w):
+        return matmul(checkpoint_name(_gelu(x, dtype), GELU), w, policy)
 
     if not recompute:
-        return gelu_matmul(y, bias, w)
-    return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(
-        y, bias, w)
+        return gelu_matmul(x, w)
+    return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(x, w)
 
 
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
@@ -398,7 +418,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B*T, E),
     the residual stream as one row per token (`encoder`); attention alone sees (B, T)."""
     # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
-    # policy.py); their bias adds run in md, the softmax, LayerNorm and GELU in f32.
+    # policy.py); their bias adds and the GELU run in md (`_gelu`), the softmax and
+    # LayerNorm in f32.
     cd, md = policy.compute_dtype, policy.matmul_dtype
     attention, masks = execution.attention, execution.dropout_masks
     E, T = x.shape[-1], cfg.seq_len
@@ -428,8 +449,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml) md
-    y = _gelu_matmul(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], cd, policy,
-                     recompute=execution.remat == "none")
+    h = _add_bias(h, _varying_like(m["fc1"]["bias"], h))
+    y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy, recompute=execution.remat == "none")
     y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
