@@ -28,16 +28,19 @@ def padded_length(tokens: int) -> int:
 
 def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     """`jax.nn.dot_product_attention(..., implementation=)` on (B, T, H, D): qkv
-    (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute dtype, over this device's Hl
-    heads, with no head transposes (q, k, v are slices of the qkv matmul's output, the
-    context reshapes straight into the output projection's input).
+    (B, T, 3*Hl*D) compute dtype -> (B, Tp, Hl*D) compute dtype, Tp = `padded_length(T)`,
+    over this device's Hl heads, with no head transposes (q, k, v are slices of the qkv
+    matmul's output, the context reshapes straight into the output projection's input).
+    Rows T to Tp - 1 of each example are padding: the caller slices them off (the block
+    does after the output projection, which then reads the kernel's output as it is).
 
     Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v are padded with
     zeros on the token axis to the next multiple of 8 (65 -> 72) for this call only, with
     ``key_value_seq_lengths = T``: the padded keys get zero weight (a -0.7*f32max score in
-    "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after,
-    so their gradient is zero. Padding only here, not the whole token axis, measured
-    faster on an H100 (docs/performance.md, "Attention implementations").
+    "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after
+    the output projection, so their gradient is zero. Padding only here, not the whole
+    token axis, measured faster on an H100 (docs/performance.md, "Attention
+    implementations").
 
     Precision, against the einsum reference (`model._attention_einsum`):
       * "xla" (JAX's reference implementation, any backend): the scores in float32
@@ -62,7 +65,7 @@ def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
 
     Under remat="block-save-dots": with "cudnn" the kernel's own outputs (the padded
     context and the softmax statistics) are saved, so the backward pass runs only cuDNN's
-    backward kernel; with "xla" the sliced context is saved and the products inside the
+    backward kernel; with "xla" the padded context is saved and the products inside the
     call are recomputed.
     """
     B, T = qkv.shape[:2]
@@ -75,7 +78,7 @@ def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     with jax.default_matmul_precision(precision):
         ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                            implementation=implementation)  # (B, Tp, Hl, D)
-    ctx = ctx[:, :T].astype(policy.compute_dtype)
+    ctx = ctx.astype(policy.compute_dtype)
     if implementation != "cudnn":  # cuDNN's output is saved as it is (`remat.save_policy`)
         ctx = save_dot(ctx)
     return rearrange(ctx, "b t h d -> b t (h d)")

@@ -438,10 +438,12 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {attention!r}")
     else:
-        ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)
-    ctx = ctx.reshape(-1, ctx.shape[-1])  # (B*T, Hl*D)
-    y = matmul(ctx, a["out"]["kernel"].reshape(-1, E), policy)  # partial sum over heads
-    y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)
+        ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)  # (B, Tp, Hl*D)
+    B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
+    y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
+    if Tc != T:
+        y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
+    y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)  # sum over heads
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
