@@ -36,6 +36,19 @@ Columns, per device and per step, from the compiled program:
 
 `--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
 
+`--program LABEL=FILE` (repeatable) adds a row read from an optimised XLA:GPU module that a
+GPU compiled itself, autotuned: the same kernels, traffic, TFLOP and floor (on
+--hardware's bandwidth and peak), no memory or compile time. It needs no plugin. On the
+GPU, dump the training step's program, then compare it with the deviceless one:
+
+    XLA_FLAGS="--xla_dump_to=gpu-dump --xla_dump_hlo_as_text \\
+        --xla_dump_hlo_module_re=jit_train_step" python -m benchmarks.peers --only kit \\
+        --batch 4096 --dtype bf16 --steps 2 --warmup 1
+    python -m benchmarks.deviceless --kit "headline=" \\
+        --program "gpu=$(ls gpu-dump/*jit_train_step*gpu_after_optimizations.txt)"
+
+With only --program given, nothing compiles.
+
 Autotuning is off (there is no device to time on) and GEMMs go to cuBLAS; the real GPU's
 program can differ in its tiles and fusions. docs/performance.md compares these figures
 with the H100's measurements.
@@ -46,6 +59,7 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import platform
 import sys
 
@@ -54,9 +68,10 @@ from benchmarks import harness
 from benchmarks.peers.driver import check_kit_flags, parse_kit_variant, versions, write_json
 from vit_pure.config import PRESETS
 from vit_pure.errors import UsageError
+from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.run import cli
-from vit_pure.xla import kernels
+from vit_pure.xla import hlo, kernels
 
 DEFAULT_ROWS = ("headline=", "einsum=--attention einsum", "dropout 0=--dropout 0",
                 "block-save-dots=--remat block-save-dots")
@@ -101,6 +116,38 @@ def build_jobs(args) -> list[dict]:
     return jobs
 
 
+def program_row(text: str, hardware: str) -> dict:
+    """A row from an optimised XLA:GPU module's text (`--program`): its kernels and their
+    traffic, GEMM FLOPs (library calls and GEMM fusions: `hlo.computation_dot_flops`) and
+    floor on the --hardware's bandwidth and peak. ValueError if it has no kernels."""
+    module = hlo.parse_module(text)
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    if not found:
+        raise ValueError("no kernels in it")
+    gpu = kernels.traffic(found, targets.memory_bandwidth(hardware),
+                          ic.HARDWARE[hardware].peak_flops)
+    return {"memory": None, "gpu_program": gpu, "flops": {"program_per_device": gpu["flops"]},
+            "compile_s": None}
+
+
+def read_programs(specs: list[str], hardware: str) -> list[dict]:
+    """The `--program LABEL=FILE` rows; UsageError, naming the flag, for a bad one."""
+    rows = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label.strip() or not path:
+            raise UsageError(f"--program {spec!r}: give LABEL=FILE")
+        try:
+            row = program_row(pathlib.Path(path).read_text(), hardware)
+        except OSError as e:
+            raise UsageError(f"--program {spec!r}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise UsageError(f"--program {spec!r}: not an optimised XLA:GPU module ({e})") \
+                from None
+        rows.append({"name": label.strip(), "source": path, **row})
+    return rows
+
+
 def _figure(x: float) -> str:
     """Two decimals from 1 up (the H100's sizes), three significant digits below (a tiny
     model's)."""
@@ -119,11 +166,13 @@ def table(rows: list[dict]) -> str:
         g = r["gpu_program"]
         by = {k: v["bytes"] for k, v in g["classes"].items()}
         rest = g["bytes"] - sum(by.get(k, 0) for k in SHOWN)
-        lines.append([r["name"], _figure(r["memory"]["total"] / 2**30), f"{g['kernels']:,}",
-                      *(_figure(by.get(k, 0) / 1e9) for k in SHOWN), _figure(rest / 1e9),
-                      _figure(g["bytes"] / 1e9),
+        memory, compile_s = r["memory"], r["compile_s"]
+        lines.append([r["name"], _figure(memory["total"] / 2**30) if memory else "-",
+                      f"{g['kernels']:,}", *(_figure(by.get(k, 0) / 1e9) for k in SHOWN),
+                      _figure(rest / 1e9), _figure(g["bytes"] / 1e9),
                       _figure(r["flops"]["program_per_device"] / 1e12),
-                      _figure(g["floor_s"] * 1e3), f"{r['compile_s']:.1f}"])
+                      _figure(g["floor_s"] * 1e3),
+                      "-" if compile_s is None else f"{compile_s:.1f}"])
     return harness.markdown_table(head, lines, numeric=range(1, len(head)))
 
 
@@ -145,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top", type=int, default=0, metavar="N",
       help=f"after the table, each row's N kernels with the most traffic (at most "
            f"{kernels.LARGEST}: their class, output shape as laid out, JAX operation)")
+    a("--program", action="append", default=[], metavar="LABEL=FILE",
+      help="a row read from an optimised XLA:GPU module a GPU compiled (its "
+           "*gpu_after_optimizations.txt dump; repeatable; see above)")
     a("--json", default=None, metavar="PATH", help="write every figure to this JSON file")
     return p
 
@@ -160,8 +212,9 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    jobs = build_jobs(args)
-    if not targets.cuda_plugin_installed():
+    programs = read_programs(args.program, args.hardware)
+    jobs = build_jobs(args) if args.kit or not programs else []
+    if jobs and not targets.cuda_plugin_installed():
         raise UsageError("JAX's CUDA plugin is not installed, so nothing can compile for the "
                          "GPU: pip install -r requirements-gpu.txt")
     record = {"command": harness.command_line("benchmarks.deviceless", argv),
@@ -185,6 +238,9 @@ def main(argv=None) -> dict:
               flush=True)
         if args.json:
             write_json(args.json, record)
+    record["results"] += programs
+    if args.json:
+        write_json(args.json, record)
     print()
     print(table(record["results"]))
     for row in record["results"] if args.top else ():

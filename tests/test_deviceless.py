@@ -203,6 +203,58 @@ def test_the_benchmark_refuses_bad_rows_in_one_line():
                                   "refuses it: unrecognized arguments: --no-such-flag")
 
 
+
+# FRAGMENT with a GEMM that XLA:GPU generated itself (a Triton fusion, as an autotuned
+# compile may choose) in place of the cuBLAS call.
+TRITON = FRAGMENT.replace(
+    "\nENTRY", """
+%triton_gemm_computation (p0: bf16[64,16], p1: bf16[16,32]) -> bf16[64,32] {
+  %p0 = bf16[64,16]{1,0} parameter(0)
+  %p1 = bf16[16,32]{1,0} parameter(1)
+  ROOT %dot = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY""").replace(
+    '%gemm = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%a, %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}\n  %out = bf16[64,32]{1,0} get-tuple-element(%gemm), index=0',
+    '%out = bf16[64,32]{1,0} fusion(%a, %w), kind=kCustom, calls=%triton_gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}')
+
+
+def test_a_program_compiled_elsewhere_reads_as_a_row(tmp_path):
+    """`benchmarks.deviceless --program LABEL=FILE` reads an optimised XLA:GPU module (a
+    GPU's own compile) into a row of the same figures, with no plugin: a GEMM fusion's
+    FLOPs count, in its kernel's floor too; a bad file or spec is one line, exit code 2."""
+    from benchmarks import deviceless
+
+    assert "__triton_gemm" in TRITON and "cublas" not in TRITON
+    row = deviceless.program_row(TRITON, "h100")
+    gpu = row["gpu_program"]
+    assert gpu["kernels"] == 6 and gpu["classes"]["gemm"]["kernels"] == 1
+    assert gpu["flops"] == row["flops"]["program_per_device"] == 2 * 64 * 32 * 16
+    assert gpu["classes"]["gemm"]["bytes"] == 2 * (64 * 16 + 16 * 32 + 64 * 32)
+    assert row["memory"] is None and row["compile_s"] is None
+    # The same figures as the cuBLAS fragment's (the same GEMM, another library).
+    cublas = deviceless.program_row(FRAGMENT, "h100")["gpu_program"]
+    assert (gpu["bytes"], gpu["flops"]) == (cublas["bytes"], cublas["flops"])
+
+    program = tmp_path / "module.gpu_after_optimizations.txt"
+    program.write_text(TRITON)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.deviceless", "--program",
+                          f"gpu={program}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=subprocess_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    [line] = [r for r in run.stdout.splitlines() if r.startswith("| gpu |")]
+    assert line.split("|")[2:4] == [" - ", " 6 "]
+    for spec, says in ((f"gpu={tmp_path / 'none.txt'}", "No such file or directory"),
+                       ("gpu", "give LABEL=FILE"),
+                       (f"gpu={REPO / 'README.md'}", "not an optimised XLA:GPU module")):
+        run = subprocess.run([sys.executable, "-m", "benchmarks.deviceless", "--program",
+                              spec], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=subprocess_env())
+        assert run.returncode == 2 and run.stdout == ""
+        assert run.stderr.startswith(f"error: --program {spec!r}: ") and says in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
+
+
 @needs_plugin
 @pytest.mark.slow
 def test_the_benchmark_compiles_its_rows_for_the_h100(tmp_path):

@@ -222,26 +222,31 @@ def op_source(module: Module, attrs: str) -> str:
     return "?"
 
 
-def dot_flops(module: Module) -> int:
-    """Matmul FLOPs per step of the per-device program: 2 x output elements x the
-    contracted size, for every dot, times its computation's executions."""
+def computation_dot_flops(module: Module, comp: str) -> int:
+    """Matmul FLOPs of one run of a computation's own dots (not of those it calls):
+    2 x output elements x the contracted size each. For a GEMM fusion's computation,
+    the FLOPs of the kernel."""
     total = 0
-    for comp, instrs in module.computations.items():
-        times = module.runs.get(comp, 0)
-        if not times:
+    instrs = module.computations.get(comp, [])
+    shapes = {i.name: i.shape for i in instrs}
+    for instr in instrs:
+        if instr.opcode != "dot":
             continue
-        shapes = {i.name: i.shape for i in instrs}
-        for instr in instrs:
-            if instr.opcode != "dot":
-                continue
-            lhs = arrays(shapes.get(instr.operands[0], ""))
-            out = arrays(instr.shape)
-            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
-            if not lhs or not out or m is None:
-                continue
-            contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
-            total += times * 2 * math.prod(out[0][1]) * contracted
+        lhs = arrays(shapes.get(instr.operands[0], ""))
+        out = arrays(instr.shape)
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+        if not lhs or not out or m is None:
+            continue
+        contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
+        total += 2 * math.prod(out[0][1]) * contracted
     return total
+
+
+def dot_flops(module: Module) -> int:
+    """Matmul FLOPs per step of the per-device program: every dot's
+    (`computation_dot_flops`), times its computation's executions."""
+    return sum(module.runs.get(comp, 0) * computation_dot_flops(module, comp)
+               for comp in module.computations)
 
 
 # ------------------------------------------------------- the lowered program (StableHLO)

@@ -65,7 +65,8 @@ def classify(instr: Instr) -> str:
             return "attention"
         return "other"
     fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
-    if "gemm" in fusion_kind or "cublas" in fusion_kind or op in ("dot", "convolution"):
+    if any(k in fusion_kind for k in ("gemm", "cublas", "cudnn")) or op in ("dot",
+                                                                          "convolution"):
         return "gemm"
     if op in ("copy", "transpose") or "transpose" in instr.name or "copy" in instr.name:
         return "transposes/copies"
