@@ -254,14 +254,16 @@ def test_gap_pool_under_pipeline_tensor_and_fsdp_matches_data_parallel():
 
 def test_ci_cells_cover_every_pair():
     """The 40 cells CI runs (all but the `exhaustive` ones) cover, for each model, every
-    (layout, policy), (layout, loop) and (policy, loop) pair; the 10 default cells run
-    every layout, policy and loop pair; all 100 are distinct."""
+    (layout, policy), (layout, loop) and (policy, loop) pair, and the two models' squares
+    share no (policy, layout, loop) triple; the 10 default cells run every layout, policy
+    and loop pair; all 100 are distinct."""
     cells = {policy: _cells(policy) for policy in POLICIES}
     rows = [(policy, *c.values, {m.name for m in c.marks}) for policy in POLICIES
             for c in cells[policy]]
     assert len({r[:5] for r in rows}) == len(rows) == 100
     ci = [r for r in rows if "exhaustive" not in r[5]]
     assert len(ci) == 40
+    squares = []
     for stem in (False, True):
         got = [(policy, layout, (scan, remat)) for policy, layout, scan, remat, s, _ in ci
                if s == stem]
@@ -269,6 +271,8 @@ def test_ci_cells_cover_every_pair():
         for a, b in ((0, 1), (0, 2), (1, 2)):
             want = len(POLICIES), len(LAYOUTS), len(LOOPS)
             assert len({(g[a], g[b]) for g in got}) == want[a] * want[b]
+        squares.append(set(got))
+    assert not squares[0] & squares[1]  # the two models' squares share no triple
     default = [r for r in rows if not r[5]]
     assert len(default) == 10
     assert {r[1] for r in default} == set(LAYOUTS)
