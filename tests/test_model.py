@@ -101,6 +101,23 @@ def test_policy_decides_every_dot_of_the_training_step(tiny_params, policy, resu
             [operand, operand], (operands, out)
 
 
+def test_no_gradient_is_summed_in_bf16(tiny_params):
+    """Under bf16 matmul outputs (m=bf16, the GPU default) the bias gradients, sums over
+    every token of a bf16 gradient, add up in float32 (`model._add_bias`): no sum of the
+    training step's gradient runs in bf16. (Autodiff of a plain bias add sums in bf16:
+    24 such sums in this model before `_add_bias`.)"""
+    pol = Policy.parse("p=f32,c=bf16,o=f32,m=bf16")
+
+    def loss(p, x):
+        return jnp.mean(apply(p, x, TINY, pol, train=True, rng=jax.random.key(0)) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(tiny_params, _images(2)).as_text()
+    sums = re.findall(r"stablehlo\.reduce\(.*?applies stablehlo\.add .*?: \(tensor<(.*?)>",
+                      text)
+    assert len(sums) > 4 * TINY.depth  # the bias and LayerNorm gradients at least
+    assert [t for t in sums if t.endswith("bf16")] == []
+
+
 def test_dropout_and_drop_path_off_at_eval_on_in_training(tiny_params):
     x = _images(4)
     eval_a = apply(tiny_params, x, TINY, train=False, rng=jax.random.key(0))

@@ -227,25 +227,27 @@ def _normalise_bwd(eps, residuals, dy):
 _normalise.defvjp(_normalise_fwd, _normalise_bwd)
 
 
-@jax.custom_vjp
-def _add_bias(y, bias):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_bias(y, bias, barrier):
     """y + bias, the bias cast to y's dtype (the matmul dtype), its gradient summed over
-    the rows in float32.
+    the rows in float32 (autodiff of the add would sum in the matmul dtype: bf16 on a GPU).
 
     The forward is a plain add after the matmul, the form XLA:GPU folds into cuBLASLt's
-    bias epilogue. A custom VJP for the sum: an optimisation barrier makes it read the
-    incoming gradient as its producer wrote it, in y's dtype; without it XLA:GPU writes
-    the float32 product out for the reduction to read (+15 GB of HBM traffic in the
-    headline step, docs/performance.md)."""
+    bias epilogue. With `barrier` (fc1's bias, whose gradient the GELU's derivative
+    makes) an optimisation barrier makes the sum read the incoming gradient as its
+    producer wrote it, in y's dtype; without it XLA:GPU writes that float32 product out
+    for the reduction to read (+15 GB of HBM traffic in the headline step,
+    docs/performance.md). For the other biases the barrier would cost a pass instead."""
     return y + bias.astype(y.dtype)
 
 
-def _add_bias_fwd(y, bias):
-    return _add_bias(y, bias), bias
+def _add_bias_fwd(y, bias, barrier):
+    return _add_bias(y, bias, barrier), bias
 
 
-def _add_bias_bwd(bias, dy):
-    dy = jax.lax.optimization_barrier(dy)
+def _add_bias_bwd(barrier, bias, dy):
+    if barrier:
+        dy = jax.lax.optimization_barrier(dy)
     rows = tuple(range(dy.ndim - 1))
     return dy, jnp.sum(dy.astype(F32), axis=rows).astype(bias.dtype)
 
@@ -417,10 +419,10 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
            tp_axis):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B*T, E),
     the residual stream as one row per token (`encoder`); attention alone sees (B, T)."""
-    # Matmuls return md (the policy's matmul dtype: bf16 on GPU, f32 on CPU, see
-    # policy.py); their bias adds and the GELU run in md (`_gelu`), the softmax and
+    # Matmuls return the policy's matmul dtype (bf16 on GPU, f32 on CPU, see policy.py);
+    # their bias adds (`_add_bias`) and the GELU (`_gelu`) run in it, the softmax and
     # LayerNorm in f32.
-    cd, md = policy.compute_dtype, policy.matmul_dtype
+    cd = policy.compute_dtype
     attention, masks = execution.attention, execution.dropout_masks
     E, T = x.shape[-1], cfg.seq_len
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
@@ -431,7 +433,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     a = p["attn"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
     qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B*T, 3*Hl*D) md
-    qkv = (qkv + a["qkv"]["bias"].reshape(-1).astype(md)).reshape(-1, T, qkv.shape[-1])
+    qkv = _add_bias(qkv, _varying_like(a["qkv"]["bias"].reshape(-1), qkv), False)
+    qkv = qkv.reshape(-1, T, qkv.shape[-1])
     if attention == "einsum":
         ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
     elif cfg.lsa:
@@ -443,7 +446,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
     if Tc != T:
         y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
-    y = save_dot(_reduce_from_tp(y, tp_axis)) + a["out"]["bias"].astype(md)  # sum over heads
+    y = save_dot(_reduce_from_tp(y, tp_axis))  # the sum over heads
+    y = _add_bias(y, _varying_like(a["out"]["bias"], y), False)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
@@ -451,9 +455,10 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml) md
-    h = _add_bias(h, _varying_like(m["fc1"]["bias"], h))
+    h = _add_bias(h, _varying_like(m["fc1"]["bias"], h), True)
     y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy, recompute=execution.remat == "none")
-    y = save_dot(_reduce_from_tp(y, tp_axis)) + m["fc2"]["bias"].astype(md)
+    y = save_dot(_reduce_from_tp(y, tp_axis))
+    y = _add_bias(y, _varying_like(m["fc2"]["bias"], y), False)
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
