@@ -239,7 +239,7 @@ def main(argv=None) -> dict:
         if args.json:
             write_json(args.json, record)
     record["results"] += programs
-    if args.json:
+    if args.json and programs:
         write_json(args.json, record)
     print()
     print(table(record["results"]))

@@ -203,7 +203,6 @@ def test_the_benchmark_refuses_bad_rows_in_one_line():
                                   "refuses it: unrecognized arguments: --no-such-flag")
 
 
-
 # FRAGMENT with a GEMM that XLA:GPU generated itself (a Triton fusion, as an autotuned
 # compile may choose) in place of the cuBLAS call.
 TRITON = FRAGMENT.replace(

@@ -227,6 +227,12 @@ def _normalise_bwd(eps, residuals, dy):
 _normalise.defvjp(_normalise_fwd, _normalise_bwd)
 
 
+def _bias(y, bias, barrier=False):
+    """`_add_bias`(y, bias) with bias marked varying like y (`_varying_like`), as
+    `_layer_norm` does for its params."""
+    return _add_bias(y, _varying_like(bias, y), barrier)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _add_bias(y, bias, barrier):
     """y + bias, the bias cast to y's dtype (the matmul dtype), its gradient summed over
@@ -420,7 +426,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B*T, E),
     the residual stream as one row per token (`encoder`); attention alone sees (B, T)."""
     # Matmuls return the policy's matmul dtype (bf16 on GPU, f32 on CPU, see policy.py);
-    # their bias adds (`_add_bias`) and the GELU (`_gelu`) run in it, the softmax and
+    # their bias adds (`_bias`) and the GELU (`_gelu`) run in it, the softmax and
     # LayerNorm in f32.
     cd = policy.compute_dtype
     attention, masks = execution.attention, execution.dropout_masks
@@ -432,8 +438,9 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
-    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))  # (B*T, 3*Hl*D) md
-    qkv = _add_bias(qkv, _varying_like(a["qkv"]["bias"].reshape(-1), qkv), False)
+    # (B*T, 3*Hl*D) in the matmul dtype
+    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))
+    qkv = _bias(qkv, a["qkv"]["bias"].reshape(-1))
     qkv = qkv.reshape(-1, T, qkv.shape[-1])
     if attention == "einsum":
         ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
@@ -447,18 +454,18 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     if Tc != T:
         y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
     y = save_dot(_reduce_from_tp(y, tp_axis))  # the sum over heads
-    y = _add_bias(y, _varying_like(a["out"]["bias"], y), False)
+    y = _bias(y, a["out"]["bias"])
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
-    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml) md
-    h = _add_bias(h, _varying_like(m["fc1"]["bias"], h), True)
+    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml), matmul dtype
+    h = _bias(h, m["fc1"]["bias"], barrier=True)
     y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy, recompute=execution.remat == "none")
     y = save_dot(_reduce_from_tp(y, tp_axis))
-    y = _add_bias(y, _varying_like(m["fc2"]["bias"], y), False)
+    y = _bias(y, m["fc2"]["bias"])
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 

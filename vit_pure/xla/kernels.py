@@ -65,8 +65,8 @@ def classify(instr: Instr) -> str:
             return "attention"
         return "other"
     fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
-    if any(k in fusion_kind for k in ("gemm", "cublas", "cudnn")) or op in ("dot",
-                                                                          "convolution"):
+    gemm_fusion = any(k in fusion_kind for k in ("gemm", "cublas", "cudnn"))
+    if gemm_fusion or op in ("dot", "convolution"):
         return "gemm"
     if op in ("copy", "transpose") or "transpose" in instr.name or "copy" in instr.name:
         return "transposes/copies"
