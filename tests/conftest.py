@@ -102,3 +102,38 @@ def grads_step(strategy):
         strategy.global_grads, mesh=strategy.mesh,
         in_specs=(strategy.state_specs, batch, batch, batch, P()),
         out_specs=(strategy.param_specs, P())))
+
+
+def key_bias(params):
+    """The key third of the attention's qkv bias, (L, H, D) (its (3, H, D) axis: q, k, v)."""
+    import numpy as np
+    return np.asarray(params["blocks"]["attn"]["qkv"]["bias"])[:, 1]
+
+
+def assert_adamw_params_agree(got, want, key_bias_grad, steps, lr, eps, msg=""):
+    """Params after `steps` AdamW steps (learning rate `lr`, `eps`) from one start: `got`
+    from a strategy, `want` from the single-device reference, whose largest key-bias
+    gradient entry over those steps was `key_bias_grad`.
+
+    The key bias has no gradient in exact arithmetic: it adds q . b_k to every score of a
+    query's row, and the softmax ignores a constant shift. What autodiff returns there is
+    rounding noise (~1e-11, against ~0.07 for the largest entry), which AdamW, its eps
+    (1e-8) far above that noise, turns into moves of about lr * noise / eps per step:
+    noise of a size that depends on the program and the CPU (~1e-6 after 5 steps). So
+    every other entry is compared at 2e-6, and the key bias against that bound: `steps`
+    steps of lr * (largest noise) / eps, for either side."""
+    import jax
+    import numpy as np
+
+    def without_key_bias(params):
+        params = jax.tree.map(np.array, params)
+        params["blocks"]["attn"]["qkv"]["bias"][:, 1] = 0
+        return params
+
+    assert key_bias_grad <= eps
+    for a, b in zip(jax.tree.leaves(without_key_bias(got)),
+                    jax.tree.leaves(without_key_bias(want))):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=0, err_msg=msg)
+    np.testing.assert_allclose(key_bias(got), key_bias(want),
+                               atol=2 * steps * lr * (key_bias_grad / eps), rtol=0,
+                               err_msg=f"{msg}: key bias")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import grads_step
+from conftest import assert_adamw_params_agree, grads_step, key_bias
 
 import train_shardmap
 from vit_pure import PRESETS, Policy, pipeline, step
@@ -41,7 +41,8 @@ def _batch(seed=0, n=BATCH):
     return images, labels, np.arange(n, dtype=np.int32)
 
 
-OPT = optax.adamw(1e-3, weight_decay=0.05, mask=step.decay_mask)
+LR, EPS = 1e-3, 1e-8  # EPS: optax's default, given for the key bias's bound
+OPT = optax.adamw(LR, eps=EPS, weight_decay=0.05, mask=step.decay_mask)
 
 
 def _host_state(sc, optimizer=OPT):
@@ -160,7 +161,7 @@ def test_accumulation_nests_outside_the_pipeline(reference):
 
 
 def test_params_after_3_adamw_steps_agree():
-    sc = _sc(grad_clip=1.0)
+    sc, steps = _sc(grad_clip=1.0), 3
     host = _host_state(sc)
 
     @jax.jit
@@ -169,23 +170,23 @@ def test_params_after_3_adamw_steps_agree():
         grads, _ = step.local_grads(sc, state["params"], state["loss_scale"], images, labels,
                                     ids, key)
         norm = jnp.sqrt(step.sum_of_squares(grads))
-        return step.apply_gradients(sc, state, grads, norm, OPT)[0]
+        return step.apply_gradients(sc, state, grads, norm, OPT)[0], grads
 
-    ref = host
-    for i in range(3):
-        ref = reference_step(ref, *_batch(i), step.step_key(0, 0, i))
+    ref, key_bias_grad = host, 0.0
+    for i in range(steps):
+        ref, grads = reference_step(ref, *_batch(i), step.step_key(0, 0, i))
+        key_bias_grad = max(key_bias_grad, float(np.abs(key_bias(grads)).max()))
     ref = jax.device_get(ref["params"])
     assert max(float(np.max(np.abs(a - b))) for a, b in
                zip(jax.tree.leaves(ref), jax.tree.leaves(host["params"]))) > 1e-3
 
     strategy = _strategy(sc, "data=2,model=2,pipe=2", 2)
     state = strategy.put_state(host)
-    for i in range(3):
+    for i in range(steps):
         state, metrics = strategy.train_step(state, *_inputs(strategy, i))
     assert np.isfinite(float(metrics["loss"]))
-    for a, b in zip(jax.tree.leaves(strategy.host_state(state)["params"]),
-                    jax.tree.leaves(ref)):
-        np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
+    assert_adamw_params_agree(strategy.host_state(state)["params"], ref, key_bias_grad, steps,
+                              LR, EPS)
 
 
 def test_eval_step_equals_unpipelined_eval():
