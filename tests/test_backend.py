@@ -86,6 +86,10 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     assert args.scan is None and args.attention is None
     sc = backend.step_config(args, platform="gpu")
     assert not sc.execution.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
+    assert sc.execution.packed_masks  # and on a CPU a byte a mask element, said:
+    cpu = backend.step_config(args, platform="cpu")
+    assert not cpu.execution.packed_masks
+    assert any(n.startswith("dropout masks: kept a byte an element") for n in cpu.notes)
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"
 

@@ -217,6 +217,46 @@ def test_masks_on_token_rows_belong_to_their_example(masks):
     np.testing.assert_array_equal(alone, paths[2 * T:3 * T])
 
 
+def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
+        tiny_params, capsys):
+    """`dropout.pack` keeps element i of a row in bit i % 8 of byte i // 8 and `unpack`
+    undoes it; `apply_mask` on the packed mask or on the bools gives, in both passes,
+    bitwise what autodiff of the plain `where` gives; and the model keeps its dropout
+    masks for the backward pass packed (uint8, E / 8 bytes a token), not as bools, unless
+    `Execution.packed_masks` is off."""
+    keep = jax.random.bernoulli(jax.random.key(0), 0.7, (6, 5, 24))
+    packed = dropout.pack(keep)
+    assert packed.dtype == jnp.uint8 and packed.shape == (6, 5, 3)
+    np.testing.assert_array_equal(dropout.unpack(packed), keep)
+    assert dropout.pack(jnp.arange(16) == 10).tolist() == [0, 4]
+    x = jax.random.normal(jax.random.key(1), keep.shape, jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), keep.shape, jnp.bfloat16)
+    p = dropout.keep_probability(0.1, "threefry16")
+    y_ref, vjp_ref = jax.vjp(lambda x: jnp.where(keep, x / p, 0).astype(x.dtype), x)
+    for mask in (packed, keep):
+        y, vjp = jax.vjp(lambda x: dropout.apply_mask(x, mask, p), x)
+        np.testing.assert_array_equal(y, y_ref)
+        np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])
+
+    x = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
+    loss = lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4)))  # noqa: E731
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(loss, tiny_params)
+    masks = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+             if "named 'mask'" in line]
+    T, E = TINY.seq_len, TINY.width
+    assert sorted(masks) == sorted([f"u8[2,{T},{E // 8}]"]  # the embedding's
+                                   + [f"u8[{2 * T},{E // 8}]"] * (2 * TINY.depth))
+    bools = Execution(packed_masks=False)  # what a CPU runs (vit_pure/run/backend.py)
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4),
+                                execution=bools)), tiny_params)
+    masks = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+             if "named 'mask'" in line]
+    assert sorted(masks) == sorted([f"bool[2,{T},{E}]"]
+                                   + [f"bool[{2 * T},{E}]"] * (2 * TINY.depth))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pmap", "pp+tp+fsdp"])
 def test_threefry16_masks_match_data_parallel_under_other_strategies(layout):

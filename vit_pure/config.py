@@ -116,7 +116,7 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How the model runs: four performance knobs, each a choice between programs that
+    """How the model runs: five performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
     same distribution). The defaults are the reference program; the training scripts
     pick per backend (vit_pure/run/backend.py).
@@ -146,12 +146,16 @@ class Execution:
                    (vit_pure/attention.py): the same results within the rounding of the
                    compute dtype.
     dropout_masks  "bernoulli" or "threefry16" (vit_pure/dropout.py).
+    packed_masks   keep each dropout mask for the backward pass packed eight elements to
+                   a byte (`dropout.pack`; True) or a byte an element (False): the same
+                   masks and results; less memory and HBM traffic on a GPU.
     """
 
     scan: bool = False
     remat: str = "none"
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
+    packed_masks: bool = True
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode

@@ -3,9 +3,14 @@
 Every mask comes from `fold_in(rng, example_id)` (`example_keys`), then the layer and the
 site (`site_keys`): it belongs to the example, not to the device holding it. `keep_mask`
 draws one example's mask in one of two ways with the same distribution.
+
+A mask is kept for the backward pass packed eight elements to a byte (`pack`), and
+`apply_mask` reads it so in both passes: a bool mask is a byte an element, as many bytes
+as a bf16 activation has elements, written once and read twice per dropout site.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -48,3 +53,42 @@ def keep_mask(key, shape, rate: float, masks: str):
     words = threefry_2x32(jax.random.key_data(key), jnp.arange(-(-n // 2), dtype=jnp.uint32))
     halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
     return (halves < round(keep_probability(rate, masks) * 65536)).reshape(shape)
+
+
+def pack(keep):
+    """A mask (..., n) of bools, n a multiple of 8 -> (..., n // 8) uint8: element i of a
+    row in bit i % 8 of byte i // 8, so rows stay rows."""
+    bits = keep.reshape(*keep.shape[:-1], -1, 8).astype(jnp.uint8)
+    return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def unpack(packed):
+    """The inverse of `pack`: (..., n // 8) uint8 -> (..., n) bools."""
+    bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    return bits.reshape(*packed.shape[:-1], -1).astype(bool)
+
+
+def _kept(mask):
+    return unpack(mask) if mask.dtype == jnp.uint8 else mask
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def apply_mask(x, mask, keep_prob: float):
+    """Dropout: x where the mask keeps it, divided by `keep_prob`, else 0, in x's dtype.
+    `mask`: bools of x's shape, or those bools `pack`ed (uint8, along x's last axis).
+
+    A custom VJP so that the backward pass reads the mask as it was given: autodiff of
+    the `where` would keep the unpacked bools for it."""
+    return jnp.where(_kept(mask), x / keep_prob, 0).astype(x.dtype)
+
+
+def _apply_mask_fwd(x, mask, keep_prob):
+    return apply_mask(x, mask, keep_prob), mask
+
+
+def _apply_mask_bwd(keep_prob, mask, dy):
+    # The same values as autodiff's where(keep, dy, 0) / keep_prob.
+    return jnp.where(_kept(mask), dy / keep_prob, 0).astype(dy.dtype), None
+
+
+apply_mask.defvjp(_apply_mask_fwd, _apply_mask_bwd)

@@ -69,7 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from vit_pure.attention import fused_attention
 from vit_pure.config import Execution, ViTConfig, remat_saved_names
-from vit_pure.dropout import example_keys, keep_mask, keep_probability, site_keys
+from vit_pure.dropout import apply_mask, example_keys, keep_mask, keep_probability, pack, site_keys
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
@@ -307,16 +307,19 @@ def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
     return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(x, w)
 
 
-def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli"):
+def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli", packed=True):
     """Dropout on x (B, T, E) or (B*T, E): each example's elements lie together, and its
-    mask over them (x.size / B, drawn as one flat vector) comes from its own key."""
+    mask over them (x.size / B, drawn as one flat vector) comes from its own key. With
+    `packed` (`Execution.packed_masks`) the mask is kept eight elements a byte along E,
+    when E is a multiple of 8."""
     if ex_keys is None or rate == 0.0:
         return x
     keys = site_keys(ex_keys, layer, site)
     per_example = (x.size // keys.shape[0],)
     keep = jax.vmap(lambda k: keep_mask(k, per_example, rate, masks))(keys).reshape(x.shape)
-    keep = checkpoint_name(keep, MASK)
-    return jnp.where(keep, x / keep_probability(rate, masks), 0).astype(x.dtype)
+    if packed and x.shape[-1] % 8 == 0:
+        keep = pack(keep)
+    return apply_mask(x, checkpoint_name(keep, MASK), keep_probability(rate, masks))
 
 
 def _drop_path(x, rate, ex_keys, layer, site):
@@ -418,7 +421,8 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
         cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
         x = jnp.concatenate([cls, x], axis=1)
     x = x + params["pos_embed"].astype(F32)  # (B, T, E)
-    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, execution.dropout_masks)
+    return _dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, execution.dropout_masks,
+                    execution.packed_masks)
 
 
 def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Execution,
@@ -429,7 +433,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # their bias adds (`_bias`) and the GELU (`_gelu`) run in it, the softmax and
     # LayerNorm in f32.
     cd = policy.compute_dtype
-    attention, masks = execution.attention, execution.dropout_masks
+    attention = execution.attention
+    masks = (execution.dropout_masks, execution.packed_masks)  # how dropout draws and keeps
     E, T = x.shape[-1], cfg.seq_len
     # Stochastic depth rate grows linearly with the (possibly traced) layer index.
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
@@ -455,7 +460,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
         y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
     y = save_dot(_reduce_from_tp(y, tp_axis))  # the sum over heads
     y = _bias(y, a["out"]["bias"])
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, masks)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_ATTN, *masks)
     x = x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_ATTN)
 
     # MLP; with tensor parallelism this device holds Ml of M hidden units.
@@ -466,7 +471,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy, recompute=execution.remat == "none")
     y = save_dot(_reduce_from_tp(y, tp_axis))
     y = _bias(y, m["fc2"]["bias"])
-    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, masks)
+    y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, *masks)
     return x + _drop_path(y, path_rate, path_keys, layer + 1, _SITE_PATH_MLP)
 
 

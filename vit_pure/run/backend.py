@@ -1,6 +1,6 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Four settings have a right answer that depends on the hardware; each is measured, and
+Five settings have a right answer that depends on the hardware; each is measured, and
 its figures are in docs/performance.md (the section named after each). The startup log
 says what was chosen and why:
 
@@ -24,6 +24,10 @@ says what was chosen and why:
                    else fp32. An AVX2-only CPU emulates bf16, slower than fp32 there
                    (docs/performance.md, "On a CPU"). Asking for bf16 there explicitly still
                    runs it, with a note.
+  dropout masks    kept for the backward pass packed eight to a byte on accelerators
+                   (less memory and HBM traffic in the H100's program), a byte an element
+                   on CPU, where packing them was not measured to help (docs/performance.md,
+                   "Cutting the headline's traffic, deviceless").
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -55,6 +59,7 @@ class Choices:
     policy: Policy
     scan: bool
     attention: str
+    packed_masks: bool
     notes: tuple[str, ...]
 
 
@@ -84,7 +89,8 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
             cudnn: bool = False) -> Choices:
-    """The policy, layer loop and attention for `platform` ("cpu", "gpu", "tpu", ...).
+    """The policy, layer loop, attention and dropout masks' storage for `platform` ("cpu",
+    "gpu", "tpu", ...).
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -137,7 +143,10 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
             notes.append("attention: cuDNN fused (--attention not given; measured faster than "
                          "the einsums on an H100 in bf16: docs/performance.md; --attention "
                          "einsum for the reference path)")
-    return Choices(policy, scan, attention, tuple(notes))
+    if on_cpu:
+        notes.append("dropout masks: kept a byte an element (CPU: packed eight to a byte they "
+                     "save memory on a GPU, not time here; docs/performance.md)")
+    return Choices(policy, scan, attention, not on_cpu, tuple(notes))
 
 
 def cudnn_attention_runs(device) -> bool:
@@ -196,7 +205,7 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
                       attention=attention, cudnn=cudnn)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
-                          dropout_masks=args.dropout_masks)
+                          dropout_masks=args.dropout_masks, packed_masks=choices.packed_masks)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,
                       randaugment=tuple(args.randaugment),
