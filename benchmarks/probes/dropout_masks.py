@@ -72,8 +72,9 @@ def example_keys(impl: str, ids):
 
 
 def site(x, keys, rate, masks):
-    """One dropout site, exactly as the model runs it (layer 1, the attention branch)."""
-    return model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
+    """One dropout site, exactly as the model runs it on a CPU (layer 1, the attention
+    branch; masks kept a byte an element, as vit_pure/run/backend.py resolves there)."""
+    return model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks, packed=False)
 
 
 def per_example(masks: str, impl: str, rate: float) -> bool:
