@@ -30,6 +30,8 @@ Columns, per device and per step, from the compiled program:
                    (vit_pure/xla/kernels.py): GEMM, attention, norms/reductions,
                    elementwise, transposes/copies; "rest" is collectives and other
     TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
+    int Gop        integer arithmetic outside the GEMMs, instructions x elements (random
+                   bits, mostly: dropout masks); not in the floor
     floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
                    a floor, not a prediction of the step time
     compile s      the deviceless compile
@@ -157,7 +159,7 @@ def _figure(x: float) -> str:
 def table(rows: list[dict]) -> str:
     """The Markdown table of the rows (a failed row shows its error)."""
     head = (["row", "peak GiB", "kernels"] + [f"{c} GB" for c in SHOWN.values()]
-            + ["rest GB", "total GB", "TFLOP", "floor ms", "compile s"])
+            + ["rest GB", "total GB", "TFLOP", "int Gop", "floor ms", "compile s"])
     lines = []
     for r in rows:
         if "error" in r:
@@ -171,7 +173,7 @@ def table(rows: list[dict]) -> str:
                       f"{g['kernels']:,}", *(_figure(by.get(k, 0) / 1e9) for k in SHOWN),
                       _figure(rest / 1e9), _figure(g["bytes"] / 1e9),
                       _figure(r["flops"]["program_per_device"] / 1e12),
-                      _figure(g["floor_s"] * 1e3),
+                      _figure(g.get("int_ops", 0) / 1e9), _figure(g["floor_s"] * 1e3),
                       "-" if compile_s is None else f"{compile_s:.1f}"])
     return harness.markdown_table(head, lines, numeric=range(1, len(head)))
 

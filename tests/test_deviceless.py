@@ -84,6 +84,38 @@ def test_kernels_and_their_traffic_by_class():
     assert len(report.splitlines()) == 7 and "jvp()/add" in report
 
 
+# A kernel drawing random bits: integer shifts and xors, then a compare.
+BITS_FRAGMENT = """HloModule jit_train_step, entry_computation_layout={()->()}
+
+%fused_bits (p0: u32[64,32]) -> pred[64,32] {
+  %p0 = u32[64,32]{1,0} parameter(0)
+  %c = u32[] constant(13)
+  %b = u32[64,32]{1,0} broadcast(%c), dimensions={}
+  %s = u32[64,32]{1,0} shift-left(%p0, %b)
+  %x = u32[64,32]{1,0} xor(%s, %p0)
+  ROOT %lt = pred[64,32]{1,0} compare(%x, %b), direction=LT
+}
+
+ENTRY %main (k: u32[64,32]) -> pred[64,32] {
+  %k = u32[64,32]{1,0} parameter(0)
+  ROOT %mask = pred[64,32]{1,0} fusion(%k), kind=kLoop, calls=%fused_bits
+}
+"""
+
+
+def test_integer_arithmetic_is_counted_apart_from_the_floor():
+    """Each integer add / bitwise / shift inside a kernel, times its elements (here a
+    shift and a xor over 64 x 32); float work and the GEMMs count none, and the floor
+    is the bytes' alone."""
+    [bits] = kernels.kernels(hlo.parse_module(BITS_FRAGMENT))
+    assert bits.int_ops == 2 * 64 * 32
+    assert all(k.int_ops == 0 for k in kernels.kernels(hlo.parse_module(FRAGMENT)))
+    t = kernels.traffic([bits], bandwidth=1e9, peak_flops=1e12)
+    assert t["int_ops"] == 2 * 64 * 32
+    assert t["floor_s"] == pytest.approx(bits.bytes / 1e9 + kernels.LAUNCH_S)
+    assert "0.0 G integer ops" in kernels.report(t)
+
+
 def test_the_h100_description_is_the_gpu_the_kit_measured():
     text = (targets.TARGETS_DIR / targets.GPU_TARGETS["h100"]).read_text()
     assert "core_count: 132" in text and 'device_description_str: "NVIDIA H100 80GB HBM3"' in text

@@ -12,6 +12,12 @@ cost is arithmetic (random bits, for one).
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
 peak), plus a launch (3 us, an assumption), summed over the kernels in order.
 
+Integer arithmetic, which the floor leaves out, is counted apart (`int_ops`): each
+integer add, multiply, bitwise or shift instruction inside a kernel, times its elements.
+Most of it is random bits (dropout masks: Threefry hashes); the H100 does 64 INT32
+operations per SM a clock, and a GPU may do a rotation (two shifts and an or, in HLO)
+as one instruction.
+
 `traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
 layer, say) together: their class, output shape (as XLA lays it out: dimensions major to
 minor) and the JAX operation they came from (the tail of the `op_name`). That is where a
@@ -39,6 +45,10 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
+_INT_OPS = {"add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
+            "shift-left", "shift-right-logical", "shift-right-arithmetic", "maximum",
+            "minimum", "negate"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,7 @@ class Kernel:
     runs: int      # executions per step
     shape: str = ""  # its output, physical layout (XLA:GPU's shapes are major to minor)
     op: str = ""     # the JAX operation it came from: its op_name's last two parts
+    int_ops: int = 0  # integer arithmetic (`int_ops`), per execution
 
 
 def classify(instr: Instr) -> str:
@@ -88,6 +99,17 @@ def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
     return 2 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
+def int_ops(module: Module, comp: str) -> int:
+    """Integer arithmetic in a fused computation (and any it calls): each add, multiply,
+    bitwise or shift instruction of an integer type, times its output's elements."""
+    total = 0
+    for instr in module.computations.get(comp, []):
+        if instr.opcode in _INT_OPS and instr.dtype in _INT_DTYPES:
+            total += math.prod(arrays(instr.shape)[0][1])
+        total += sum(int_ops(module, c) for c in instr.callees)
+    return total
+
+
 def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
     """Every kernel the program launches per step, in program order. `dot_flops_of(comp)`
     (optional) gives the matmul FLOPs inside a fused computation (Triton GEMMs)."""
@@ -113,21 +135,24 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
                 flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
+            ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
-                              "/".join(op.split("/")[-2:])))
+                              "/".join(op.split("/")[-2:]), ints))
     return out
 
 
 def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
     """Per class: kernels, HBM bytes and GEMM FLOPs per step, and the floor of the step
     (module docstring), as JSON-ready numbers."""
-    by = collections.OrderedDict((k, {"kernels": 0, "bytes": 0, "flops": 0}) for k in CLASSES)
+    by = collections.OrderedDict((k, {"kernels": 0, "bytes": 0, "flops": 0, "int_ops": 0})
+                                 for k in CLASSES)
     floor = 0.0
     for k in found:
         row = by[k.kind]
         row["kernels"] += k.runs
         row["bytes"] += k.bytes * k.runs
         row["flops"] += k.flops * k.runs
+        row["int_ops"] += k.int_ops * k.runs
         floor += k.runs * (max(k.bytes / bandwidth, k.flops / peak_flops) + LAUNCH_S)
     total = sum(r["bytes"] for r in by.values())
     alike = collections.OrderedDict()  # (class, shape, op) -> the group, first seen first
@@ -140,7 +165,8 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
     largest = sorted(alike.values(), key=lambda g: -g["bytes"])[:LARGEST]
     return {"classes": {k: v for k, v in by.items() if v["kernels"]}, "largest": largest,
             "kernels": sum(r["kernels"] for r in by.values()), "bytes": total,
-            "flops": sum(r["flops"] for r in by.values()), "floor_s": floor,
+            "flops": sum(r["flops"] for r in by.values()),
+            "int_ops": sum(r["int_ops"] for r in by.values()), "floor_s": floor,
             "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
             "peak_flops": peak_flops, "launch_s": LAUNCH_S}
 
@@ -148,7 +174,8 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
 def report(t: dict) -> str:
     """The traffic table as text."""
     lines = [f"GPU program: {t['kernels']} kernels per step, {t['bytes'] / 1e9:.2f} GB of HBM "
-             f"traffic (operands + outputs), {t['flops'] / 1e12:.3f} TFLOP in GEMMs; floor "
+             f"traffic (operands + outputs), {t['flops'] / 1e12:.3f} TFLOP in GEMMs, "
+             f"{t.get('int_ops', 0) / 1e9:.1f} G integer ops elsewhere; floor "
              f"{t['floor_s'] * 1e3:.2f} ms (each kernel max(bytes / "
              f"{t['bandwidth'] / 1e12:.2f} TB/s, FLOPs / {t['peak_flops'] / 1e12:.0f} "
              f"TFLOP/s) + {t['launch_s'] * 1e6:.0f} us)"]
