@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.random import threefry2x32_p
 
 from vit_pure import (
     PRESETS,
@@ -158,9 +159,15 @@ def test_same_logits_for_one_batch_of_8_and_two_batches_of_4(tiny_params, masks)
 
 def test_dropout_masks_flag_reaches_the_step():
     parser = cli.build_parser("test")
-    for argv, expected in [([], "bernoulli"), (["--dropout-masks", "threefry16"], "threefry16")]:
+    for argv, platform, expected in [
+            ([], "cpu", "bernoulli"), ([], "gpu", "threefry16"),  # the backend's defaults
+            (["--dropout-masks", "threefry16"], "cpu", "threefry16"),
+            (["--dropout-masks", "bernoulli"], "gpu", "bernoulli")]:
         args = cli.parse_args(parser, ["--model", "tiny", *argv])
-        assert backend.step_config(args, platform="cpu").execution.dropout_masks == expected
+        sc = backend.step_config(args, platform=platform)
+        assert sc.execution.dropout_masks == expected
+        assert any(n.startswith("dropout masks: threefry16") for n in sc.notes) == (
+            not argv and platform == "gpu")
     assert step.StepConfig(TINY, Policy()).execution.dropout_masks == "bernoulli"
 
 
@@ -237,6 +244,20 @@ def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
         y, vjp = jax.vjp(lambda x: dropout.apply_mask(x, mask, p), x)
         np.testing.assert_array_equal(y, y_ref)
         np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])
+
+    # Drawn packed (`keep_bytes`) or as bools (`keep_mask`), the model's masks are the
+    # same, for both methods; threefry16's byte j holds the halves of hashes (j, 0), (j, 1).
+    keys = dropout.example_keys(jax.random.key(5), jnp.arange(3))
+    rows = jax.random.normal(jax.random.key(6), (3 * 5, 16))
+    for masks in DROPOUT_MASKS:
+        np.testing.assert_array_equal(
+            model._dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=True),
+            model._dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=False))
+    k1, k2 = (k.reshape(1) for k in jax.random.key_data(keys[0]))
+    w1, w2 = threefry2x32_p.bind(k1, k2, jnp.array([7], jnp.uint32), jnp.array([1], jnp.uint32))
+    halves = np.array([w1[0] & 0xFFFF, w1[0] >> 16, w2[0] & 0xFFFF, w2[0] >> 16])
+    bits = dropout.unpack(dropout.keep_bytes(keys[0], 8, 0.3, "threefry16"))[8 * 7 + 4:8 * 8]
+    np.testing.assert_array_equal(bits, halves < round(0.7 * 65536))
 
     x = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
     loss = lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4)))  # noqa: E731

@@ -15,7 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.extend.random import threefry_2x32
+from jax.extend.random import threefry2x32_p
 
 
 def example_keys(rng, example_ids):
@@ -41,18 +41,39 @@ def keep_mask(key, shape, rate: float, masks: str):
 
     "bernoulli": `jax.random.bernoulli`, a float32 uniform per element; JAX's Threefry
     (partitionable, its default) spends one 2x32 hash on each element.
-    "threefry16": 16-bit uniforms, four per hash: `threefry_2x32` over a counter gives
-    two 32-bit words per hash, each cut into two 16-bit halves, compared with the keep
-    probability in units of 2^-16 (`keep_probability`): a quarter of the hashes
-    (docs/performance.md, "Dropout masks on a CPU", measures what that buys).
+    "threefry16": 16-bit uniforms, four per hash, a quarter of the hashes: the mask
+    `keep_bytes` draws packed, unpacked.
     Either way the mask depends only on the example's key, not on the batch around it.
     """
     if masks == "bernoulli":
         return jax.random.bernoulli(key, 1.0 - rate, shape)
     n = math.prod(shape)
-    words = threefry_2x32(jax.random.key_data(key), jnp.arange(-(-n // 2), dtype=jnp.uint32))
-    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
-    return (halves < round(keep_probability(rate, masks) * 65536)).reshape(shape)
+    return unpack(keep_bytes(key, -(-n // 8), rate, masks))[:n].reshape(shape)
+
+
+def keep_bytes(key, nbytes: int, rate: float, masks: str):
+    """One example's first 8 x `nbytes` mask elements, `pack`ed: (nbytes,) uint8, the
+    elements `keep_mask` draws.
+
+    "threefry16" draws them packed: byte j holds elements 8j to 8j + 7, the eight 16-bit
+    halves of the four 32-bit words that the Threefry 2x32 hash (`threefry2x32_p`) gives
+    for the counter pairs (j, 0) and (j, 1), each compared with the keep probability in
+    units of 2^-16 (`keep_probability`). Every byte is a function of its index alone, so
+    XLA draws it inside the kernel that uses it and the hashes' words are never written
+    out (docs/performance.md, "Dropout masks on a CPU" and "Cutting the headline's
+    traffic, deviceless"). "bernoulli" packs `keep_mask`'s bools.
+    """
+    if masks == "bernoulli":
+        return pack(keep_mask(key, (8 * nbytes,), rate, masks))
+    k1, k2 = (k.reshape(1) for k in jax.random.key_data(key))
+    j = jnp.arange(nbytes, dtype=jnp.uint32)
+    below = round(keep_probability(rate, masks) * 65536)
+    byte = jnp.zeros(nbytes, jnp.uint8)
+    for pair in range(2):
+        w1, w2 = threefry2x32_p.bind(k1, k2, j, jnp.full_like(j, pair))
+        for h, half in enumerate((w1 & 0xFFFF, w1 >> 16, w2 & 0xFFFF, w2 >> 16)):
+            byte = byte | ((half < below).astype(jnp.uint8) << (4 * pair + h))
+    return byte
 
 
 def pack(keep):

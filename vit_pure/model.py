@@ -69,7 +69,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from vit_pure.attention import fused_attention
 from vit_pure.config import Execution, ViTConfig, remat_saved_names
-from vit_pure.dropout import apply_mask, example_keys, keep_mask, keep_probability, pack, site_keys
+from vit_pure.dropout import (
+    apply_mask,
+    example_keys,
+    keep_bytes,
+    keep_mask,
+    keep_probability,
+    site_keys,
+)
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
@@ -315,10 +322,13 @@ def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli", packed=True):
     if ex_keys is None or rate == 0.0:
         return x
     keys = site_keys(ex_keys, layer, site)
-    per_example = (x.size // keys.shape[0],)
-    keep = jax.vmap(lambda k: keep_mask(k, per_example, rate, masks))(keys).reshape(x.shape)
-    if packed and x.shape[-1] % 8 == 0:
-        keep = pack(keep)
+    per_example = x.size // keys.shape[0]
+    if packed and x.shape[-1] % 8 == 0:  # each example's bytes, as rows of E / 8
+        keep = jax.vmap(lambda k: keep_bytes(k, per_example // 8, rate, masks))(keys)
+        keep = keep.reshape(*x.shape[:-1], -1)
+    else:
+        keep = jax.vmap(lambda k: keep_mask(k, (per_example,), rate, masks))(keys)
+        keep = keep.reshape(x.shape)
     return apply_mask(x, checkpoint_name(keep, MASK), keep_probability(rate, masks))
 
 

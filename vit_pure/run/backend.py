@@ -24,10 +24,14 @@ says what was chosen and why:
                    else fp32. An AVX2-only CPU emulates bf16, slower than fp32 there
                    (docs/performance.md, "On a CPU"). Asking for bf16 there explicitly still
                    runs it, with a note.
-  dropout masks    kept for the backward pass packed eight to a byte on accelerators
-                   (less memory and HBM traffic in the H100's program), a byte an element
-                   on CPU, where packing them was not measured to help (docs/performance.md,
-                   "Cutting the headline's traffic, deviceless").
+  dropout masks    `--dropout-masks` not given: `threefry16` on accelerators, a quarter
+                   of `bernoulli`'s Threefry hashes for the same bytes in the H100's
+                   program, where drawing the masks is integer arithmetic that a GPU
+                   measured at 8% of the step; `bernoulli` on CPU, where the two were not
+                   measured apart. Either way the masks are kept for the backward pass
+                   packed eight to a byte on accelerators (less memory and HBM traffic), a
+                   byte an element on CPU, where packing them was not measured to help
+                   (docs/performance.md, "Cutting the headline's traffic, deviceless").
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -59,6 +63,7 @@ class Choices:
     policy: Policy
     scan: bool
     attention: str
+    dropout_masks: str
     packed_masks: bool
     notes: tuple[str, ...]
 
@@ -88,15 +93,16 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
-            cudnn: bool = False) -> Choices:
-    """The policy, layer loop, attention and dropout masks' storage for `platform` ("cpu",
-    "gpu", "tpu", ...).
+            cudnn: bool = False, dropout_masks: str | None = None) -> Choices:
+    """The policy, layer loop, attention and dropout masks (how drawn, how kept) for
+    `platform` ("cpu", "gpu", "tpu", ...).
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
     flags: the CPU's feature flags (default: read /proc/cpuinfo when platform is "cpu").
     attention: `--attention` if given, else None.
     cudnn: whether the device runs cuDNN's fused attention (`cudnn_attention_runs`).
+    dropout_masks: `--dropout-masks` if given, else None.
     """
     notes = []
     on_cpu = platform == "cpu"
@@ -143,10 +149,16 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
             notes.append("attention: cuDNN fused (--attention not given; measured faster than "
                          "the einsums on an H100 in bf16: docs/performance.md; --attention "
                          "einsum for the reference path)")
+    if dropout_masks is None:
+        dropout_masks = "bernoulli" if on_cpu else "threefry16"
+        if not on_cpu:
+            notes.append("dropout masks: threefry16 (--dropout-masks not given; a quarter of "
+                         "bernoulli's Threefry hashes: docs/performance.md; --dropout-masks "
+                         "bernoulli for the reference masks)")
     if on_cpu:
         notes.append("dropout masks: kept a byte an element (CPU: packed eight to a byte they "
                      "save memory on a GPU, not time here; docs/performance.md)")
-    return Choices(policy, scan, attention, not on_cpu, tuple(notes))
+    return Choices(policy, scan, attention, dropout_masks, not on_cpu, tuple(notes))
 
 
 def cudnn_attention_runs(device) -> bool:
@@ -202,10 +214,11 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     cudnn = (platform == "gpu" and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
              and cudnn_attention_runs(device if device is not None else jax.devices()[0]))
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
-                      attention=attention, cudnn=cudnn)
+                      attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
-                          dropout_masks=args.dropout_masks, packed_masks=choices.packed_masks)
+                          dropout_masks=choices.dropout_masks,
+                          packed_masks=choices.packed_masks)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,
                       randaugment=tuple(args.randaugment),

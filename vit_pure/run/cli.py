@@ -103,11 +103,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         "einsum")
-    g.add_argument("--dropout-masks", default="bernoulli", choices=list(DROPOUT_MASKS),
+    g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
                         "four 16-bit uniforms per hash (threefry16; keep probability rounded "
-                        "to 2^-16); other masks, the same distribution (docs/performance.md)")
+                        "to 2^-16); other masks, the same distribution (docs/performance.md). "
+                        "Default: per backend (vit_pure/run/backend.py): threefry16 on "
+                        "accelerators, bernoulli on CPU")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
