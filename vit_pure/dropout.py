@@ -4,9 +4,10 @@ Every mask comes from `fold_in(rng, example_id)` (`example_keys`), then the laye
 site (`site_keys`): it belongs to the example, not to the device holding it. `keep_mask`
 draws one example's mask in one of two ways with the same distribution.
 
-A mask is kept for the backward pass packed eight elements to a byte (`pack`), and
-`apply_mask` reads it so in both passes: a bool mask is a byte an element, as many bytes
-as a bf16 activation has elements, written once and read twice per dropout site.
+On accelerators (`Execution.packed_masks`) a mask is drawn or `pack`ed eight elements to a
+byte (`keep_bytes`) and `apply_mask` keeps it so for the backward pass, unpacking it in
+both: a bool mask is a byte an element, as many bytes as a bf16 activation has elements,
+written once and read twice per dropout site.
 """
 from __future__ import annotations
 
