@@ -27,8 +27,9 @@ says what was chosen and why:
   dropout masks    `--dropout-masks` not given: `threefry16` on accelerators, a quarter
                    of `bernoulli`'s Threefry hashes for the same bytes in the H100's
                    program, where drawing the masks is integer arithmetic that a GPU
-                   measured at 8% of the step; `bernoulli` on CPU, where the two were not
-                   measured apart. Either way the masks are kept for the backward pass
+                   measured at 8% of the step (the saving is counted from the compiled
+                   program, not yet timed on a GPU); `bernoulli` on CPU, where the two were
+                   not measured apart. Either way the masks are kept for the backward pass
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
