@@ -173,7 +173,7 @@ def table(rows: list[dict]) -> str:
                       f"{g['kernels']:,}", *(_figure(by.get(k, 0) / 1e9) for k in SHOWN),
                       _figure(rest / 1e9), _figure(g["bytes"] / 1e9),
                       _figure(r["flops"]["program_per_device"] / 1e12),
-                      _figure(g.get("int_ops", 0) / 1e9), _figure(g["floor_s"] * 1e3),
+                      _figure(g["int_ops"] / 1e9), _figure(g["floor_s"] * 1e3),
                       "-" if compile_s is None else f"{compile_s:.1f}"])
     return harness.markdown_table(head, lines, numeric=range(1, len(head)))
 

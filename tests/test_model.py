@@ -260,22 +260,22 @@ def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
     np.testing.assert_array_equal(bits, halves < round(0.7 * 65536))
 
     x = jax.random.normal(jax.random.key(3), (2, 32, 32, 3))
-    loss = lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4)))  # noqa: E731
-    capsys.readouterr()
-    jax.ad_checkpoint.print_saved_residuals(loss, tiny_params)
-    masks = [line.split()[0] for line in capsys.readouterr().out.splitlines()
-             if "named 'mask'" in line]
+
+    def saved_masks(execution):
+        """The types of the masks a training step's backward pass keeps."""
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4),
+                                    execution=execution)), tiny_params)
+        return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()
+                      if "named 'mask'" in line)
+
     T, E = TINY.seq_len, TINY.width
-    assert sorted(masks) == sorted([f"u8[2,{T},{E // 8}]"]  # the embedding's
-                                   + [f"u8[{2 * T},{E // 8}]"] * (2 * TINY.depth))
-    bools = Execution(packed_masks=False)  # what a CPU runs (vit_pure/run/backend.py)
-    jax.ad_checkpoint.print_saved_residuals(
-        lambda p: jnp.sum(apply(p, x, TINY, train=True, rng=jax.random.key(4),
-                                execution=bools)), tiny_params)
-    masks = [line.split()[0] for line in capsys.readouterr().out.splitlines()
-             if "named 'mask'" in line]
-    assert sorted(masks) == sorted([f"bool[2,{T},{E}]"]
-                                   + [f"bool[{2 * T},{E}]"] * (2 * TINY.depth))
+    assert saved_masks(Execution()) == sorted([f"u8[2,{T},{E // 8}]"]  # the embedding's
+                                              + [f"u8[{2 * T},{E // 8}]"] * (2 * TINY.depth))
+    # What a CPU runs (vit_pure/run/backend.py):
+    assert saved_masks(Execution(packed_masks=False)) == sorted(
+        [f"bool[2,{T},{E}]"] + [f"bool[{2 * T},{E}]"] * (2 * TINY.depth))
 
 
 @pytest.mark.slow

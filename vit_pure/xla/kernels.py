@@ -175,7 +175,7 @@ def report(t: dict) -> str:
     """The traffic table as text."""
     lines = [f"GPU program: {t['kernels']} kernels per step, {t['bytes'] / 1e9:.2f} GB of HBM "
              f"traffic (operands + outputs), {t['flops'] / 1e12:.3f} TFLOP in GEMMs, "
-             f"{t.get('int_ops', 0) / 1e9:.1f} G integer ops elsewhere; floor "
+             f"{t['int_ops'] / 1e9:.1f} G integer ops elsewhere; floor "
              f"{t['floor_s'] * 1e3:.2f} ms (each kernel max(bytes / "
              f"{t['bandwidth'] / 1e12:.2f} TB/s, FLOPs / {t['peak_flops'] / 1e12:.0f} "
              f"TFLOP/s) + {t['launch_s'] * 1e6:.0f} us)"]
