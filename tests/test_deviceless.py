@@ -116,6 +116,29 @@ def test_integer_arithmetic_is_counted_apart_from_the_floor():
     assert "0.0 G integer ops" in kernels.report(t)
 
 
+# A Pallas kernel lowered to Triton, as XLA:GPU prints it (its IR cut short), stating its
+# FLOPs in its metadata (vit_pure/mlp_kernel.py), and one that states none.
+TRITON_FRAGMENT = r"""HloModule jit_train_step, entry_computation_layout={()->()}
+
+ENTRY %main (dz: bf16[256,64], w: bf16[128,64], h: bf16[256,128]) -> bf16[256,128] {
+  %dz = bf16[256,64]{1,0} parameter(0)
+  %w = bf16[128,64]{1,0} parameter(1)
+  %h = bf16[256,128]{1,0} parameter(2)
+  %pallas_call.4 = (bf16[256,128]{1,0}, bf16[256,128]{1,0}, f32[2,128]{1,0}) custom-call(%dz, %w, %h), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/gelu_fc2_backward/pallas_call"}, backend_config={debug = false, grid_x = 2 : i32, grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\EFR\0DMLIR", name = "gelu_fc2_backward", num_stages = 1 : i32, num_warps = 8 : i32, serialized_metadata = "{\22flops\22: \224194304\22}"}
+  ROOT %other = bf16[256,128]{1,0} custom-call(%h), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "other", num_warps = 4 : i32}
+}
+"""
+
+
+def test_a_pallas_kernel_counts_as_a_gemm_with_the_flops_it_states():
+    found = {k.name: k for k in kernels.kernels(hlo.parse_module(TRITON_FRAGMENT))}
+    fused = found["pallas_call.4"]
+    assert (fused.kind, fused.flops) == ("gemm", 2 * 256 * 128 * 64)
+    assert fused.bytes == 2 * (256 * 64 + 128 * 64 + 256 * 128) + 2 * 2 * 256 * 128 + 4 * 2 * 128
+    assert fused.op == "gelu_fc2_backward/pallas_call"
+    assert (found["other"].kind, found["other"].flops) == ("other", 0)
+
+
 def test_the_h100_description_is_the_gpu_the_kit_measured():
     text = (targets.TARGETS_DIR / targets.GPU_TARGETS["h100"]).read_text()
     assert "core_count: 132" in text and 'device_description_str: "NVIDIA H100 80GB HBM3"' in text
@@ -193,7 +216,8 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     copies are under 10% of the step's traffic (19.7% with it carried as (B, T, E), which
     XLA:GPU laid out batch-minor; 5.4% now, mostly the dropout masks). And fc1's bias
     and GELU run in its cuBLASLt call's epilogue, once per layer (`model._gelu`: written
-    in float32 after the bias, XLA kept a separate GELU kernel)."""
+    in float32 after the bias, XLA kept a separate GELU kernel); their backward is the
+    Pallas kernel of vit_pure/mlp_kernel.py."""
     record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
                             "--accum-steps", "1")
     assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6
@@ -221,6 +245,12 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
         re.search(r'"epilogue":"([A-Z_]+)"', i.attrs).group(1) for i in entry.values()
         if 'custom_call_target="__cublas$lt$matmul"' in i.attrs)
     assert epilogues["BIAS_GELU_AUX"] == 6, epilogues
+    # The MLP's backward through fc2 and the GELU: one Pallas (Triton) kernel a layer,
+    # chosen for the target, counted as a GEMM with its FLOPs (64 x 65 rows, 1536 x 384).
+    assert any("MLP backward: one Pallas kernel" in note for note in record["notes"])
+    fused = [k for k in kernels.kernels(program) if "gelu_fc2_backward" in k.op]
+    assert len(fused) == 6 and {(k.kind, k.flops) for k in fused} == {
+        ("gemm", 2 * 64 * 65 * 1536 * 384)}
 
 
 def test_the_benchmark_refuses_bad_rows_in_one_line():

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
-# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat).
+# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks,
+# --mlp-backward, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
+MLP_BACKWARDS = ("xla", "pallas")
 REMAT_MODES = ("none", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
@@ -116,7 +118,7 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How the model runs: five performance knobs, each a choice between programs that
+    """How the model runs: six performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
     same distribution). The defaults are the reference program; the training scripts
     pick per backend (vit_pure/run/backend.py).
@@ -149,6 +151,13 @@ class Execution:
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same
                    masks and results; less memory and HBM traffic on a GPU.
+    mlp_backward   the MLP's backward through fc2, the GELU and fc1's bias: XLA's kernels
+                   for the reference formulas ("xla"), or one Pallas kernel for the three
+                   (vit_pure/mlp_kernel.py: Triton on a GPU, Pallas's interpreter on a
+                   CPU) where the shapes fit its tiles and the matmul dtype is the compute
+                   dtype, else the reference ("pallas"). The same results within
+                   rounding; not with a remat mode that saves the GELU's output, which the
+                   kernel recomputes.
     """
 
     scan: bool = False
@@ -156,6 +165,7 @@ class Execution:
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
     packed_masks: bool = True
+    mlp_backward: str = "xla"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
@@ -165,6 +175,12 @@ class Execution:
         if self.dropout_masks not in DROPOUT_MASKS:
             raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
                              f"got {self.dropout_masks!r}")
+        if self.mlp_backward not in MLP_BACKWARDS:
+            raise ValueError(f"mlp_backward must be one of {', '.join(MLP_BACKWARDS)}, "
+                             f"got {self.mlp_backward!r}")
+        if self.mlp_backward == "pallas" and "gelu" in remat_saved_names(self.remat):
+            raise ValueError(f"mlp_backward 'pallas' recomputes the GELU's output, which "
+                             f"remat {self.remat!r} saves: use mlp_backward 'xla'")
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)

@@ -77,6 +77,7 @@ from vit_pure.dropout import (
     keep_probability,
     site_keys,
 )
+from vit_pure.mlp_kernel import gelu_and_slope, gelu_fc2_backward, tiles
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
@@ -268,9 +269,6 @@ def _add_bias_bwd(barrier, bias, dy):
 _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gelu(x, dtype):
     """GELU (tanh form, `jax.nn.gelu`) of x in x's dtype (the matmul dtype), returned
@@ -289,9 +287,7 @@ def _gelu_fwd(x, dtype):
 
 
 def _gelu_bwd(dtype, x, dz):
-    xf = x.astype(F32)
-    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf * xf * xf))
-    slope = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * xf * xf)
+    _, slope = gelu_and_slope(x.astype(F32))
     return ((dz.astype(F32) * slope).astype(x.dtype),)
 
 
@@ -312,6 +308,40 @@ def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
     if not recompute:
         return gelu_matmul(x, w)
     return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(x, w)
+
+
+def _pallas_fits(h, w, policy: Policy) -> bool:
+    """Whether `_bias_gelu_fc2`'s kernel takes fc1's output h (rows, M) and fc2's kernel w
+    (M, E): its tiles fit and the matmul returns the compute dtype (the kernel's dot
+    reads fc2's incoming gradient and w in one dtype)."""
+    return (h.ndim == 2 and policy.matmul_dtype == w.dtype
+            and tiles(h.shape[0], w.shape[0], w.shape[1]) is not None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _bias_gelu_fc2(h, bias, w, dtype, policy: Policy):
+    """fc2(gelu(h + bias)): `_bias`, `_gelu` and `_gelu_matmul` (remat "none") in one, the
+    same forward operations (XLA:GPU folds bias and GELU into fc1's GEMM as before), with
+    a backward that runs fc2's input gradient, the GELU's derivative and fc1's bias
+    gradient as one Pallas kernel (vit_pure/mlp_kernel.py; `Execution.mlp_backward`).
+    Keeps h + bias (rows, M) for the backward, and recomputes the GELU's output there."""
+    return matmul(_gelu(h + bias.astype(h.dtype), dtype), w, policy)
+
+
+def _bias_gelu_fc2_fwd(h, bias, w, dtype, policy):
+    pre = h + bias.astype(h.dtype)
+    return matmul(_gelu(pre, dtype), w, policy), (pre, bias, w)
+
+
+def _bias_gelu_fc2_bwd(dtype, policy, residuals, dz):
+    pre, bias, w = residuals
+    dpre, gelu, dbias = gelu_fc2_backward(dz, w, pre, dtype, precision=policy.precision)
+    dw = jnp.einsum("rm,re->me", gelu, dz, precision=policy.precision,
+                    preferred_element_type=w.dtype)
+    return dpre, dbias.astype(bias.dtype), dw
+
+
+_bias_gelu_fc2.defvjp(_bias_gelu_fc2_fwd, _bias_gelu_fc2_bwd)
 
 
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli", packed=True):
@@ -477,8 +507,13 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml), matmul dtype
-    h = _bias(h, m["fc1"]["bias"], barrier=True)
-    y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy, recompute=execution.remat == "none")
+    if execution.mlp_backward == "pallas" and _pallas_fits(h, m["fc2"]["kernel"], policy):
+        y = _bias_gelu_fc2(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], cd,
+                           policy)
+    else:
+        h = _bias(h, m["fc1"]["bias"], barrier=True)
+        y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy,
+                         recompute=execution.remat == "none")
     y = save_dot(_reduce_from_tp(y, tp_axis))
     y = _bias(y, m["fc2"]["bias"])
     y = _dropout(y.astype(cd), cfg.dropout, ex_keys, layer + 1, _SITE_MLP, *masks)

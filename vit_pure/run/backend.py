@@ -1,6 +1,6 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Five settings have a right answer that depends on the hardware; each is measured, and
+Six settings have a right answer that depends on the hardware; each is measured, and
 its figures are in docs/performance.md (the section named after each). The startup log
 says what was chosen and why:
 
@@ -33,6 +33,13 @@ says what was chosen and why:
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
+  MLP backward     `--mlp-backward` not given: one Pallas (Triton) kernel for fc2's input
+                   gradient, the GELU's derivative and fc1's bias gradient
+                   (vit_pure/mlp_kernel.py) on an NVIDIA GPU of compute capability 8.0 or
+                   more in bf16, unless --remat saves the GELU's output (the kernel
+                   recomputes it): the H100's compiled program moves 14.7 GB a step less
+                   through HBM (counted from the program, not yet timed on a GPU). XLA's
+                   kernels elsewhere; a CPU runs the same arithmetic in XLA anyway.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -47,7 +54,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from vit_pure.config import Execution, ViTConfig
+from vit_pure.config import Execution, ViTConfig, remat_saved_names
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
 from vit_pure.step import StepConfig
@@ -66,6 +73,7 @@ class Choices:
     attention: str
     dropout_masks: str
     packed_masks: bool
+    mlp_backward: str
     notes: tuple[str, ...]
 
 
@@ -94,9 +102,10 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
-            cudnn: bool = False, dropout_masks: str | None = None) -> Choices:
-    """The policy, layer loop, attention and dropout masks (how drawn, how kept) for
-    `platform` ("cpu", "gpu", "tpu", ...).
+            cudnn: bool = False, dropout_masks: str | None = None, nvidia: bool = False,
+            mlp_backward: str | None = None, remat: str = "none") -> Choices:
+    """The policy, layer loop, attention, dropout masks (how drawn, how kept) and the MLP's
+    backward for `platform` ("cpu", "gpu", "tpu", ...).
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -104,6 +113,9 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     attention: `--attention` if given, else None.
     cudnn: whether the device runs cuDNN's fused attention (`cudnn_attention_runs`).
     dropout_masks: `--dropout-masks` if given, else None.
+    nvidia: whether the device is an NVIDIA GPU of compute capability 8.0 or more
+    (`cudnn_attention_runs`), where Pallas's Triton kernels run.
+    mlp_backward: `--mlp-backward` if given, else None. remat: `--remat`.
     """
     notes = []
     on_cpu = platform == "cpu"
@@ -159,7 +171,25 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     if on_cpu:
         notes.append("dropout masks: kept a byte an element (CPU: packed eight to a byte they "
                      "save memory on a GPU, not time here; docs/performance.md)")
-    return Choices(policy, scan, attention, dropout_masks, not on_cpu, tuple(notes))
+
+    saves_gelu = "gelu" in remat_saved_names(remat)
+    if mlp_backward is None:
+        pallas = nvidia and policy.compute_dtype == jnp.bfloat16 and not saves_gelu
+        mlp_backward = "pallas" if pallas else "xla"
+        if pallas:
+            notes.append("MLP backward: one Pallas kernel for fc2's input gradient, the GELU's "
+                         "derivative and fc1's bias gradient (--mlp-backward not given; less "
+                         "HBM traffic in the H100's compiled program, not yet timed on a GPU: "
+                         "docs/performance.md; --mlp-backward xla for XLA's kernels)")
+    elif mlp_backward == "pallas" and not nvidia:
+        raise UsageError(f"--mlp-backward pallas is a Triton kernel for NVIDIA GPUs (compute "
+                         f"capability 8.0 or more); this run is on {platform}: use "
+                         f"--mlp-backward xla")
+    elif mlp_backward == "pallas" and saves_gelu:
+        raise UsageError(f"--mlp-backward pallas recomputes the GELU's output, which --remat "
+                         f"{remat} saves: use --mlp-backward xla, or a --remat without gelu")
+    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_backward,
+                   tuple(notes))
 
 
 def cudnn_attention_runs(device) -> bool:
@@ -212,14 +242,17 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     attention = args.attention
     # Locality self-attention (cfg.lsa) runs on the einsum attention only, and cuDNN's
     # kernel takes head dims that are multiples of 8 up to 128.
-    cudnn = (platform == "gpu" and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
-             and cudnn_attention_runs(device if device is not None else jax.devices()[0]))
+    nvidia = platform == "gpu" and cudnn_attention_runs(
+        device if device is not None else jax.devices()[0])
+    cudnn = nvidia and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
-                      attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks)
+                      attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks,
+                      nvidia=nvidia, mlp_backward=args.mlp_backward, remat=args.remat)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
-                          packed_masks=choices.packed_masks)
+                          packed_masks=choices.packed_masks,
+                          mlp_backward=choices.mlp_backward)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,
                       randaugment=tuple(args.randaugment),

@@ -45,6 +45,10 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# A Pallas kernel lowered to Triton: its IR is opaque in the HLO text, so a kit kernel
+# states its matmul FLOPs in the call's metadata (JSON, quotes escaped as \22).
+_TRITON_TARGET = "__gpu$xla.gpu.triton"
+_TRITON_FLOPS = re.compile(r'serialized_metadata = "[^"]*flops\\22: \\22(\d+)\\22')
 _INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
 _INT_OPS = {"add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
             "shift-left", "shift-right-logical", "shift-right-arithmetic", "maximum",
@@ -74,6 +78,8 @@ def classify(instr: Instr) -> str:
             return "gemm"
         if "cudnn$fmha" in target or "fmha" in target:
             return "attention"
+        if target == _TRITON_TARGET and _TRITON_FLOPS.search(instr.attrs):
+            return "gemm"  # a Pallas matmul kernel (its epilogue's work included)
         return "other"
     fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
     gemm_fusion = any(k in fusion_kind for k in ("gemm", "cublas", "cudnn"))
@@ -131,7 +137,10 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
                                                 for o in instr.operands)
             flops = 0
-            if kind == "gemm":
+            pallas = _TRITON_FLOPS.search(instr.attrs)
+            if pallas:
+                flops = int(pallas.group(1))
+            elif kind == "gemm":
                 flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
