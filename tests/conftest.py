@@ -27,16 +27,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SUBSET_DIR = REPO.parent / "shared" / "data" / "cifar10-subset"
 
 
-def subprocess_env(**extra) -> dict:
+_CACHE_ENV = "VIT_PURE_TEST_XLA_CACHE"
+# JAX reads its settings from these variables when it is imported (jax/_src/config.py:
+# each option's name in capitals), so the scripts the tests start share the run's cache.
+JAX_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                  "JAX_COMPILATION_CACHE_MAX_SIZE")
+
+
+def subprocess_env(*, cache: bool = True, **extra) -> dict:
     """This environment for a subprocess that picks its own device count: XLA_FLAGS
-    without the 8 fake devices (the fast code generation stays), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    without the 8 fake devices (the fast code generation stays), plus `extra`. With
+    `cache=False`, without the run's compilation cache: the subprocess compiles every
+    program itself (a program loaded from the cache is not compiled, so XLA dumps
+    nothing for it)."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and (cache or k not in JAX_CACHE_VARS)}
     env["XLA_FLAGS"] = FAST_XLA_FLAGS
     env.update(extra)
     return env
-
-
-_CACHE_ENV = "VIT_PURE_TEST_XLA_CACHE"
 
 
 def pytest_configure(config):
@@ -47,7 +55,13 @@ def pytest_configure(config):
     directory, its workers share it through the environment, and the starter removes it
     at the end, so nothing carries over between runs. The size limit turns on JAX's file
     lock (the `filelock` package), so two workers never read an entry while the other is
-    writing it. Subprocesses compile their own."""
+    writing it.
+
+    The scripts the tests start (a run and its resume, the two processes of one job, the
+    fault cases' jobs, a benchmark's rows) share it too, through JAX's environment
+    variables, under the same lock (an flock: the kernel drops it when a holder is
+    killed). Of a multi-process job only process 0 writes entries (jax's rule); the tests
+    that kill a process kill process 1, or a single one only past a timeout."""
     import jax
 
     shared = os.environ.get(_CACHE_ENV)
@@ -56,9 +70,10 @@ def pytest_configure(config):
     else:
         cache_dir = config._xla_cache_dir = tempfile.mkdtemp(prefix="vit-pure-test-xla-cache-")
         os.environ[_CACHE_ENV] = cache_dir  # the xdist workers start after this, with it
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+    settings = dict(zip(JAX_CACHE_VARS, (cache_dir, 0.2, 8 << 30)))
+    os.environ.update({k: str(v) for k, v in settings.items()})  # for subprocesses
+    for name, value in settings.items():
+        jax.config.update(name.lower(), value)
 
 
 def pytest_unconfigure(config):

@@ -149,7 +149,7 @@ def _plan(tmp_path, *flags) -> tuple[dict, hlo.Module]:
     """The plan's record of `train_shardmap.py FLAGS --hardware h100 --plan-json`, and the
     program XLA:GPU compiled (XLA's own dump of it, read back)."""
     out, dump = tmp_path / "plan.json", tmp_path / "dump"
-    env = subprocess_env(JAX_PLATFORMS="cpu")
+    env = subprocess_env(cache=False, JAX_PLATFORMS="cpu")  # XLA dumps what it compiles
     env["XLA_FLAGS"] += f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
     run = subprocess.run([sys.executable, "train_shardmap.py", *flags, "--hardware", "h100",
                           "--plan-json", str(out)], cwd=REPO, capture_output=True, text=True,
