@@ -93,8 +93,21 @@ LONGEST_FIRST = [
 ]
 
 
+# The same for `-m slow`, whose long files are others: the two-process jobs, the pipeline,
+# the peers' rounds, the layout matrix's slow cells (one unit per policy), the deviceless
+# GPU compiles. (Seen: the alphabetical rest started these last, so one worker ran the
+# faults, multiprocess and peers files while the other had finished.) The multi-process
+# files are apart in the list so that the two workers rarely run two of them at once.
+LONGEST_FIRST_SLOW = [
+    "test_multiprocess.py", "test_pipeline.py", "test_faults.py", "test_layout_matrix.py",
+    "test_peers.py", "test_deviceless.py", "test_train.py", "test_plan_cost.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    markexpr = config.getoption("markexpr") or ""
+    slow_only = "slow" in markexpr and "not slow" not in markexpr
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST_SLOW if slow_only else LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
 
 
