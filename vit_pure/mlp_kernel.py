@@ -97,10 +97,10 @@ def gelu_fc2_backward(dz, w, h, gelu_dtype, *, precision=None, interpret: bool =
     column sums of dh (float32, (M,)), the gradient of a bias added to make h.
     precision: the matmul's (`lax.Precision`, as the policy's; None is the default:
     TF32 for float32 inputs on a GPU, as XLA's GEMMs).
-    interpret: run the kernel with Pallas's interpreter (True: any backend, for tests;
-    outside shard_map only, where the interpreter checks the kernel's constants against
-    the blocks' mesh axes) or where the program is lowered (None): Triton on a GPU, and
-    on a CPU the same arithmetic on whole arrays in XLA.
+    interpret: True runs the kernel with Pallas's interpreter, on any backend (for tests;
+    outside shard_map only: inside, the interpreter checks the kernel's constants against
+    the blocks' mesh axes and refuses). False (the default) decides where the program is
+    lowered: Triton on a GPU, and on a CPU the same arithmetic on whole arrays in XLA.
     Shapes must fit `tiles` (ValueError otherwise)."""
     rows, width = dz.shape
     hidden = w.shape[0]
