@@ -59,7 +59,7 @@ def test_the_kernel_computes_the_reference_formulas(rows, hidden, width, interpr
                                    err_msg=name)
 
 
-def test_in_bf16_it_rounds_once_where_the_reference_rounds_twice():
+def test_in_bf16_dh_is_within_one_rounding_of_the_float32_formula():
     """bf16 in and out, as on the GPU: dh within one bf16 rounding of the float32 formula
     (the XLA path also rounds fc2's input gradient to bf16 first); the bias gradient is
     the float32 sum of the bf16 dh it returned."""
