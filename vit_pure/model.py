@@ -325,7 +325,7 @@ def _bias_gelu_fc2(h, bias, w, dtype, policy: Policy):
     a backward that runs fc2's input gradient, the GELU's derivative and fc1's bias
     gradient as one Pallas kernel (vit_pure/mlp_kernel.py; `Execution.mlp_backward`).
     Keeps h + bias (rows, M) for the backward, and recomputes the GELU's output there."""
-    return matmul(_gelu(h + bias.astype(h.dtype), dtype), w, policy)
+    return _bias_gelu_fc2_fwd(h, bias, w, dtype, policy)[0]
 
 
 def _bias_gelu_fc2_fwd(h, bias, w, dtype, policy):

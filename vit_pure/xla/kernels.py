@@ -9,6 +9,10 @@ floor, not a prediction: a kernel re-reading an operand, or caches serving it, c
 the real figure; and it ranks changes that move large amounts of memory, not those whose
 cost is arithmetic (random bits, for one).
 
+A Pallas kernel lowered to Triton is a custom call whose IR the HLO text does not show;
+one that states its matmul FLOPs in its metadata (vit_pure/mlp_kernel.py does) counts as
+a GEMM with those FLOPs, its epilogue's work included.
+
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
 peak), plus a launch (3 us, an assumption), summed over the kernels in order.
 
@@ -137,11 +141,10 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
                                                 for o in instr.operands)
             flops = 0
-            pallas = _TRITON_FLOPS.search(instr.attrs)
-            if pallas:
-                flops = int(pallas.group(1))
-            elif kind == "gemm":
-                flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
+            if kind == "gemm":
+                stated = _TRITON_FLOPS.search(instr.attrs)  # a Pallas kernel (`classify`)
+                flops = (int(stated.group(1)) if stated else
+                         _gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
