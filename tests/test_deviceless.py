@@ -117,7 +117,7 @@ def test_integer_arithmetic_is_counted_apart_from_the_floor():
 
 
 # A Pallas kernel lowered to Triton, as XLA:GPU prints it (its IR cut short), stating its
-# FLOPs in its metadata (vit_pure/mlp_kernel.py), and one that states none.
+# FLOPs in its metadata (vit_pure/pallas/mlp.py), and one that states none.
 TRITON_FRAGMENT = r"""HloModule jit_train_step, entry_computation_layout={()->()}
 
 ENTRY %main (dz: bf16[256,64], w: bf16[128,64], h: bf16[256,128]) -> bf16[256,128] {
@@ -217,7 +217,7 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     XLA:GPU laid out batch-minor; 0.5% now, 2026-11-26). And fc1's bias
     and GELU run in its cuBLASLt call's epilogue, once per layer (`model._gelu`: written
     in float32 after the bias, XLA kept a separate GELU kernel); their backward is the
-    Pallas kernel of vit_pure/mlp_kernel.py."""
+    Pallas kernel of vit_pure/pallas/mlp.py."""
     record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
                             "--accum-steps", "1")
     assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6

@@ -1,4 +1,4 @@
-"""The MLP's backward as one Pallas kernel (vit_pure/mlp_kernel.py, `--mlp-backward pallas`).
+"""The MLP's backward as one Pallas kernel (vit_pure/pallas/mlp.py, `--mlp-backward pallas`).
 
 * the kernel, run by Pallas's interpreter on the CPU (the kernel body and tiling that
   Triton compiles for a GPU; tests/test_deviceless.py compiles it for the H100), returns
@@ -24,9 +24,10 @@ from conftest import FAST, grads_step
 from test_collective_sites import collective_sites, misplaced
 
 import train_shardmap as ts
-from vit_pure import mlp_kernel, model, step
+from vit_pure import model, step
 from vit_pure.config import PRESETS, Execution
 from vit_pure.errors import UsageError
+from vit_pure.pallas import mlp as mlp_kernel
 from vit_pure.policy import LossScale, Policy
 from vit_pure.run import backend, cli
 

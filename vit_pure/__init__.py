@@ -11,9 +11,9 @@ The reading path is the top of this folder, in this order:
     layout.py    where a layout puts the bytes
 
 with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.
-model.py calls four small modules beside it: attention.py (the fused attention variants),
-dropout.py (dropout masks), remat.py (what a rematerialised block keeps) and
-mlp_kernel.py (the MLP's backward as one Pallas kernel, for GPUs).
+model.py calls three small modules beside it: attention.py (the fused attention variants),
+dropout.py (dropout masks) and remat.py (what a rematerialised block keeps), and the
+Pallas kernels in pallas/ (for GPUs: what XLA:GPU cannot fuse).
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
 processes), plan/ (the communication plan), xla/ (reading compiled programs), tools/

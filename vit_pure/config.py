@@ -153,7 +153,7 @@ class Execution:
                    masks and results; less memory and HBM traffic on a GPU.
     mlp_backward   the MLP's backward through fc2, the GELU and fc1's bias: XLA's kernels
                    for the reference formulas ("xla"), or one Pallas kernel for the three
-                   (vit_pure/mlp_kernel.py: Triton on a GPU; a program lowered for a CPU
+                   (vit_pure/pallas/mlp.py: Triton on a GPU; a program lowered for a CPU
                    runs its arithmetic on whole arrays in XLA) where the shapes fit its
                    tiles and the matmul dtype is the compute dtype, else the reference
                    ("pallas"). The same results within rounding; not with a remat mode

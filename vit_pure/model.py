@@ -77,7 +77,7 @@ from vit_pure.dropout import (
     keep_probability,
     site_keys,
 )
-from vit_pure.mlp_kernel import gelu_and_slope, gelu_fc2_backward, tiles
+from vit_pure.pallas.mlp import gelu_and_slope, gelu_fc2_backward, tiles
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
@@ -323,7 +323,7 @@ def _bias_gelu_fc2(h, bias, w, dtype, policy: Policy):
     """fc2(gelu(h + bias)): `_bias`, `_gelu` and `_gelu_matmul` (remat "none") in one, the
     same forward operations (XLA:GPU folds bias and GELU into fc1's GEMM as before), with
     a backward that runs fc2's input gradient, the GELU's derivative and fc1's bias
-    gradient as one Pallas kernel (vit_pure/mlp_kernel.py; `Execution.mlp_backward`).
+    gradient as one Pallas kernel (vit_pure/pallas/mlp.py; `Execution.mlp_backward`).
     Keeps h + bias (rows, M) for the backward, and recomputes the GELU's output there."""
     return _bias_gelu_fc2_fwd(h, bias, w, dtype, policy)[0]
 

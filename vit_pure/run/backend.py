@@ -35,7 +35,7 @@ says what was chosen and why:
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
   MLP backward     `--mlp-backward` not given: one Pallas (Triton) kernel for fc2's input
                    gradient, the GELU's derivative and fc1's bias gradient
-                   (vit_pure/mlp_kernel.py) on an NVIDIA GPU of compute capability 8.0 or
+                   (vit_pure/pallas/mlp.py) on an NVIDIA GPU of compute capability 8.0 or
                    more in bf16, unless --remat saves the GELU's output (the kernel
                    recomputes it): the H100's compiled program moves 14.7 GB a step less
                    through HBM (counted from the program, not yet timed on a GPU). XLA's

@@ -10,7 +10,7 @@ the real figure; and it ranks changes that move large amounts of memory, not tho
 cost is arithmetic (random bits, for one).
 
 A Pallas kernel lowered to Triton is a custom call whose IR the HLO text does not show;
-one that states its matmul FLOPs in its metadata (vit_pure/mlp_kernel.py does) counts as
+one that states its matmul FLOPs in its metadata (vit_pure/pallas/mlp.py does) counts as
 a GEMM with those FLOPs, its epilogue's work included.
 
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
