@@ -209,9 +209,10 @@ def _transposes(module: hlo.Module, instr: hlo.Instr) -> bool:
 @pytest.mark.slow
 def test_the_headline_program_calls_cudnn_attention(tmp_path):
     """vit-cifar in bf16 on the H100: cuDNN's fused attention, forward and backward, once
-    per layer each (6 layers), chosen for the target (not for this CPU); and the kernels
-    that make its q, k, v and read its outputs only pad and slice the token axis (the
-    (B, T, H, D) layout of the qkv GEMM): no head transposes around it. Nor around the
+    per layer each (6 layers), chosen for the target (not for this CPU); its q, k and v
+    come straight from the Pallas projection kernel (vit_pure/pallas/qkv.py), padded,
+    and the kernels that read its outputs only slice the token axis: no head transposes
+    around it, no split-and-pad copy. Nor around the
     matmuls: with the residual stream as (B*T, E) rows (model.encoder), transposes and
     copies are under 10% of the step's traffic (19.7% with it carried as (B, T, E), which
     XLA:GPU laid out batch-minor; 0.5% now, 2026-11-26). And fc1's bias
@@ -251,6 +252,17 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     fused = [k for k in kernels.kernels(program) if "gelu_fc2_backward" in k.op]
     assert len(fused) == 6 and {(k.kind, k.flops) for k in fused} == {
         ("gemm", 2 * 64 * 65 * 1536 * 384)}
+    # The q, k, v projection: a Pallas kernel a layer each way, counted as GEMMs with
+    # their FLOPs (64 x 72 padded rows, 384 x 1152), feeding cuDNN's q, k, v directly.
+    assert any("qkv projection: Pallas kernels" in note for note in record["notes"])
+    for name in ("qkv_projection", "qkv_input_gradient"):
+        found = [k for k in kernels.kernels(program) if f"{name}/pallas_call" in k.op]
+        assert len(found) == 6 and {(k.kind, k.flops) for k in found} == {
+            ("gemm", 2 * 64 * 72 * 384 * 1152)}, name
+    for call in calls:
+        if "Backward" not in call.attrs:
+            makers = {_kernel_of(entry, o).name for o in call.operands[:3]}
+            assert len(makers) == 1 and "qkv_projection" in entry[makers.pop()].attrs
 
 
 def test_the_benchmark_refuses_bad_rows_in_one_line():

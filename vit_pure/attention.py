@@ -68,12 +68,22 @@ def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     backward kernel; with "xla" the padded context is saved and the products inside the
     call are recomputed.
     """
-    B, T = qkv.shape[:2]
+    T = qkv.shape[1]
     q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
                          d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
     Tp = padded_length(T)
     q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
-    lengths = None if Tp == T else jnp.full((B,), T, jnp.int32)  # no mask where no padding
+    return attend_padded(q, k, v, T, policy, implementation)
+
+
+def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
+    """`fused_attention` from q, k, v already padded: (B, Tp, Hl, D) each, compute dtype,
+    rows `tokens` to Tp - 1 of each example padding (their values do not matter: the
+    padded keys are masked, the padded queries' outputs sliced off by the caller).
+    Returns (B, Tp, Hl*D). The Pallas q, k, v projection (vit_pure/pallas/qkv.py) writes
+    its outputs in this form, so the split and the padding copy are not made."""
+    B, Tp = q.shape[:2]
+    lengths = None if Tp == tokens else jnp.full((B,), tokens, jnp.int32)  # no mask, no pad
     precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
     with jax.default_matmul_precision(precision):
         ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,

@@ -15,6 +15,7 @@ POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 MLP_BACKWARDS = ("xla", "pallas")
+QKV_PROJECTIONS = ("xla", "pallas")
 REMAT_MODES = ("none", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
@@ -118,7 +119,7 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How the model runs: six performance knobs, each a choice between programs that
+    """How the model runs: seven performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
     same distribution). The defaults are the reference program; the training scripts
     pick per backend (vit_pure/run/backend.py).
@@ -158,6 +159,13 @@ class Execution:
                    tiles and the matmul dtype is the compute dtype, else the reference
                    ("pallas"). The same results within rounding; not with a remat mode
                    that saves the GELU's output, which the kernel recomputes.
+    qkv_projection the attention's q, k, v projection with a fused attention ("xla" or
+                   "cudnn"): one XLA GEMM, then a copy that splits and pads its output
+                   ("xla"), or a Pallas kernel that writes the three padded arrays
+                   straight from the padded LayerNorm output, with one more for the input
+                   and bias gradients (vit_pure/pallas/qkv.py; "pallas") where the shapes
+                   fit its tiles and h, the kernel and the matmul share one dtype, else
+                   the reference. The same results within rounding.
     """
 
     scan: bool = False
@@ -166,6 +174,7 @@ class Execution:
     dropout_masks: str = "bernoulli"
     packed_masks: bool = True
     mlp_backward: str = "xla"
+    qkv_projection: str = "xla"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
@@ -181,6 +190,12 @@ class Execution:
         if self.mlp_backward == "pallas" and "gelu" in remat_saved_names(self.remat):
             raise ValueError(f"mlp_backward 'pallas' recomputes the GELU's output, which "
                              f"remat {self.remat!r} saves: use mlp_backward 'xla'")
+        if self.qkv_projection not in QKV_PROJECTIONS:
+            raise ValueError(f"qkv_projection must be one of {', '.join(QKV_PROJECTIONS)}, "
+                             f"got {self.qkv_projection!r}")
+        if self.qkv_projection == "pallas" and self.attention == "einsum":
+            raise ValueError("qkv_projection 'pallas' writes the fused attention's padded "
+                             "inputs: use attention 'cudnn' or 'xla', or qkv_projection 'xla'")
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from vit_pure.attention import fused_attention
+from vit_pure.attention import attend_padded, fused_attention, padded_length
 from vit_pure.config import Execution, ViTConfig, remat_saved_names
 from vit_pure.dropout import (
     apply_mask,
@@ -77,6 +77,7 @@ from vit_pure.dropout import (
     keep_probability,
     site_keys,
 )
+from vit_pure.pallas import qkv as qkv_kernel
 from vit_pure.pallas.mlp import gelu_and_slope, gelu_fc2_backward, tiles
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
@@ -344,6 +345,57 @@ def _bias_gelu_fc2_bwd(dtype, policy, residuals, dz):
 _bias_gelu_fc2.defvjp(_bias_gelu_fc2_fwd, _bias_gelu_fc2_bwd)
 
 
+def _qkv_pallas_fits(h, w, tokens: int, policy: Policy) -> bool:
+    """Whether `_padded_qkv`'s kernels take the LayerNorm's output h (B*T, E) and the qkv
+    kernel w (E, 3*Hl*D): their tiles fit the padded rows, and h, w and the matmul's
+    output share one dtype (the kernels' dots read the incoming gradients and w)."""
+    rows = h.shape[0] // tokens * padded_length(tokens)
+    return (h.ndim == 2 and h.dtype == w.dtype == policy.matmul_dtype
+            and qkv_kernel.tiles(rows, w.shape[0], w.shape[1] // 3) is not None)
+
+
+def _padded_qkv(h, w, bias, tokens: int, cfg: ViTConfig, policy: Policy):
+    """q, k, v for the fused attention, (B, Tp, Hl, D) each in the compute dtype, padded as
+    `attention.attend_padded` takes them: h (B*T, E) is padded to Tp rows an example (the
+    zero rows are written by the LayerNorm's kernel) and `_qkv_projection` writes the three
+    straight from it, with no (B*T, 3*Hl*D) array and no split-and-pad copy."""
+    E, Tp = h.shape[-1], padded_length(tokens)
+    hp = jnp.pad(h.reshape(-1, tokens, E), ((0, 0), (0, Tp - tokens), (0, 0)))
+    qkv = _qkv_projection(hp.reshape(-1, E), w, _varying_like(bias, h), policy)
+    return tuple(save_dot(a).astype(policy.compute_dtype).reshape(-1, Tp, a.shape[-1]
+                                                                  // cfg.head_dim,
+                                                                  cfg.head_dim)
+                 for a in qkv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _qkv_projection(hp, w, bias, policy: Policy):
+    """(q, k, v) = hp @ w + bias, split into thirds by columns, (rows, Hl*D) each in the
+    matmul dtype: one Pallas kernel forward and one for the input gradient and the bias
+    gradient (vit_pure/pallas/qkv.py; `Execution.qkv_projection`); the weight gradient is
+    three XLA GEMMs. Keeps hp for the backward, as the reference keeps h."""
+    return qkv_kernel.projection(hp, w, bias, policy.matmul_dtype,
+                                 precision=policy.precision)
+
+
+def _qkv_projection_fwd(hp, w, bias, policy):
+    return _qkv_projection(hp, w, bias, policy), (hp, w, bias)
+
+
+def _qkv_projection_bwd(policy, residuals, cotangents):
+    hp, w, bias = residuals
+    dq, dk, dv = (d.astype(w.dtype) for d in cotangents)
+    dhp, dbias = qkv_kernel.projection_input_gradient(dq, dk, dv, w, hp.dtype,
+                                                      precision=policy.precision)
+    dw = jnp.concatenate([jnp.einsum("re,rn->en", hp, d, precision=policy.precision,
+                                     preferred_element_type=w.dtype) for d in (dq, dk, dv)],
+                         axis=1)
+    return dhp, dw, dbias.astype(bias.dtype)
+
+
+_qkv_projection.defvjp(_qkv_projection_fwd, _qkv_projection_bwd)
+
+
 def _dropout(x, rate, ex_keys, layer, site, masks="bernoulli", packed=True):
     """Dropout on x (B, T, E) or (B*T, E): each example's elements lie together, and its
     mask over them (x.size / B, drawn as one flat vector) comes from its own key. With
@@ -483,17 +535,22 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     # Multi-head self-attention; with tensor parallelism this device holds Hl of H heads.
     a = p["attn"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
-    # (B*T, 3*Hl*D) in the matmul dtype
-    qkv = save_dot(matmul(h, a["qkv"]["kernel"].reshape(E, -1), policy))
-    qkv = _bias(qkv, a["qkv"]["bias"].reshape(-1))
-    qkv = qkv.reshape(-1, T, qkv.shape[-1])
-    if attention == "einsum":
-        ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))  # (B, T, Hl*D)
-    elif cfg.lsa:
+    if attention != "einsum" and cfg.lsa:
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {attention!r}")
+    w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
+    if (attention != "einsum" and execution.qkv_projection == "pallas"
+            and _qkv_pallas_fits(h, w_qkv, T, policy)):
+        q, k, v = _padded_qkv(h, w_qkv, b_qkv, T, cfg, policy)  # (B, Tp, Hl, D) each
+        ctx = attend_padded(q, k, v, T, policy, attention)  # (B, Tp, Hl*D)
     else:
-        ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)  # (B, Tp, Hl*D)
+        qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
+        qkv = _bias(qkv, b_qkv)
+        qkv = qkv.reshape(-1, T, qkv.shape[-1])
+        if attention == "einsum":  # (B, T, Hl*D)
+            ctx = _attention_einsum(qkv.astype(cd), cfg, policy, a.get("log_scale"))
+        else:  # (B, Tp, Hl*D)
+            ctx = fused_attention(qkv.astype(cd), cfg, policy, attention)
     B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
     if Tc != T:

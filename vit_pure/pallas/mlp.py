@@ -35,13 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from vit_pure.pallas.common import block, vary_alike
+
 F32 = jnp.float32
 GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
-# Tile sizes: rows (BM), hidden units (BN), the contraction over E (BK). Triton's blocks
-# are powers of two; tensor-core dots need 16 or more on each side.
-BLOCK_M = (128, 64, 32, 16)
-BLOCK_N = (128, 64, 32, 16)
-BLOCK_K = (128, 64, 32, 16)
 
 
 def gelu_and_slope(x):
@@ -55,8 +52,7 @@ def gelu_and_slope(x):
 def tiles(rows: int, hidden: int, width: int) -> tuple[int, int, int] | None:
     """(BM, BN, BK) for dz (rows, width), w (hidden, width), or None when no tiling of
     the kernel's fits those sizes exactly (the caller then runs the reference path)."""
-    bm, bn, bk = (next((b for b in blocks if size % b == 0), None)
-                  for blocks, size in ((BLOCK_M, rows), (BLOCK_N, hidden), (BLOCK_K, width)))
+    bm, bn, bk = block(rows), block(hidden), block(width)  # rows, hidden units, over E
     return None if None in (bm, bn, bk) else (bm, bn, bk)
 
 
@@ -112,23 +108,13 @@ def gelu_fc2_backward(dz, w, h, gelu_dtype, *, precision=None, interpret: bool =
     if fit is None:
         raise ValueError(f"gelu_fc2_backward: no tiling fits rows {rows}, M {hidden}, "
                          f"E {width} (`tiles`)")
-    dz, w, h = _vary_alike(dz, w, h)
+    dz, w, h = vary_alike(dz, w, h)
     call = functools.partial(_call, tiling=fit, gelu_dtype=gelu_dtype, precision=precision)
     if interpret:
         return call(dz, w, h, interpret=True)
     return jax.lax.platform_dependent(
         dz, w, h, default=functools.partial(call, interpret=False),
         cpu=functools.partial(_whole_arrays, gelu_dtype=gelu_dtype, precision=precision))
-
-
-def _vary_alike(*arrays):
-    """The arrays, each marked varying over every manual mesh axis any of them varies over
-    (inside shard_map; outside, unchanged): the kernel's blocks meet in one dot. A type
-    cast, no data moves."""
-    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))
-    return tuple(jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying, key=str)),
-                               to="varying") if axes - jax.typeof(a).mat.varying else a
-                 for a in arrays)
 
 
 def _call(dz, w, h, *, tiling, gelu_dtype, precision, interpret):

@@ -1,6 +1,6 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Six settings have a right answer that depends on the hardware; each is measured, and
+Seven settings have a right answer that depends on the hardware; each is measured, and
 its figures are in docs/performance.md (the section named after each). The startup log
 says what was chosen and why:
 
@@ -40,6 +40,12 @@ says what was chosen and why:
                    recomputes it): the H100's compiled program moves 14.7 GB a step less
                    through HBM (counted from the program, not yet timed on a GPU). XLA's
                    kernels elsewhere; a CPU runs the same arithmetic in XLA anyway.
+  qkv projection   `--qkv-projection` not given: with cuDNN attention (chosen or given),
+                   Pallas (Triton) kernels that write q, k and v padded as cuDNN takes
+                   them straight from the LayerNorm's padded output, and the input and bias
+                   gradients back in one (vit_pure/pallas/qkv.py): the H100's compiled
+                   program moves less through HBM (counted from the program, not yet timed
+                   on a GPU). Elsewhere XLA's GEMM and the split-and-pad copy.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -74,6 +80,7 @@ class Choices:
     dropout_masks: str
     packed_masks: bool
     mlp_backward: str
+    qkv_projection: str
     notes: tuple[str, ...]
 
 
@@ -103,9 +110,10 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
             cudnn: bool = False, dropout_masks: str | None = None, nvidia: bool = False,
-            mlp_backward: str | None = None, remat: str = "none") -> Choices:
-    """The policy, layer loop, attention, dropout masks (how drawn, how kept) and the MLP's
-    backward for `platform` ("cpu", "gpu", "tpu", ...).
+            mlp_backward: str | None = None, remat: str = "none",
+            qkv_projection: str | None = None) -> Choices:
+    """The policy, layer loop, attention, dropout masks (how drawn, how kept), the MLP's
+    backward and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...).
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -116,6 +124,7 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     nvidia: whether the device is an NVIDIA GPU of compute capability 8.0 or more
     (`cudnn_attention_runs`), where Pallas's Triton kernels run.
     mlp_backward: `--mlp-backward` if given, else None. remat: `--remat`.
+    qkv_projection: `--qkv-projection` if given, else None.
     """
     notes = []
     on_cpu = platform == "cpu"
@@ -188,8 +197,25 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     elif mlp_backward == "pallas" and saves_gelu:
         raise UsageError(f"--mlp-backward pallas recomputes the GELU's output, which --remat "
                          f"{remat} saves: use --mlp-backward xla, or a --remat without gelu")
+    if qkv_projection is None:
+        pallas = nvidia and attention == "cudnn" and policy.compute_dtype == jnp.bfloat16
+        qkv_projection = "pallas" if pallas else "xla"
+        if pallas:
+            notes.append("qkv projection: Pallas kernels that write cuDNN's padded q, k, v "
+                         "and return the input and bias gradients (--qkv-projection not "
+                         "given; less HBM traffic in the H100's compiled program, not yet "
+                         "timed on a GPU: docs/performance.md; --qkv-projection xla for "
+                         "XLA's GEMM and copies)")
+    elif qkv_projection == "pallas" and not nvidia:
+        raise UsageError(f"--qkv-projection pallas is a Triton kernel for NVIDIA GPUs (compute "
+                         f"capability 8.0 or more); this run is on {platform}: use "
+                         f"--qkv-projection xla")
+    elif qkv_projection == "pallas" and attention == "einsum":
+        raise UsageError("--qkv-projection pallas writes the fused attention's padded inputs; "
+                         "--attention einsum has none: use --attention cudnn (or xla), or "
+                         "--qkv-projection xla")
     return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_backward,
-                   tuple(notes))
+                   qkv_projection, tuple(notes))
 
 
 def cudnn_attention_runs(device) -> bool:
@@ -247,12 +273,14 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     cudnn = nvidia and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
                       attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks,
-                      nvidia=nvidia, mlp_backward=args.mlp_backward, remat=args.remat)
+                      nvidia=nvidia, mlp_backward=args.mlp_backward, remat=args.remat,
+                      qkv_projection=args.qkv_projection)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
                           packed_masks=choices.packed_masks,
-                          mlp_backward=choices.mlp_backward)
+                          mlp_backward=choices.mlp_backward,
+                          qkv_projection=choices.qkv_projection)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,
                       randaugment=tuple(args.randaugment),

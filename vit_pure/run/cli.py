@@ -13,6 +13,7 @@ from vit_pure.config import (
     MLP_BACKWARDS,
     POOLS,
     PRESETS,
+    QKV_PROJECTIONS,
     REMAT_SAVE_NAMES,
     get_preset,
     remat_saved_names,
@@ -117,6 +118,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "shapes fit its tiles); same results within rounding "
                         "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
                         "pallas on NVIDIA GPUs in bf16 unless --remat saves the GELU, else xla")
+    g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
+                   help="with --attention cudnn or xla, the q, k, v projection: one XLA GEMM "
+                        "and a copy that splits and pads its output (xla), or Pallas/Triton "
+                        "kernels that write the padded q, k, v straight away (pallas: NVIDIA "
+                        "GPUs; where the shapes fit its tiles); same results within rounding "
+                        "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
+                        "pallas with cuDNN attention on NVIDIA GPUs in bf16, else xla")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
