@@ -87,11 +87,11 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     sc = backend.step_config(args, platform="gpu")
     assert not sc.execution.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     assert sc.execution.packed_masks  # and on a CPU a byte a mask element, said:
-    assert sc.execution.mlp_backward == "xla"  # this CPU's device: no NVIDIA GPU
+    assert sc.execution.mlp_kernels == "xla"  # this CPU's device: no NVIDIA GPU
     h100 = backend.step_config(args, platform="gpu", device=_Device(compute_capability="9.0"))
-    assert h100.execution.mlp_backward == "pallas" and h100.execution.attention == "cudnn"
+    assert h100.execution.mlp_kernels == "pallas" and h100.execution.attention == "cudnn"
     cpu = backend.step_config(args, platform="cpu")
-    assert not cpu.execution.packed_masks and cpu.execution.mlp_backward == "xla"
+    assert not cpu.execution.packed_masks and cpu.execution.mlp_kernels == "xla"
     assert any(n.startswith("dropout masks: kept a byte an element") for n in cpu.notes)
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])
     assert quick.dtype == "auto"

@@ -1,15 +1,15 @@
-"""The MLP's backward as one Pallas kernel (vit_pure/pallas/mlp.py, `--mlp-backward pallas`).
+"""fc2 and the GELU as Pallas kernels (vit_pure/pallas/mlp.py, `--mlp-kernels pallas`).
 
-* the kernel, run by Pallas's interpreter on the CPU (the kernel body and tiling that
-  Triton compiles for a GPU; tests/test_deviceless.py compiles it for the H100), returns
-  what the reference formulas return: fc2's input gradient times the GELU's derivative,
-  the GELU's output, and their column sums; so does the whole-array arithmetic that a
-  program lowered for a CPU runs in its place;
-* the model's gradients with the custom VJP around it equal the XLA path's, on one device
-  and under tensor parallelism (each device's kernel sees its M / model hidden units),
-  where it adds no collective;
-* shapes its tiles do not fit run the reference path, and the flags that cannot use it
-  are refused in one line.
+* the three kernels, run by Pallas's interpreter on the CPU (the kernel bodies and tiling
+  that Triton compiles for a GPU; tests/test_deviceless.py compiles them for the H100),
+  return what the reference formulas return: gelu(h) @ w; fc2's input gradient times the
+  GELU's derivative and its column sums; gelu(h).T @ dz; so does the whole-array
+  arithmetic that a program lowered for a CPU runs in their place;
+* the model's gradients with the custom VJP around them equal the XLA path's, on one
+  device and under tensor parallelism (each device's kernels see its M / model hidden
+  units), where they add no collective;
+* shapes their tiles do not fit run the reference path, and the flags that cannot use
+  them are refused in one line.
 """
 from __future__ import annotations
 
@@ -38,56 +38,65 @@ CFG = PRESETS["tiny"].replace(name="mlp-kernel-test", width=48, heads=4, mlp_dim
 
 
 def _reference(dz, w, h):
-    """(dh, gelu(h), dbias) by autodiff of gelu(h) @ w, in float32."""
-    def f(h):
+    """(z, dh, dbias, dw) by autodiff of gelu(h) @ w, in float32."""
+    def f(h, w):
         return jnp.sum(jax.nn.gelu(h, approximate=True) @ w * dz)
-    dh = jax.grad(f)(h)
-    return dh, jax.nn.gelu(h, approximate=True), dh.sum(axis=0)
+    dh, dw = jax.grad(f, argnums=(0, 1))(h, w)
+    return jax.nn.gelu(h, approximate=True) @ w, dh, dh.sum(axis=0), dw
+
+
+def _kernels(dz, w, h, **kw):
+    """(z, dh, dbias, dw) from the three kernels."""
+    return (mlp_kernel.gelu_fc2_forward(h, w, dz.dtype, **kw),
+            *mlp_kernel.gelu_fc2_backward(dz, w, h, **kw),
+            mlp_kernel.gelu_fc2_weight_gradient(h, dz, w.dtype, **kw))
 
 
 @pytest.mark.parametrize("interpret", [True, False])
-@pytest.mark.parametrize("rows, hidden, width", [(96, 256, 48), (272, 64, 128), (16, 16, 16)])
-def test_the_kernel_computes_the_reference_formulas(rows, hidden, width, interpret):
+@pytest.mark.parametrize("rows, hidden, width", [(96, 256, 48), (512, 64, 128), (16, 16, 16)])
+def test_the_kernels_compute_the_reference_formulas(rows, hidden, width, interpret):
+    """512 rows: the weight gradient's sum in 4 row ranges of 128."""
     k = jax.random.split(jax.random.key(0), 3)
     dz = jax.random.normal(k[0], (rows, width), jnp.float32)
     w = 0.2 * jax.random.normal(k[1], (hidden, width), jnp.float32)
     h = 2 * jax.random.normal(k[2], (rows, hidden), jnp.float32)
-    got = mlp_kernel.gelu_fc2_backward(dz, w, h, jnp.float32, interpret=interpret,
-                                       precision=jax.lax.Precision.HIGHEST)
-    for g, r, name in zip(got, _reference(dz, w, h), ("dh", "gelu", "dbias")):
+    got = _kernels(dz, w, h, interpret=interpret, precision=jax.lax.Precision.HIGHEST)
+    for g, r, name in zip(got, _reference(dz, w, h), ("z", "dh", "dbias", "dw")):
         assert g.shape == r.shape and g.dtype == jnp.float32, name
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()),
                                    err_msg=name)
 
 
-def test_in_bf16_dh_is_within_one_rounding_of_the_float32_formula():
-    """bf16 in and out, as on the GPU: dh within one bf16 rounding of the float32 formula
-    (the XLA path also rounds fc2's input gradient to bf16 first); the bias gradient is
-    the float32 sum of the bf16 dh it returned."""
+def test_in_bf16_each_output_is_within_one_rounding_of_the_float32_formula():
+    """bf16 in and out, as on the GPU: z, dh and dw within a bf16 rounding or two of the
+    float32 formulas (the kernels round gelu(h) to bf16 for the tensor cores, as cuBLASLt's
+    epilogue does; the XLA path also rounds fc2's input gradient to bf16 first); the bias
+    gradient is the float32 sum of the bf16 dh returned."""
     k = jax.random.split(jax.random.key(1), 3)
     dz, w, h = (jax.random.normal(k[0], (128, 64), jnp.bfloat16),
                 (0.2 * jax.random.normal(k[1], (64, 64))).astype(jnp.bfloat16),
                 jax.random.normal(k[2], (128, 64), jnp.bfloat16))
-    dh, gelu, dbias = mlp_kernel.gelu_fc2_backward(dz, w, h, jnp.bfloat16, interpret=True)
-    assert (dh.dtype, gelu.dtype, dbias.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
-    want_dh, want_gelu, _ = _reference(*(a.astype(jnp.float32) for a in (dz, w, h)))
-    for got, want in ((dh, want_dh), (gelu, want_gelu)):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7,
-                                   atol=2 ** -7 * float(jnp.abs(want).max()) / 8)
+    z, dh, dbias, dw = _kernels(dz, w, h, interpret=True)
+    assert (z.dtype, dh.dtype, dbias.dtype, dw.dtype) == (jnp.bfloat16,) * 2 + (
+        jnp.float32, jnp.bfloat16)
+    want = _reference(*(a.astype(jnp.float32) for a in (dz, w, h)))
+    for got, r, name in ((z, want[0], "z"), (dh, want[1], "dh"), (dw, want[3], "dw")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), r, rtol=2 ** -6,
+                                   atol=2 ** -7 * float(jnp.abs(r).max()) / 4, err_msg=name)
     np.testing.assert_allclose(dbias, dh.astype(jnp.float32).sum(0), rtol=1e-6, atol=1e-4)
 
 
 def test_tiles_fit_exactly_or_not_at_all():
     assert mlp_kernel.tiles(266240, 1536, 384) == (128, 128, 128)  # vit-cifar, batch 4096
+    assert mlp_kernel.splits(266240, 128) == 16  # 16 row ranges of 130 tiles
     assert mlp_kernel.tiles(17 * 16, 64, 48) == (16, 64, 16)
     assert mlp_kernel.tiles(17 * 8, 64, 48) is None  # 136 rows: no multiple of 16
     assert mlp_kernel.tiles(272, 40, 48) is None and mlp_kernel.tiles(272, 64, 24) is None
     with pytest.raises(ValueError, match="no tiling fits rows 136"):
         mlp_kernel.gelu_fc2_backward(jnp.zeros((136, 48)), jnp.zeros((64, 48)),
-                                     jnp.zeros((136, 64)), jnp.float32)
+                                     jnp.zeros((136, 64)))
     with pytest.raises(ValueError, match="do not fit"):
-        mlp_kernel.gelu_fc2_backward(jnp.zeros((16, 48)), jnp.zeros((48, 64)),
-                                     jnp.zeros((16, 64)), jnp.float32)
+        mlp_kernel.gelu_fc2_forward(jnp.zeros((16, 48)), jnp.zeros((64, 48)), jnp.float32)
 
 
 def _loss_and_grads(cfg, execution, batch):
@@ -114,18 +123,19 @@ def _assert_close(got, want, msg=""):
 
 @pytest.mark.parametrize("scan, remat", [(False, "none"), (True, "block-save-dots")])
 def test_model_gradients_equal_the_xla_path(scan, remat):
-    pallas = Execution(scan=scan, remat=remat, mlp_backward="pallas")
+    pallas = Execution(scan=scan, remat=remat, mlp_kernels="pallas")
     (loss, grads), calls = _loss_and_grads(CFG, pallas, 16)
-    (want_loss, want), none = _loss_and_grads(CFG, pallas.replace(mlp_backward="xla"), 16)
-    # In the trace once a layer (the scan traces its body once); a CPU runs its other branch.
-    assert (calls, none) == (1 if scan else CFG.depth, 0)
+    (want_loss, want), none = _loss_and_grads(CFG, pallas.replace(mlp_kernels="xla"), 16)
+    # Three kernels, in the trace once a layer (the scan traces its body once); a CPU runs
+    # their other branch.
+    assert (calls, none) == (3 if scan else 3 * CFG.depth, 0)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
     _assert_close(grads, want)
 
 
 def test_shapes_the_tiles_do_not_fit_run_the_reference_path():
     """8 examples of 17 tokens: 136 rows, no multiple of 16: the same program as "xla"."""
-    (_, grads), calls = _loss_and_grads(CFG, Execution(mlp_backward="pallas"), 8)
+    (_, grads), calls = _loss_and_grads(CFG, Execution(mlp_kernels="pallas"), 8)
     (_, want), _ = _loss_and_grads(CFG, Execution(), 8)
     assert calls == 0
     _assert_close(grads, want)
@@ -137,7 +147,7 @@ def test_tensor_parallel_gradients_equal_one_device(mesh, fsdp):
     """The train script's shard_map gradients with the kernel equal one device's with XLA's
     kernels (float32). Batch 64: 16 or 32 examples a device, 272 or 544 rows; with the
     pipeline, two microbatches of 16 a device, and FSDP gathering w before the kernel."""
-    sc = step.StepConfig(CFG, Policy(), execution=Execution(mlp_backward="pallas"))
+    sc = step.StepConfig(CFG, Policy(), execution=Execution(mlp_kernels="pallas"))
     optimizer = step.make_optimizer(step.OptimConfig(warmup_steps=1), 1)[0]
     state = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, optimizer))
     rng = np.random.default_rng(0)
@@ -165,27 +175,27 @@ def test_tensor_parallel_gradients_equal_one_device(mesh, fsdp):
     assert sites == collective_sites(jax.make_jaxpr(grads_step(xla))(*args))
 
 
-def test_the_default_is_the_kernel_on_an_nvidia_gpu_in_bf16_only():
+def test_the_default_is_the_kernels_on_an_nvidia_gpu_in_bf16_only():
     def choose(dtype="bf16", nvidia=True, given=None, remat="none", platform="gpu"):
         return backend.resolve(dtype, "default", None, platform, nvidia=nvidia,
-                               mlp_backward=given, remat=remat)
+                               mlp_kernels=given, remat=remat)
 
     chosen = choose()
-    assert chosen.mlp_backward == "pallas"
-    assert any(n.startswith("MLP backward: one Pallas kernel") for n in chosen.notes)
-    assert choose(nvidia=False).mlp_backward == "xla"  # ROCm, or before compute capability 8
-    assert choose(dtype="fp32").mlp_backward == "xla"
-    assert choose(remat="block-save:dot+gelu").mlp_backward == "xla"
-    assert choose(remat="block-save-dots").mlp_backward == "pallas"
-    assert choose(given="xla").mlp_backward == "xla"
-    assert choose(platform="cpu", nvidia=False, dtype="fp32").mlp_backward == "xla"
+    assert chosen.mlp_kernels == "pallas"
+    assert any(n.startswith("MLP kernels: Pallas kernels") for n in chosen.notes)
+    assert choose(nvidia=False).mlp_kernels == "xla"  # ROCm, or before compute capability 8
+    assert choose(dtype="fp32").mlp_kernels == "xla"
+    assert choose(remat="block-save:dot+gelu").mlp_kernels == "xla"
+    assert choose(remat="block-save-dots").mlp_kernels == "pallas"
+    assert choose(given="xla").mlp_kernels == "xla"
+    assert choose(platform="cpu", nvidia=False, dtype="fp32").mlp_kernels == "xla"
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mlp-backward", "pallas"], "--mlp-backward pallas is a Triton kernel for NVIDIA GPUs"),
-    (["--mlp-backward", "pallas", "--remat", "block-save:gelu"],
-     "--mlp-backward pallas recomputes the GELU's output, which --remat block-save:gelu")])
-def test_flags_that_cannot_use_it_are_one_line_errors(flags, message):
+    (["--mlp-kernels", "pallas"], "--mlp-kernels pallas are Triton kernels for NVIDIA GPUs"),
+    (["--mlp-kernels", "pallas", "--remat", "block-save:gelu"],
+     "--mlp-kernels pallas recomputes the GELU's output, which --remat block-save:gelu")])
+def test_flags_that_cannot_use_them_are_one_line_errors(flags, message):
     args = cli.parse_args(cli.build_parser("t"), ["--model", "tiny", *flags])
     with pytest.raises(UsageError, match=message):
         backend.step_config(args, platform="cpu" if "--remat" not in flags else "gpu",
@@ -196,8 +206,8 @@ class _Gpu:
     compute_capability = "9.0"
 
 
-def test_execution_refuses_the_kernel_with_a_remat_that_saves_the_gelu():
+def test_execution_refuses_the_kernels_with_a_remat_that_saves_the_gelu():
     with pytest.raises(ValueError, match="recomputes the GELU's output"):
-        Execution(mlp_backward="pallas", remat="block-save:gelu")
-    with pytest.raises(ValueError, match="mlp_backward must be one of xla, pallas"):
-        Execution(mlp_backward="triton")
+        Execution(mlp_kernels="pallas", remat="block-save:gelu")
+    with pytest.raises(ValueError, match="mlp_kernels must be one of xla, pallas"):
+        Execution(mlp_kernels="triton")

@@ -11,10 +11,10 @@ import dataclasses
 
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks,
-# --mlp-backward, --remat).
+# --mlp-kernels, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
-MLP_BACKWARDS = ("xla", "pallas")
+MLP_KERNELS = ("xla", "pallas")
 QKV_PROJECTIONS = ("xla", "pallas")
 REMAT_MODES = ("none", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
@@ -152,13 +152,15 @@ class Execution:
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same
                    masks and results; less memory and HBM traffic on a GPU.
-    mlp_backward   the MLP's backward through fc2, the GELU and fc1's bias: XLA's kernels
-                   for the reference formulas ("xla"), or one Pallas kernel for the three
-                   (vit_pure/pallas/mlp.py: Triton on a GPU; a program lowered for a CPU
-                   runs its arithmetic on whole arrays in XLA) where the shapes fit its
-                   tiles and the matmul dtype is the compute dtype, else the reference
-                   ("pallas"). The same results within rounding; not with a remat mode
-                   that saves the GELU's output, which the kernel recomputes.
+    mlp_kernels    fc2 and the GELU before it, forward and backward: XLA's kernels for
+                   the reference formulas ("xla"), or three Pallas kernels that never
+                   write the GELU's output (vit_pure/pallas/mlp.py: fc2 with the GELU in
+                   its prologue; fc2's input gradient times the GELU's derivative, with
+                   fc1's bias gradient; fc2's weight gradient. Triton on a GPU; a program
+                   lowered for a CPU runs their arithmetic on whole arrays in XLA) where
+                   the shapes fit their tiles and the matmul dtype is the compute dtype,
+                   else the reference ("pallas"). The same results within rounding; not
+                   with a remat mode that saves the GELU's output, which they recompute.
     qkv_projection the attention's q, k, v projection with a fused attention ("xla" or
                    "cudnn"): one XLA GEMM, then a copy that splits and pads its output
                    ("xla"), or a Pallas kernel that writes the three padded arrays
@@ -173,7 +175,7 @@ class Execution:
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
     packed_masks: bool = True
-    mlp_backward: str = "xla"
+    mlp_kernels: str = "xla"
     qkv_projection: str = "xla"
 
     def __post_init__(self):
@@ -184,12 +186,12 @@ class Execution:
         if self.dropout_masks not in DROPOUT_MASKS:
             raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
                              f"got {self.dropout_masks!r}")
-        if self.mlp_backward not in MLP_BACKWARDS:
-            raise ValueError(f"mlp_backward must be one of {', '.join(MLP_BACKWARDS)}, "
-                             f"got {self.mlp_backward!r}")
-        if self.mlp_backward == "pallas" and "gelu" in remat_saved_names(self.remat):
-            raise ValueError(f"mlp_backward 'pallas' recomputes the GELU's output, which "
-                             f"remat {self.remat!r} saves: use mlp_backward 'xla'")
+        if self.mlp_kernels not in MLP_KERNELS:
+            raise ValueError(f"mlp_kernels must be one of {', '.join(MLP_KERNELS)}, "
+                             f"got {self.mlp_kernels!r}")
+        if self.mlp_kernels == "pallas" and "gelu" in remat_saved_names(self.remat):
+            raise ValueError(f"mlp_kernels 'pallas' recomputes the GELU's output, which "
+                             f"remat {self.remat!r} saves: use mlp_kernels 'xla'")
         if self.qkv_projection not in QKV_PROJECTIONS:
             raise ValueError(f"qkv_projection must be one of {', '.join(QKV_PROJECTIONS)}, "
                              f"got {self.qkv_projection!r}")

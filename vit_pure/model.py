@@ -78,7 +78,13 @@ from vit_pure.dropout import (
     site_keys,
 )
 from vit_pure.pallas import qkv as qkv_kernel
-from vit_pure.pallas.mlp import gelu_and_slope, gelu_fc2_backward, tiles
+from vit_pure.pallas.mlp import (
+    gelu_and_slope,
+    gelu_fc2_backward,
+    gelu_fc2_forward,
+    gelu_fc2_weight_gradient,
+    tiles,
+)
 from vit_pure.policy import Policy, einsum, matmul
 from vit_pure.remat import GELU, LN, MASK, save_dot, save_policy
 
@@ -312,33 +318,35 @@ def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
 
 
 def _pallas_fits(h, w, policy: Policy) -> bool:
-    """Whether `_bias_gelu_fc2`'s kernel takes fc1's output h (rows, M) and fc2's kernel w
-    (M, E): its tiles fit and the matmul returns the compute dtype (the kernel's dot
-    reads fc2's incoming gradient and w in one dtype)."""
+    """Whether `_bias_gelu_fc2`'s kernels take fc1's output h (rows, M) and fc2's kernel w
+    (M, E): their tiles fit and the matmul returns w's dtype, the compute dtype (their
+    dots read h, fc2's incoming gradient and w in one dtype)."""
     return (h.ndim == 2 and policy.matmul_dtype == w.dtype
             and tiles(h.shape[0], w.shape[0], w.shape[1]) is not None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _bias_gelu_fc2(h, bias, w, dtype, policy: Policy):
-    """fc2(gelu(h + bias)): `_bias`, `_gelu` and `_gelu_matmul` (remat "none") in one, the
-    same forward operations (XLA:GPU folds bias and GELU into fc1's GEMM as before), with
-    a backward that runs fc2's input gradient, the GELU's derivative and fc1's bias
-    gradient as one Pallas kernel (vit_pure/pallas/mlp.py; `Execution.mlp_backward`).
-    Keeps h + bias (rows, M) for the backward, and recomputes the GELU's output there."""
-    return _bias_gelu_fc2_fwd(h, bias, w, dtype, policy)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bias_gelu_fc2(h, bias, w, policy: Policy):
+    """fc2(gelu(h + bias)): `_bias`, `_gelu` and `_gelu_matmul` (remat "none") in one, as
+    the Pallas kernels of vit_pure/pallas/mlp.py (`Execution.mlp_kernels`): fc1's bias
+    is added in fc1's GEMM (XLA:GPU folds it into cuBLASLt's epilogue), then fc2 with the
+    GELU in its prologue; the backward runs fc2's input gradient, the GELU's derivative
+    and fc1's bias gradient as one kernel and fc2's weight gradient as another, each
+    recomputing the GELU from h + bias (rows, M), the one array kept for the backward.
+    The GELU's output (rows, M) is never written."""
+    return _bias_gelu_fc2_fwd(h, bias, w, policy)[0]
 
 
-def _bias_gelu_fc2_fwd(h, bias, w, dtype, policy):
+def _bias_gelu_fc2_fwd(h, bias, w, policy):
     pre = h + bias.astype(h.dtype)
-    return matmul(_gelu(pre, dtype), w, policy), (pre, bias, w)
+    z = gelu_fc2_forward(pre, w, policy.matmul_dtype, precision=policy.precision)
+    return z, (pre, bias, w)
 
 
-def _bias_gelu_fc2_bwd(dtype, policy, residuals, dz):
+def _bias_gelu_fc2_bwd(policy, residuals, dz):
     pre, bias, w = residuals
-    dpre, gelu, dbias = gelu_fc2_backward(dz, w, pre, dtype, precision=policy.precision)
-    dw = jnp.einsum("rm,re->me", gelu, dz, precision=policy.precision,
-                    preferred_element_type=w.dtype)
+    dpre, dbias = gelu_fc2_backward(dz, w, pre, precision=policy.precision)
+    dw = gelu_fc2_weight_gradient(pre, dz, w.dtype, precision=policy.precision)
     return dpre, dbias.astype(bias.dtype), dw
 
 
@@ -564,9 +572,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml), matmul dtype
-    if execution.mlp_backward == "pallas" and _pallas_fits(h, m["fc2"]["kernel"], policy):
-        y = _bias_gelu_fc2(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], cd,
-                           policy)
+    if execution.mlp_kernels == "pallas" and _pallas_fits(h, m["fc2"]["kernel"], policy):
+        y = _bias_gelu_fc2(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], policy)
     else:
         h = _bias(h, m["fc1"]["bias"], barrier=True)
         y = _gelu_matmul(h, m["fc2"]["kernel"], cd, policy,

@@ -1,29 +1,41 @@
-"""The MLP's backward pass through fc2 and the GELU as one Pallas (Triton) kernel.
+"""fc2 and the GELU before it as three Pallas (Triton) kernels, forward and backward.
 
 The MLP computes z = gelu(h) @ w, h = fc1's output plus its bias (B*T, M), w = fc2's
-kernel (M, E). Its backward, as XLA:GPU builds it from the reference formulas, is three
-kernels that pass (B*T, M) arrays through HBM:
+kernel (M, E). As XLA:GPU builds it from the reference formulas, each pass writes gelu(h)
+or a (B*T, M) gradient that the next kernel reads back:
 
-    dg = dz @ w.T              cuBLAS: writes dg
-    dh = dg * gelu'(h)         elementwise: reads dg and h, writes dh and gelu(h)
-    db = sum over rows of dh   a reduction: reads dh again
+    forward   fc1's GEMM writes h and gelu(h) (cuBLASLt's BIAS_GELU_AUX epilogue); fc2's
+              GEMM reads gelu(h)
+    backward  dg = dz @ w.T (cuBLAS: writes dg); dh = dg * gelu'(h) (elementwise: reads
+              dg and h, writes dh and gelu(h) again); db = the column sums of dh (reads
+              dh again); dw = gelu(h).T @ dz (cuBLAS: reads gelu(h))
 
-`gelu_fc2_backward` is one kernel: for a (BM, BN) tile it accumulates dz @ w.T over E in
-float32 on the tensor cores, multiplies by gelu'(h) in float32 in registers, and writes
-dh, gelu(h) (which fc2's weight gradient, an ordinary GEMM, reads) and the tile's column
-sums of dh (float32, one row per row block; the caller adds those up). dg is never
-written and dh is read by no second pass: 2.4 GB less HBM traffic a block for vit-cifar
-at batch 4096 on the deviceless H100 (docs/performance.md).
+Here gelu(h) and dg are never written:
 
-It computes what the reference formulas compute with one rounding fewer: dg stays in
-float32 (the reference rounds it to the matmul dtype first). No collective: under tensor
-parallelism each device holds M / model hidden units of h and w, and every sum here runs
-over rows or over E.
+  * `gelu_fc2_forward`: fc2 with the GELU in its prologue. Each (BM, BK) tile of h is put
+    through the GELU in float32 as it is loaded, rounded to w's dtype for the tensor
+    cores (as cuBLASLt's epilogue rounds its output) and multiplied in; fc1 then writes
+    h alone (its bias in its GEMM's epilogue).
+  * `gelu_fc2_backward`: for a (BM, BN) tile, dz @ w.T accumulated over E in float32 on
+    the tensor cores, multiplied by gelu'(h) in registers; writes dh and the tile's
+    column sums of dh (float32, one row per row block; the caller adds those up).
+  * `gelu_fc2_weight_gradient`: gelu(h).T @ dz, the GELU recomputed from each tile of h
+    as it is loaded; the sum over rows is split into row ranges (float32 partial sums,
+    added up by the caller) so that the (M, E) output's few tiles keep the GPU busy.
 
-The kernel is lowered by Pallas to Triton, which XLA:GPU compiles for NVIDIA GPUs (a
+For vit-cifar at batch 4096 on the deviceless H100 that is 3.3 GB less HBM traffic a
+block than XLA's kernels (docs/performance.md). The arithmetic is the reference's with
+one rounding fewer in the backward (dg stays in float32; the reference rounds it to the
+matmul dtype first). No collective: under tensor parallelism each device holds M / model
+hidden units of h and w, and every sum here runs over rows, over E or over its own
+hidden units.
+
+The kernels are lowered by Pallas to Triton, which XLA:GPU compiles for NVIDIA GPUs (a
 deviceless compile included). A program lowered for a CPU runs the same arithmetic on
-whole arrays in XLA instead (`lax.platform_dependent`); `interpret=True` runs the kernel
-itself with Pallas's interpreter on any backend: how the tests check its tiling on a CPU.
+whole arrays in XLA instead (`lax.platform_dependent`); `interpret=True` runs the kernels
+themselves with Pallas's interpreter on any backend: how the tests check their tiling on
+a CPU (outside shard_map only: inside, the interpreter checks the kernel's constants
+against the blocks' mesh axes and refuses).
 """
 from __future__ import annotations
 
@@ -39,6 +51,7 @@ from vit_pure.pallas.common import block, vary_alike
 
 F32 = jnp.float32
 GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+SPLITS = (16, 8, 4, 2, 1)  # row ranges the weight gradient's sum is split into, at most
 
 
 def gelu_and_slope(x):
@@ -49,96 +62,214 @@ def gelu_and_slope(x):
     return gelu, slope
 
 
+def _gelu(h, dtype):
+    """gelu(h) in float32, rounded to `dtype`: what the forward and weight-gradient kernels
+    feed the tensor cores."""
+    return gelu_and_slope(h.astype(F32))[0].astype(dtype)
+
+
 def tiles(rows: int, hidden: int, width: int) -> tuple[int, int, int] | None:
-    """(BM, BN, BK) for dz (rows, width), w (hidden, width), or None when no tiling of
-    the kernel's fits those sizes exactly (the caller then runs the reference path)."""
-    bm, bn, bk = block(rows), block(hidden), block(width)  # rows, hidden units, over E
-    return None if None in (bm, bn, bk) else (bm, bn, bk)
+    """(BR, BM, BE) for h (rows, hidden) and w (hidden, width): the tiles of the rows, the
+    hidden units and E that every kernel here uses; None when none fits those sizes
+    exactly (the caller then runs the reference path)."""
+    fit = block(rows), block(hidden), block(width)
+    return None if None in fit else fit
 
 
-def _epilogue(dg, h, gelu_dtype):
-    """From dg = dz @ w.T (float32) and h, a tile or the whole array: dh (h's dtype),
-    gelu(h) (`gelu_dtype`) and dh's column sums (float32, (1, n))."""
-    gelu, slope = gelu_and_slope(h.astype(F32))
-    dh = (dg * slope).astype(h.dtype)
-    return dh, gelu.astype(gelu_dtype), jnp.sum(dh.astype(F32), axis=0, keepdims=True)
+def _check(h, w, dz_or_none, who):
+    rows, hidden = h.shape
+    width = w.shape[1]
+    if (w.shape[0] != hidden or h.dtype != w.dtype
+            or (dz_or_none is not None and (dz_or_none.shape != (rows, width)
+                                            or dz_or_none.dtype != w.dtype))):
+        raise ValueError(f"{who}: h {h.shape} {h.dtype}, w {w.shape} {w.dtype}"
+                         + ("" if dz_or_none is None else
+                            f", dz {dz_or_none.shape} {dz_or_none.dtype}")
+                         + " do not fit h (rows, M), w (M, E), dz (rows, E), one dtype")
+    fit = tiles(rows, hidden, width)
+    if fit is None:
+        raise ValueError(f"{who}: no tiling fits rows {rows}, M {hidden}, E {width} (`tiles`)")
+    return fit
 
 
-def _kernel(dz_ref, w_ref, h_ref, dh_ref, gelu_ref, dbias_ref, *, bk: int, precision):
-    """One (BM, BN) tile: dz_ref (BM, E), w_ref (BN, E), h_ref (BM, BN) in; dh_ref and
-    gelu_ref (BM, BN), dbias_ref (1, BN) float32 out."""
-    def dot(k):  # the k-th BK columns of the contraction over E
-        cols = pl.ds(k * bk, bk)
+def _dispatch(kernel, whole_arrays, arrays, interpret):
+    if interpret:
+        return kernel(*arrays, interpret=True)
+    return jax.lax.platform_dependent(*arrays, default=functools.partial(kernel, interpret=False),
+                                      cpu=whole_arrays)
+
+
+# ---------------------------------------------------------------------------- forward
+def gelu_fc2_forward(h, w, out_dtype, *, precision=None, interpret: bool = False):
+    """z = gelu(h) @ w, (rows, E) in `out_dtype`, from h (rows, M) and w (M, E) of one
+    dtype: gelu(h) in float32 rounded to that dtype, the product accumulated in float32.
+    precision: the matmul's (`lax.Precision`, as the policy's; None is the default: TF32
+    for float32 inputs on a GPU, as XLA's GEMMs). interpret: True runs the kernel with
+    Pallas's interpreter, on any backend (for tests); False (the default) decides where
+    the program is lowered: Triton on a GPU, on a CPU the same arithmetic on whole arrays
+    in XLA. Shapes must fit `tiles` (ValueError otherwise)."""
+    fit = _check(h, w, None, "gelu_fc2_forward")
+    kernel = functools.partial(_forward_call, tiling=fit, out_dtype=out_dtype,
+                               precision=precision)
+    whole = functools.partial(_forward_whole, out_dtype=out_dtype, precision=precision)
+    return _dispatch(kernel, whole, vary_alike(h, w), interpret)
+
+
+def _forward_kernel(h_ref, w_ref, z_ref, *, bm: int, precision):
+    """One (BR, BE) tile of z: h_ref (BR, M), w_ref (M, BE) in, z_ref (BR, BE) out."""
+    def step(k, acc):
+        units = pl.ds(pl.multiple_of(k * bm, bm), bm)
+        return acc + pl_triton.dot(_gelu(h_ref[:, units], w_ref.dtype), w_ref[units, :],
+                                   precision=precision)
+
+    acc = jax.lax.fori_loop(0, h_ref.shape[1] // bm, step, jnp.zeros(z_ref.shape, F32))
+    z_ref[...] = acc.astype(z_ref.dtype)
+
+
+def _forward_call(h, w, *, tiling, out_dtype, precision, interpret):
+    (rows, hidden), width = h.shape, w.shape[1]
+    br, bm, be = tiling
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, bm=bm, precision=precision),
+        grid=(rows // br, width // be),  # row blocks outer: a row block of h stays in L2
+        in_specs=[pl.BlockSpec((br, hidden), lambda i, j: (i, 0)),
+                  pl.BlockSpec((hidden, be), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((br, be), lambda i, j: (i, j)),
+        # Inside shard_map the output varies over the mesh axes h varies over.
+        out_shape=jax.ShapeDtypeStruct((rows, width), out_dtype,
+                                       manual_axis_type=jax.typeof(h).mat),
+        compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=3),
+        interpret=interpret,
+        name="gelu_fc2_forward",
+        # Read back from the compiled program by vit_pure/xla/kernels.py: Triton's IR in
+        # the HLO is opaque, so each kernel states its matmul FLOPs.
+        metadata={"flops": str(2 * rows * hidden * width)},
+    )(h, w)
+
+
+def _forward_whole(h, w, *, out_dtype, precision):
+    """The forward kernel's arithmetic on whole arrays, in XLA: what a CPU runs."""
+    return jnp.dot(_gelu(h, w.dtype), w, precision=precision,
+                   preferred_element_type=F32).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------- input gradient
+def gelu_fc2_backward(dz, w, h, *, precision=None, interpret: bool = False):
+    """For z = gelu(h) @ w: (dh, dbias) from dz (rows, E), w (M, E) and h (rows, M).
+
+    dh: the gradient at h (h's dtype), dz @ w.T times gelu'(h), the product kept in
+    float32 until then; dbias: the column sums of dh (float32, (M,)), the gradient of a
+    bias added to make h. precision, interpret: as `gelu_fc2_forward`. Shapes must fit
+    `tiles` (ValueError otherwise)."""
+    fit = _check(h, w, dz, "gelu_fc2_backward")
+    kernel = functools.partial(_backward_call, tiling=fit, precision=precision)
+    whole = functools.partial(_backward_whole, precision=precision)
+    return _dispatch(kernel, whole, vary_alike(dz, w, h), interpret)
+
+
+def _backward_epilogue(dg, h):
+    """From dg = dz @ w.T (float32) and h, a tile or the whole array: dh (h's dtype) and
+    dh's column sums (float32, (1, n))."""
+    dh = (dg * gelu_and_slope(h.astype(F32))[1]).astype(h.dtype)
+    return dh, jnp.sum(dh.astype(F32), axis=0, keepdims=True)
+
+
+def _backward_kernel(dz_ref, w_ref, h_ref, dh_ref, dbias_ref, *, be: int, precision):
+    """One (BR, BM) tile: dz_ref (BR, E), w_ref (BM, E), h_ref (BR, BM) in;
+    dh_ref (BR, BM), dbias_ref (1, BM) float32 out."""
+    def dot(k):  # the k-th BE columns of the contraction over E
+        cols = pl.ds(k * be, be)
         return pl_triton.dot(dz_ref[:, cols], w_ref[:, cols], trans_b=True, precision=precision)
 
     dg = dot(0)
-    for k in range(1, dz_ref.shape[1] // bk):  # unrolled: E / BK steps
+    for k in range(1, dz_ref.shape[1] // be):  # unrolled: E / BE steps
         dg += dot(k)
-    dh_ref[...], gelu_ref[...], dbias_ref[...] = _epilogue(dg, h_ref[...], gelu_ref.dtype)
+    dh_ref[...], dbias_ref[...] = _backward_epilogue(dg, h_ref[...])
 
 
-def _whole_arrays(dz, w, h, *, gelu_dtype, precision):
-    """The kernel's arithmetic on whole arrays, in XLA: what a CPU runs (one row block)."""
-    dg = jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=F32)
-    dh, gelu, dbias = _epilogue(dg, h, gelu_dtype)
-    return dh, gelu, dbias[0]
-
-
-def gelu_fc2_backward(dz, w, h, gelu_dtype, *, precision=None, interpret: bool = False):
-    """For z = gelu(h) @ w: (dh, gelu(h), dbias) from dz (rows, E), w (M, E), h (rows, M).
-
-    dh: the gradient at h (h's dtype), dz @ w.T times gelu'(h), the product kept in
-    float32 until then; gelu(h) in `gelu_dtype`, for fc2's weight gradient; dbias: the
-    column sums of dh (float32, (M,)), the gradient of a bias added to make h.
-    precision: the matmul's (`lax.Precision`, as the policy's; None is the default:
-    TF32 for float32 inputs on a GPU, as XLA's GEMMs).
-    interpret: True runs the kernel with Pallas's interpreter, on any backend (for tests;
-    outside shard_map only: inside, the interpreter checks the kernel's constants against
-    the blocks' mesh axes and refuses). False (the default) decides where the program is
-    lowered: Triton on a GPU, and on a CPU the same arithmetic on whole arrays in XLA.
-    Shapes must fit `tiles` (ValueError otherwise)."""
-    rows, width = dz.shape
-    hidden = w.shape[0]
-    if w.shape[1] != width or h.shape != (rows, hidden) or dz.dtype != w.dtype:
-        raise ValueError(f"gelu_fc2_backward: dz {dz.shape} {dz.dtype}, w {w.shape} "
-                         f"{w.dtype}, h {h.shape} do not fit dz (rows, E), w (M, E) of "
-                         "dz's dtype, h (rows, M)")
-    fit = tiles(rows, hidden, width)
-    if fit is None:
-        raise ValueError(f"gelu_fc2_backward: no tiling fits rows {rows}, M {hidden}, "
-                         f"E {width} (`tiles`)")
-    dz, w, h = vary_alike(dz, w, h)
-    call = functools.partial(_call, tiling=fit, gelu_dtype=gelu_dtype, precision=precision)
-    if interpret:
-        return call(dz, w, h, interpret=True)
-    return jax.lax.platform_dependent(
-        dz, w, h, default=functools.partial(call, interpret=False),
-        cpu=functools.partial(_whole_arrays, gelu_dtype=gelu_dtype, precision=precision))
-
-
-def _call(dz, w, h, *, tiling, gelu_dtype, precision, interpret):
-    (rows, width), hidden = dz.shape, w.shape[0]
-    bm, bn, bk = tiling
-    grid = (rows // bm, hidden // bn)  # row blocks outer: a row block's dz stays in L2
-    dh, gelu, dbias = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, precision=precision),
+def _backward_call(dz, w, h, *, tiling, precision, interpret):
+    (rows, width), hidden = dz.shape, h.shape[1]
+    br, bm, be = tiling
+    grid = (rows // br, hidden // bm)  # row blocks outer: a row block's dz stays in L2
+    dh, dbias = pl.pallas_call(
+        functools.partial(_backward_kernel, be=be, precision=precision),
         grid=grid,
-        in_specs=[pl.BlockSpec((bm, width), lambda i, j: (i, 0)),
-                  pl.BlockSpec((bn, width), lambda i, j: (j, 0)),
-                  pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
-        out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                   pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                   pl.BlockSpec((1, bn), lambda i, j: (i, j))],
-        # Inside shard_map the outputs vary over the mesh axes h varies over.
+        in_specs=[pl.BlockSpec((br, width), lambda i, j: (i, 0)),
+                  pl.BlockSpec((bm, width), lambda i, j: (j, 0)),
+                  pl.BlockSpec((br, bm), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((br, bm), lambda i, j: (i, j)),
+                   pl.BlockSpec((1, bm), lambda i, j: (i, j))],
         out_shape=[jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(h).mat)
-                   for shape, dtype in ((h.shape, h.dtype), (h.shape, gelu_dtype),
-                                        ((grid[0], hidden), F32))],
+                   for shape, dtype in ((h.shape, h.dtype), ((grid[0], hidden), F32))],
         compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
         name="gelu_fc2_backward",
-        # Read back from the compiled program by vit_pure/xla/kernels.py: Triton's IR in
-        # the HLO is opaque, so the kernel states its matmul FLOPs.
         metadata={"flops": str(2 * rows * hidden * width)},
     )(dz, w, h)
-    return dh, gelu, dbias.sum(axis=0)  # the row blocks' column sums added up
+    return dh, dbias.sum(axis=0)  # the row blocks' column sums added up
+
+
+def _backward_whole(dz, w, h, *, precision):
+    """The input-gradient kernel's arithmetic on whole arrays, in XLA: what a CPU runs."""
+    dg = jnp.dot(dz, w.T, precision=precision, preferred_element_type=F32)
+    dh, dbias = _backward_epilogue(dg, h)
+    return dh, dbias[0]
+
+
+# ---------------------------------------------------------------------------- weight gradient
+def splits(rows: int, br: int) -> int:
+    """How many row ranges `gelu_fc2_weight_gradient` sums separately: the most of `SPLITS`
+    that cuts the rows into whole BR-row tiles."""
+    return next(s for s in SPLITS if rows % (s * br) == 0)
+
+
+def gelu_fc2_weight_gradient(h, dz, out_dtype, *, precision=None, interpret: bool = False):
+    """For z = gelu(h) @ w: dw = gelu(h).T @ dz, (M, E) in `out_dtype`, from h (rows, M)
+    and dz (rows, E) of one dtype; gelu(h) in float32 rounded to that dtype, the sum over
+    rows in float32. precision, interpret: as `gelu_fc2_forward`. Shapes must fit `tiles`
+    (ValueError otherwise)."""
+    w_like = jax.ShapeDtypeStruct((h.shape[1], dz.shape[1]), dz.dtype)
+    fit = _check(h, w_like, dz, "gelu_fc2_weight_gradient")
+    kernel = functools.partial(_weight_call, tiling=fit, out_dtype=out_dtype,
+                               precision=precision)
+    whole = functools.partial(_weight_whole, out_dtype=out_dtype, precision=precision)
+    return _dispatch(kernel, whole, vary_alike(h, dz), interpret)
+
+
+def _weight_kernel(h_ref, dz_ref, dw_ref, *, br: int, precision):
+    """One row range's (BM, BE) tile of dw: h_ref (R, BM), dz_ref (R, BE) in, R rows of
+    this range; dw_ref (BM, BE) float32 out, this range's partial sum."""
+    def step(k, acc):
+        rows = pl.ds(pl.multiple_of(k * br, br), br)
+        return acc + pl_triton.dot(_gelu(h_ref[rows, :], dz_ref.dtype), dz_ref[rows, :],
+                                   trans_a=True, precision=precision)
+
+    dw_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0] // br, step,
+                                    jnp.zeros(dw_ref.shape, F32))
+
+
+def _weight_call(h, dz, *, tiling, out_dtype, precision, interpret):
+    (rows, hidden), width = h.shape, dz.shape[1]
+    br, bm, be = tiling
+    n = splits(rows, br)
+    grid = (n, hidden // bm, width // be)  # E innermost: a range's tile of h stays in L2
+    partial = pl.pallas_call(
+        functools.partial(_weight_kernel, br=br, precision=precision),
+        grid=grid,
+        in_specs=[pl.BlockSpec((rows // n, bm), lambda s, i, j: (s, i)),
+                  pl.BlockSpec((rows // n, be), lambda s, i, j: (s, j))],
+        out_specs=pl.BlockSpec((bm, be), lambda s, i, j: (s * grid[1] + i, j)),
+        out_shape=jax.ShapeDtypeStruct((n * hidden, width), F32,
+                                       manual_axis_type=jax.typeof(h).mat),
+        compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=3),
+        interpret=interpret,
+        name="gelu_fc2_weight_gradient",
+        metadata={"flops": str(2 * rows * hidden * width)},
+    )(h, dz)
+    return partial.reshape(n, hidden, width).sum(axis=0).astype(out_dtype)
+
+
+def _weight_whole(h, dz, *, out_dtype, precision):
+    """The weight-gradient kernel's arithmetic on whole arrays, in XLA: what a CPU runs."""
+    return jnp.dot(_gelu(h, dz.dtype).T, dz, precision=precision,
+                   preferred_element_type=F32).astype(out_dtype)

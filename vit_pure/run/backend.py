@@ -33,13 +33,13 @@ says what was chosen and why:
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
-  MLP backward     `--mlp-backward` not given: one Pallas (Triton) kernel for fc2's input
-                   gradient, the GELU's derivative and fc1's bias gradient
-                   (vit_pure/pallas/mlp.py) on an NVIDIA GPU of compute capability 8.0 or
-                   more in bf16, unless --remat saves the GELU's output (the kernel
-                   recomputes it): the H100's compiled program moves 14.7 GB a step less
-                   through HBM (counted from the program, not yet timed on a GPU). XLA's
-                   kernels elsewhere; a CPU runs the same arithmetic in XLA anyway.
+  MLP kernels      `--mlp-kernels` not given: three Pallas (Triton) kernels for fc2 and
+                   the GELU, forward and backward, that never write the GELU's output
+                   (vit_pure/pallas/mlp.py), on an NVIDIA GPU of compute capability 8.0 or
+                   more in bf16, unless --remat saves the GELU's output (the kernels
+                   recompute it): less HBM traffic in the H100's compiled program (counted
+                   from the program, not yet timed on a GPU). XLA's kernels elsewhere; a
+                   CPU runs the same arithmetic in XLA anyway.
   qkv projection   `--qkv-projection` not given: with cuDNN attention (chosen or given),
                    Pallas (Triton) kernels that write q, k and v padded as cuDNN takes
                    them straight from the LayerNorm's padded output, and the input and bias
@@ -79,7 +79,7 @@ class Choices:
     attention: str
     dropout_masks: str
     packed_masks: bool
-    mlp_backward: str
+    mlp_kernels: str
     qkv_projection: str
     notes: tuple[str, ...]
 
@@ -110,10 +110,10 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
             cudnn: bool = False, dropout_masks: str | None = None, nvidia: bool = False,
-            mlp_backward: str | None = None, remat: str = "none",
+            mlp_kernels: str | None = None, remat: str = "none",
             qkv_projection: str | None = None) -> Choices:
     """The policy, layer loop, attention, dropout masks (how drawn, how kept), the MLP's
-    backward and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...).
+    kernels and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...).
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -123,7 +123,7 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     dropout_masks: `--dropout-masks` if given, else None.
     nvidia: whether the device is an NVIDIA GPU of compute capability 8.0 or more
     (`cudnn_attention_runs`), where Pallas's Triton kernels run.
-    mlp_backward: `--mlp-backward` if given, else None. remat: `--remat`.
+    mlp_kernels: `--mlp-kernels` if given, else None. remat: `--remat`.
     qkv_projection: `--qkv-projection` if given, else None.
     """
     notes = []
@@ -182,21 +182,22 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
                      "save memory on a GPU, not time here; docs/performance.md)")
 
     saves_gelu = "gelu" in remat_saved_names(remat)
-    if mlp_backward is None:
+    if mlp_kernels is None:
         pallas = nvidia and policy.compute_dtype == jnp.bfloat16 and not saves_gelu
-        mlp_backward = "pallas" if pallas else "xla"
+        mlp_kernels = "pallas" if pallas else "xla"
         if pallas:
-            notes.append("MLP backward: one Pallas kernel for fc2's input gradient, the GELU's "
-                         "derivative and fc1's bias gradient (--mlp-backward not given; less "
-                         "HBM traffic in the H100's compiled program, not yet timed on a GPU: "
-                         "docs/performance.md; --mlp-backward xla for XLA's kernels)")
-    elif mlp_backward == "pallas" and not nvidia:
-        raise UsageError(f"--mlp-backward pallas is a Triton kernel for NVIDIA GPUs (compute "
+            notes.append("MLP kernels: Pallas kernels for fc2 and the GELU, forward and "
+                         "backward, that never write the GELU's output (--mlp-kernels not "
+                         "given; less HBM traffic in the H100's compiled program, not yet "
+                         "timed on a GPU: docs/performance.md; --mlp-kernels xla for XLA's "
+                         "kernels)")
+    elif mlp_kernels == "pallas" and not nvidia:
+        raise UsageError(f"--mlp-kernels pallas are Triton kernels for NVIDIA GPUs (compute "
                          f"capability 8.0 or more); this run is on {platform}: use "
-                         f"--mlp-backward xla")
-    elif mlp_backward == "pallas" and saves_gelu:
-        raise UsageError(f"--mlp-backward pallas recomputes the GELU's output, which --remat "
-                         f"{remat} saves: use --mlp-backward xla, or a --remat without gelu")
+                         f"--mlp-kernels xla")
+    elif mlp_kernels == "pallas" and saves_gelu:
+        raise UsageError(f"--mlp-kernels pallas recomputes the GELU's output, which --remat "
+                         f"{remat} saves: use --mlp-kernels xla, or a --remat without gelu")
     if qkv_projection is None:
         pallas = nvidia and attention == "cudnn" and policy.compute_dtype == jnp.bfloat16
         qkv_projection = "pallas" if pallas else "xla"
@@ -214,7 +215,7 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
         raise UsageError("--qkv-projection pallas writes the fused attention's padded inputs; "
                          "--attention einsum has none: use --attention cudnn (or xla), or "
                          "--qkv-projection xla")
-    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_backward,
+    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_kernels,
                    qkv_projection, tuple(notes))
 
 
@@ -273,13 +274,13 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     cudnn = nvidia and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
     choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
                       attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks,
-                      nvidia=nvidia, mlp_backward=args.mlp_backward, remat=args.remat,
+                      nvidia=nvidia, mlp_kernels=args.mlp_kernels, remat=args.remat,
                       qkv_projection=args.qkv_projection)
     _check_attention(choices.attention, choices.policy, platform, args.cfg)
     execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
                           packed_masks=choices.packed_masks,
-                          mlp_backward=choices.mlp_backward,
+                          mlp_kernels=choices.mlp_kernels,
                           qkv_projection=choices.qkv_projection)
     return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
                       execution=execution,

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from vit_pure.config import (
     ATTENTION_IMPLS,
     DROPOUT_MASKS,
-    MLP_BACKWARDS,
+    MLP_KERNELS,
     POOLS,
     PRESETS,
     QKV_PROJECTIONS,
@@ -112,10 +112,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "to 2^-16); other masks, the same distribution (docs/performance.md). "
                         "Default: per backend (vit_pure/run/backend.py): threefry16 on "
                         "accelerators, bernoulli on CPU")
-    g.add_argument("--mlp-backward", default=None, choices=list(MLP_BACKWARDS),
-                   help="the MLP's backward through fc2, the GELU and fc1's bias: XLA's kernels "
-                        "(xla) or one Pallas/Triton kernel (pallas: NVIDIA GPUs; where the "
-                        "shapes fit its tiles); same results within rounding "
+    g.add_argument("--mlp-kernels", default=None, choices=list(MLP_KERNELS),
+                   help="fc2 and the GELU before it, forward and backward: XLA's kernels (xla) "
+                        "or three Pallas/Triton kernels that never write the GELU's output "
+                        "(pallas: NVIDIA GPUs; where the shapes fit their tiles); same results "
+                        "within rounding "
                         "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
                         "pallas on NVIDIA GPUs in bf16 unless --remat saves the GELU, else xla")
     g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
