@@ -53,7 +53,9 @@ def pytest_configure(config):
     several files), and a program compiled once loads from the cache after that. The
     process that starts the run (the xdist controller, or pytest alone) makes an empty
     directory, its workers share it through the environment, and the starter removes it
-    at the end, so nothing carries over between runs. The size limit turns on JAX's file
+    at the end, so nothing carries over between runs, unless the directory was given in
+    VIT_PURE_TEST_XLA_CACHE before the run (kept then: .ci/run shares one between its two
+    runs). The size limit turns on JAX's file
     lock (the `filelock` package), so two workers never read an entry while the other is
     writing it.
 
@@ -64,8 +66,8 @@ def pytest_configure(config):
     that kill a process kill process 1, or a single one only past a timeout."""
     import jax
 
-    shared = os.environ.get(_CACHE_ENV)
-    if shared and hasattr(config, "workerinput"):
+    shared = os.environ.get(_CACHE_ENV)  # set: a worker, or a cache given from outside
+    if shared:
         cache_dir = shared
     else:
         cache_dir = config._xla_cache_dir = tempfile.mkdtemp(prefix="vit-pure-test-xla-cache-")
