@@ -5,36 +5,21 @@
   return what the reference formulas return: gelu(h) @ w; fc2's input gradient times the
   GELU's derivative and its column sums; gelu(h).T @ dz; so does the whole-array
   arithmetic that a program lowered for a CPU runs in their place;
-* the model's gradients with the custom VJP around them equal the XLA path's, on one
-  device and under tensor parallelism (each device's kernels see its M / model hidden
-  units), where they add no collective;
-* shapes their tiles do not fit run the reference path, and the flags that cannot use
-  them are refused in one line.
+* shapes their tiles do not fit are refused (the model then runs the reference path:
+  tests/test_pallas_model.py, which checks the model's gradients with the kernels), and
+  the flags that cannot use them are refused in one line.
 """
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST, grads_step
-from test_collective_sites import collective_sites, misplaced
 
-import train_shardmap as ts
-from vit_pure import model, step
-from vit_pure.config import PRESETS, Execution
+from vit_pure.config import Execution
 from vit_pure.errors import UsageError
 from vit_pure.pallas import mlp as mlp_kernel
-from vit_pure.policy import LossScale, Policy
 from vit_pure.run import backend, cli
-
-# Sizes the kernel's tiles fit: E 48 (BK 16), M 64 (BN 64; 32 and 16 under TP over 2 and
-# 4), 17 tokens: the local batch a multiple of 16 makes the rows a multiple of 16 (BM).
-CFG = PRESETS["tiny"].replace(name="mlp-kernel-test", width=48, heads=4, mlp_dim=64,
-                              depth=2, drop_path=0.0)
 
 
 def _reference(dz, w, h):
@@ -97,82 +82,6 @@ def test_tiles_fit_exactly_or_not_at_all():
                                      jnp.zeros((136, 64)))
     with pytest.raises(ValueError, match="do not fit"):
         mlp_kernel.gelu_fc2_forward(jnp.zeros((16, 48)), jnp.zeros((64, 48)), jnp.float32)
-
-
-def _loss_and_grads(cfg, execution, batch):
-    params = model.init_params(jax.random.key(0), cfg)
-    rng = np.random.default_rng(0)
-    images = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 10, batch))
-
-    def loss(p):
-        logits = model.apply(p, images, cfg, Policy(), train=True, rng=jax.random.key(1),
-                             example_ids=jnp.arange(batch), execution=execution)
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(batch), labels])
-
-    calls = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call[")
-    return jax.jit(jax.value_and_grad(loss)).lower(params).compile(FAST)(params), calls
-
-
-def _assert_close(got, want, msg=""):
-    scale = math.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(want)))
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale,
-                                   err_msg=f"{msg} {jax.tree_util.keystr(path)}")
-
-
-@pytest.mark.parametrize("scan, remat", [(False, "none"), (True, "block-save-dots")])
-def test_model_gradients_equal_the_xla_path(scan, remat):
-    pallas = Execution(scan=scan, remat=remat, mlp_kernels="pallas")
-    (loss, grads), calls = _loss_and_grads(CFG, pallas, 16)
-    (want_loss, want), none = _loss_and_grads(CFG, pallas.replace(mlp_kernels="xla"), 16)
-    # Three kernels, in the trace once a layer (the scan traces its body once); a CPU runs
-    # their other branch.
-    assert (calls, none) == (3 if scan else 3 * CFG.depth, 0)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
-    _assert_close(grads, want)
-
-
-def test_shapes_the_tiles_do_not_fit_run_the_reference_path():
-    """8 examples of 17 tokens: 136 rows, no multiple of 16: the same program as "xla"."""
-    (_, grads), calls = _loss_and_grads(CFG, Execution(mlp_kernels="pallas"), 8)
-    (_, want), _ = _loss_and_grads(CFG, Execution(), 8)
-    assert calls == 0
-    _assert_close(grads, want)
-
-
-@pytest.mark.parametrize("mesh, fsdp", [("data=4,model=2", False), ("data=2,model=4", False),
-                                        ("data=2,pipe=2,model=2", True)])
-def test_tensor_parallel_gradients_equal_one_device(mesh, fsdp):
-    """The train script's shard_map gradients with the kernel equal one device's with XLA's
-    kernels (float32). Batch 64: 16 or 32 examples a device, 272 or 544 rows; with the
-    pipeline, two microbatches of 16 a device, and FSDP gathering w before the kernel."""
-    sc = step.StepConfig(CFG, Policy(), execution=Execution(mlp_kernels="pallas"))
-    optimizer = step.make_optimizer(step.OptimConfig(warmup_steps=1), 1)[0]
-    state = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, optimizer))
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
-    labels = rng.integers(0, 10, (64,), dtype=np.int32)
-    ids, key = np.arange(64, dtype=np.int32), step.step_key(0, 0, 0)
-
-    reference = dataclasses.replace(sc, execution=Execution())
-    want, _ = jax.jit(lambda p: step.local_grads(
-        reference, p, LossScale.create(dynamic=False), images, labels, ids, key)
-    ).lower(state["params"]).compile(FAST)(state["params"])
-
-    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
-    args = (strategy.put_state(state), *strategy.put_batch(images, labels, ids),
-            strategy.put_replicated(key))
-    grads_of = grads_step(strategy)
-    jaxpr = jax.make_jaxpr(grads_of)(*args)
-    assert "pallas_call[" in str(jaxpr)  # the pipeline traces its stage more than once
-    grads, _ = grads_of.lower(*args).compile(FAST)(*args)
-    _assert_close(jax.device_get(grads), jax.device_get(want), mesh)
-    # The same collectives as XLA's path, all where the code writes them.
-    xla = ts.ShardMapStrategy(reference, optimizer, mesh, fsdp=fsdp)
-    sites = collective_sites(jaxpr)
-    assert sites and not misplaced(sites)
-    assert sites == collective_sites(jax.make_jaxpr(grads_step(xla))(*args))
 
 
 def test_the_default_is_the_kernels_on_an_nvidia_gpu_in_bf16_only():

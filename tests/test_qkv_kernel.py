@@ -5,37 +5,21 @@
   return what the reference formulas return: x @ w + bias in thirds; [dq dk dv] @ w.T
   and the column sums of dq, dk, dv; so does the whole-array arithmetic that a program
   lowered for a CPU runs in their place;
-* the model's loss and gradients with them (the fused attention "xla", which a CPU runs)
-  equal the XLA path's, on one device and under tensor parallelism with FSDP and a
-  pipeline (each device's kernels see its heads' columns), where they add no collective;
-* shapes the tiles do not fit run the reference path, and the flags that cannot use them
-  are refused in one line.
+* shapes the tiles do not fit are refused (the model then runs the reference path:
+  tests/test_pallas_model.py, which checks the model's loss and gradients with the
+  kernels), and the flags that cannot use them are refused in one line.
 """
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST, grads_step
-from test_collective_sites import collective_sites, misplaced
 
-import train_shardmap as ts
-from vit_pure import model, step
-from vit_pure.config import PRESETS, Execution
+from vit_pure.config import Execution
 from vit_pure.errors import UsageError
 from vit_pure.pallas import qkv
-from vit_pure.policy import LossScale, Policy
 from vit_pure.run import backend, cli
-
-# Sizes the tiles fit: E 64, 4 heads of 16 (Hl*D 64; 32 and 16 under TP over 2 and 4);
-# 17 tokens padded to 24, so a local batch of 2 or more makes the rows a multiple of 16.
-CFG = PRESETS["tiny"].replace(name="qkv-kernel-test", width=64, heads=4, mlp_dim=64,
-                              depth=2, drop_path=0.0)
-XLA_ATTENTION = Execution(attention="xla")
 
 
 def _arrays(key, *shapes, dtype=jnp.float32):
@@ -93,82 +77,6 @@ def test_tiles_fit_exactly_or_not_at_all():
     with pytest.raises(ValueError, match="do not fit"):
         qkv.projection(jnp.zeros((16, 64)), jnp.zeros((48, 192)), jnp.zeros(192),
                        jnp.float32)
-
-
-def _loss_and_grads(execution, batch):
-    params = model.init_params(jax.random.key(0), CFG)
-    rng = np.random.default_rng(0)
-    images = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 10, batch))
-
-    def loss(p):
-        logits = model.apply(p, images, CFG, Policy(), train=True, rng=jax.random.key(1),
-                             example_ids=jnp.arange(batch), execution=execution)
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(batch), labels])
-
-    calls = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call[")
-    return jax.jit(jax.value_and_grad(loss)).lower(params).compile(FAST)(params), calls
-
-
-def _assert_close(got, want, msg=""):
-    scale = math.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(want)))
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale,
-                                   err_msg=f"{msg} {jax.tree_util.keystr(path)}")
-
-
-@pytest.mark.parametrize("scan, remat", [(False, "none"), (True, "block-save-dots")])
-def test_model_gradients_equal_the_xla_path(scan, remat):
-    xla = XLA_ATTENTION.replace(scan=scan, remat=remat)
-    (loss, grads), calls = _loss_and_grads(xla.replace(qkv_projection="pallas"), 8)
-    (want_loss, want), none = _loss_and_grads(xla, 8)
-    # Two kernels a layer, in the trace once a layer (the scan traces its body once);
-    # a CPU runs their other branch.
-    assert (calls, none) == (2 if scan else 2 * CFG.depth, 0)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
-    _assert_close(grads, want)
-
-
-def test_shapes_the_tiles_do_not_fit_run_the_reference_path():
-    """One example: 24 padded rows, no multiple of 16: the same program as "xla"."""
-    (_, grads), calls = _loss_and_grads(XLA_ATTENTION.replace(qkv_projection="pallas"), 1)
-    (_, want), _ = _loss_and_grads(XLA_ATTENTION, 1)
-    assert calls == 0
-    _assert_close(grads, want)
-
-
-@pytest.mark.parametrize("mesh, fsdp", [("data=4,model=2", False),
-                                        ("data=2,pipe=2,model=2", True)])
-def test_tensor_parallel_gradients_equal_one_device(mesh, fsdp):
-    """The train script's shard_map gradients with the kernels equal one device's with the
-    XLA path (float32). Batch 32: 8 or 16 examples a device (with the pipeline, two
-    microbatches of 8); FSDP gathers w before the kernels."""
-    sc = step.StepConfig(CFG, Policy(), execution=XLA_ATTENTION.replace(qkv_projection="pallas"))
-    optimizer = step.make_optimizer(step.OptimConfig(warmup_steps=1), 1)[0]
-    state = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, optimizer))
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8)
-    labels = rng.integers(0, 10, (32,), dtype=np.int32)
-    ids, key = np.arange(32, dtype=np.int32), step.step_key(0, 0, 0)
-
-    reference = dataclasses.replace(sc, execution=XLA_ATTENTION)
-    want, _ = jax.jit(lambda p: step.local_grads(
-        reference, p, LossScale.create(dynamic=False), images, labels, ids, key)
-    ).lower(state["params"]).compile(FAST)(state["params"])
-
-    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
-    args = (strategy.put_state(state), *strategy.put_batch(images, labels, ids),
-            strategy.put_replicated(key))
-    grads_of = grads_step(strategy)
-    jaxpr = jax.make_jaxpr(grads_of)(*args)
-    assert "pallas_call[" in str(jaxpr)
-    grads, _ = grads_of.lower(*args).compile(FAST)(*args)
-    _assert_close(jax.device_get(grads), jax.device_get(want), mesh)
-    # The same collectives as the XLA path's, all where the code writes them.
-    xla = ts.ShardMapStrategy(reference, optimizer, mesh, fsdp=fsdp)
-    sites = collective_sites(jaxpr)
-    assert sites and not misplaced(sites)
-    assert sites == collective_sites(jax.make_jaxpr(grads_step(xla))(*args))
 
 
 def test_the_default_is_the_kernels_with_cudnn_attention_in_bf16_only():
