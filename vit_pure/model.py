@@ -317,7 +317,7 @@ def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
     return jax.checkpoint(gelu_matmul, policy=jax.checkpoint_policies.nothing_saveable)(x, w)
 
 
-def _pallas_fits(h, w, policy: Policy) -> bool:
+def _mlp_pallas_fits(h, w, policy: Policy) -> bool:
     """Whether `_bias_gelu_fc2`'s kernels take fc1's output h (rows, M) and fc2's kernel w
     (M, E): their tiles fit and the matmul returns w's dtype, the compute dtype (their
     dots read h, fc2's incoming gradient and w in one dtype)."""
@@ -370,9 +370,8 @@ def _padded_qkv(h, w, bias, tokens: int, cfg: ViTConfig, policy: Policy):
     E, Tp = h.shape[-1], padded_length(tokens)
     hp = jnp.pad(h.reshape(-1, tokens, E), ((0, 0), (0, Tp - tokens), (0, 0)))
     qkv = _qkv_projection(hp.reshape(-1, E), w, _varying_like(bias, h), policy)
-    return tuple(save_dot(a).astype(policy.compute_dtype).reshape(-1, Tp, a.shape[-1]
-                                                                  // cfg.head_dim,
-                                                                  cfg.head_dim)
+    D = cfg.head_dim
+    return tuple(save_dot(a).astype(policy.compute_dtype).reshape(-1, Tp, a.shape[-1] // D, D)
                  for a in qkv)
 
 
@@ -572,7 +571,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     m = p["mlp"]
     h = _copy_to_tp(checkpoint_name(_layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (B*T, Ml), matmul dtype
-    if execution.mlp_kernels == "pallas" and _pallas_fits(h, m["fc2"]["kernel"], policy):
+    if execution.mlp_kernels == "pallas" and _mlp_pallas_fits(h, m["fc2"]["kernel"], policy):
         y = _bias_gelu_fc2(h, _varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], policy)
     else:
         h = _bias(h, m["fc1"]["bias"], barrier=True)

@@ -145,7 +145,8 @@ def projection_input_gradient(dq, dk, dv, w, out_dtype, *, precision=None,
     (`out_dtype`, accumulated in float32 over all 3n), dbias = the column sums of dq, dk
     and dv side by side (float32, (3n,)). Shapes must fit `tiles` (ValueError otherwise)."""
     rows, columns = dq.shape
-    fit = _check(jnp.zeros((rows, w.shape[0]), w.dtype), w, columns, "qkv input gradient")
+    fit = _check(jax.ShapeDtypeStruct((rows, w.shape[0]), w.dtype), w, columns,
+                 "qkv input gradient")
     if not (dq.shape == dk.shape == dv.shape and dq.dtype == dk.dtype == dv.dtype == w.dtype):
         raise ValueError(f"qkv input gradient: dq {dq.shape} {dq.dtype}, dk {dk.shape} "
                          f"{dk.dtype}, dv {dv.shape} {dv.dtype}: want one shape and w's "
