@@ -11,7 +11,7 @@ import dataclasses
 
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks,
-# --mlp-kernels, --remat).
+# --mlp-kernels, --qkv-projection, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 MLP_KERNELS = ("xla", "pallas")
