@@ -1,5 +1,8 @@
-"""What the Pallas kernels share: tile sizes, and the mesh-axis types of their inputs."""
+"""What the Pallas kernels share: tile sizes, the mesh-axis types of their inputs, and
+which program a call lowers to."""
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -20,3 +23,13 @@ def vary_alike(*arrays):
     return tuple(jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying, key=str)),
                                to="varying") if axes - jax.typeof(a).mat.varying else a
                  for a in arrays)
+
+
+def dispatch(kernel, whole_arrays, arrays, interpret: bool):
+    """kernel(*arrays): with `interpret`, run by Pallas's interpreter (any backend, for
+    tests); else lowered by Pallas (Triton on a GPU), and on a CPU `whole_arrays(*arrays)`,
+    the same arithmetic on whole arrays in XLA, in its place (`lax.platform_dependent`)."""
+    if interpret:
+        return kernel(*arrays, interpret=True)
+    return jax.lax.platform_dependent(*arrays, default=functools.partial(kernel, interpret=False),
+                                      cpu=whole_arrays)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from vit_pure.pallas.common import block, vary_alike
+from vit_pure.pallas.common import block, dispatch, vary_alike
 
 F32 = jnp.float32
 GELU_C = math.sqrt(2.0 / math.pi)  # the tanh form: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
@@ -92,13 +92,6 @@ def _check(h, w, dz_or_none, who):
     return fit
 
 
-def _dispatch(kernel, whole_arrays, arrays, interpret):
-    if interpret:
-        return kernel(*arrays, interpret=True)
-    return jax.lax.platform_dependent(*arrays, default=functools.partial(kernel, interpret=False),
-                                      cpu=whole_arrays)
-
-
 # ---------------------------------------------------------------------------- forward
 def gelu_fc2_forward(h, w, out_dtype, *, precision=None, interpret: bool = False):
     """z = gelu(h) @ w, (rows, E) in `out_dtype`, from h (rows, M) and w (M, E) of one
@@ -112,7 +105,7 @@ def gelu_fc2_forward(h, w, out_dtype, *, precision=None, interpret: bool = False
     kernel = functools.partial(_forward_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_forward_whole, out_dtype=out_dtype, precision=precision)
-    return _dispatch(kernel, whole, vary_alike(h, w), interpret)
+    return dispatch(kernel, whole, vary_alike(h, w), interpret)
 
 
 def _forward_kernel(h_ref, w_ref, z_ref, *, bm: int, precision):
@@ -164,7 +157,7 @@ def gelu_fc2_backward(dz, w, h, *, precision=None, interpret: bool = False):
     fit = _check(h, w, dz, "gelu_fc2_backward")
     kernel = functools.partial(_backward_call, tiling=fit, precision=precision)
     whole = functools.partial(_backward_whole, precision=precision)
-    return _dispatch(kernel, whole, vary_alike(dz, w, h), interpret)
+    return dispatch(kernel, whole, vary_alike(dz, w, h), interpret)
 
 
 def _backward_epilogue(dg, h):
@@ -233,7 +226,7 @@ def gelu_fc2_weight_gradient(h, dz, out_dtype, *, precision=None, interpret: boo
     kernel = functools.partial(_weight_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_weight_whole, out_dtype=out_dtype, precision=precision)
-    return _dispatch(kernel, whole, vary_alike(h, dz), interpret)
+    return dispatch(kernel, whole, vary_alike(h, dz), interpret)
 
 
 def _weight_kernel(h_ref, dz_ref, dw_ref, *, br: int, precision):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from vit_pure.pallas.common import block, vary_alike
+from vit_pure.pallas.common import block, dispatch, vary_alike
 
 F32 = jnp.float32
 
@@ -67,13 +67,6 @@ def _check(x, w, columns, who):
     return fit
 
 
-def _dispatch(kernel, whole_arrays, arrays, interpret):
-    if interpret:
-        return kernel(*arrays, interpret=True)
-    return jax.lax.platform_dependent(*arrays, default=functools.partial(kernel, interpret=False),
-                                      cpu=whole_arrays)
-
-
 # ---------------------------------------------------------------------------- forward
 def projection(x, w, bias, out_dtype, *, precision=None, interpret: bool = False):
     """(q, k, v): x @ w + bias split into thirds by columns, each (rows, n) of `out_dtype`.
@@ -91,7 +84,7 @@ def projection(x, w, bias, out_dtype, *, precision=None, interpret: bool = False
     kernel = functools.partial(_projection_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_projection_whole, out_dtype=out_dtype, precision=precision)
-    return _dispatch(kernel, whole, (x, w, bias), interpret)
+    return dispatch(kernel, whole, (x, w, bias), interpret)
 
 
 def _projection_kernel(x_ref, w_ref, b_ref, q_ref, k_ref, v_ref, *, bk, precision):
@@ -155,7 +148,7 @@ def projection_input_gradient(dq, dk, dv, w, out_dtype, *, precision=None,
     kernel = functools.partial(_gradient_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_gradient_whole, out_dtype=out_dtype, precision=precision)
-    return _dispatch(kernel, whole, arrays, interpret)
+    return dispatch(kernel, whole, arrays, interpret)
 
 
 def _gradient_kernel(dq_ref, dk_ref, dv_ref, w_ref, dx_ref, db_ref, *, bk, precision):
