@@ -3,8 +3,8 @@ and benchmarks.deviceless.
 
 The kernel reading is checked on a hand-written fragment of XLA:GPU's HLO (no plugin
 needed). The compiles need JAX's CUDA plugin (`pip install -r requirements-gpu.txt`, about
-5.5 GB): they are marked slow and skipped, saying so, where it is not installed. .ci/run
-installs it before its slow tests. Run them with the plugin:
+5.5 GB, or only the plugin and cuDNN as .ci/run installs them before its slow tests): they
+are marked slow and skipped, saying so, where it is not installed. Run them with the plugin:
 `python -m pytest -q -m slow tests/test_deviceless.py`.
 """
 from __future__ import annotations
