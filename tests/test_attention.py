@@ -24,10 +24,9 @@ import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
 from jax.extend.core import jaxprs_in_params
 
-from vit_pure import model
-from vit_pure.attention import fused_attention, padded_length
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
+from vit_pure.layers.attention import attention_einsum, fused_attention, padded_length
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 from vit_pure.run import backend, cli
@@ -105,7 +104,7 @@ def test_the_mask_matters():
         q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in
                    jnp.moveaxis(qkv.reshape(B, T, 3, H, D), 2, 0))
         unmasked = jax.nn.dot_product_attention(q, k, v, implementation="xla")[:, :T]
-        return (model._attention_einsum(qkv, CFG, policy),
+        return (attention_einsum(qkv, CFG, policy),
                 fused_attention(qkv, CFG, policy, "xla")[:, :T], unmasked.reshape(B, T, H * D))
 
     qkv = np.random.default_rng(4).standard_normal((B, T, 3 * H * D), np.float32)

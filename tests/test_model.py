@@ -13,13 +13,13 @@ from vit_pure import (
     Policy,
     apply,
     count_params,
-    dropout,
     init_params,
     model,
     param_axes,
     step,
 )
 from vit_pure.config import DROPOUT_MASKS, Execution, ViTConfig
+from vit_pure.layers import dropout
 from vit_pure.run import backend, cli
 from vit_pure.tools.params_table import format_param_table
 
@@ -104,7 +104,7 @@ def test_policy_decides_every_dot_of_the_training_step(tiny_params, policy, resu
 
 def test_no_gradient_is_summed_in_bf16(tiny_params):
     """Under bf16 matmul outputs (m=bf16, the GPU default) the bias gradients, sums over
-    every token of a bf16 gradient, add up in float32 (`model._add_bias`): no sum of the
+    every token of a bf16 gradient, add up in float32 (`layers.linear._add_bias`): no sum of the
     training step's gradient runs in bf16. (Autodiff of a plain bias add sums in bf16:
     24 such sums in this model before `_add_bias`.)"""
     pol = Policy.parse("p=f32,c=bf16,o=f32,m=bf16")
@@ -195,11 +195,11 @@ def test_dropout_masks_keep_the_rate_and_the_mean(masks):
     both = (~flat).all(axis=1).mean()
     assert abs(both - rate ** 2) < 5 * np.sqrt(rate ** 2 / len(flat))
     x = jnp.full((64, *shape), 1.0)
-    out = model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
+    out = dropout.dropout(x, rate, keys, 1, model._SITE_ATTN, masks)
     assert abs(float(out.mean()) - 1.0) < 5 * np.sqrt(rate / (1 - rate) / n)
     # Examples and sites draw different masks.
     assert (keep[0] != keep[1]).mean() > 0.1
-    other = model._dropout(x, rate, keys, 1, model._SITE_MLP, masks)
+    other = dropout.dropout(x, rate, keys, 1, model._SITE_MLP, masks)
     assert float(jnp.mean((out == 0) != (other == 0))) > 0.1
 
 
@@ -212,15 +212,15 @@ def test_masks_on_token_rows_belong_to_their_example(masks):
     B, T, E, rate = 6, 5, 4, 0.5
     keys = dropout.example_keys(jax.random.key(1), jnp.arange(B))
     x = jax.random.normal(jax.random.key(2), (B, T, E))
-    rows = model._dropout(x.reshape(B * T, E), 0.3, keys, 2, model._SITE_MLP, masks)
-    np.testing.assert_array_equal(rows, model._dropout(x, 0.3, keys, 2, model._SITE_MLP,
+    rows = dropout.dropout(x.reshape(B * T, E), 0.3, keys, 2, model._SITE_MLP, masks)
+    np.testing.assert_array_equal(rows, dropout.dropout(x, 0.3, keys, 2, model._SITE_MLP,
                                                        masks).reshape(B * T, E))
-    paths = model._drop_path(jnp.ones((B * T, E)), rate, keys, 3, model._SITE_PATH_MLP)
+    paths = dropout.drop_path(jnp.ones((B * T, E)), rate, keys, 3, model._SITE_PATH_MLP)
     per_example = np.asarray(paths).reshape(B, T * E)
     assert set(np.unique(per_example)) <= {0.0, 1.0 / (1 - rate)}
     assert (per_example == per_example[:, :1]).all()  # all rows of an example alike
     assert 0 < (per_example[:, 0] == 0).sum() < B  # some examples dropped, some kept
-    alone = model._drop_path(jnp.ones((T, E)), rate, keys[2:3], 3, model._SITE_PATH_MLP)
+    alone = dropout.drop_path(jnp.ones((T, E)), rate, keys[2:3], 3, model._SITE_PATH_MLP)
     np.testing.assert_array_equal(alone, paths[2 * T:3 * T])
 
 
@@ -251,8 +251,8 @@ def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
     rows = jax.random.normal(jax.random.key(6), (3 * 5, 16))
     for masks in DROPOUT_MASKS:
         np.testing.assert_array_equal(
-            model._dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=True),
-            model._dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=False))
+            dropout.dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=True),
+            dropout.dropout(rows, 0.3, keys, 2, model._SITE_MLP, masks, packed=False))
     k1, k2 = (k.reshape(1) for k in jax.random.key_data(keys[0]))
     w1, w2 = threefry2x32_p.bind(k1, k2, jnp.array([7], jnp.uint32), jnp.array([1], jnp.uint32))
     halves = np.array([w1[0] & 0xFFFF, w1[0] >> 16, w2[0] & 0xFFFF, w2[0] >> 16])
@@ -521,7 +521,7 @@ def _lsa_by_hand(qkv, log_scale, cfg):
 
 
 def test_lsa_attention_is_a_learned_temperature_with_the_diagonal_masked():
-    from vit_pure.model import _attention_einsum
+    from vit_pure.layers.attention import attention_einsum as _attention_einsum
 
     qkv = jax.random.normal(jax.random.key(0), (2, LSA.seq_len, 3 * LSA.width))
     log_scale = jnp.array([-1.5, -0.5, 0.0, 0.7])  # (H,), one temperature per head

@@ -11,14 +11,13 @@ The reading path is the top of this folder, in this order:
     layout.py    where a layout puts the bytes
 
 with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.
-model.py calls three small modules beside it: attention.py (the fused attention variants),
-dropout.py (dropout masks) and remat.py (what a rematerialised block keeps), and the
-Pallas kernels in pallas/ (for GPUs: what XLA:GPU cannot fuse).
+model.py's block is a few calls into layers/ (norm, attention, MLP, dropout, remat), which
+emit no collective; the Pallas kernels some of them can call (GPUs only) are in pallas/.
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
 processes), plan/ (the communication plan), xla/ (reading compiled programs), tools/
-(small command-line tools). Imports run downwards only: the reading path imports data/
-and errors.py, and run/ and plan/ import the reading path.
+(small command-line tools). Imports run downwards only: the reading path imports
+layers/, pallas/, data/ and errors.py, and run/ and plan/ import the reading path.
 """
 from vit_pure.config import PRESETS, ViTConfig, get_preset
 from vit_pure.model import apply, count_params, init_params, param_axes

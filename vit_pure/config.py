@@ -19,7 +19,7 @@ QKV_PROJECTIONS = ("xla", "pallas")
 REMAT_MODES = ("none", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
-# `checkpoint_name`s vit_pure/remat.py puts on values in the model's block.
+# `checkpoint_name`s vit_pure/layers/remat.py puts on values in the model's block.
 REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
 
 
@@ -127,10 +127,10 @@ class Execution:
     scan           the layer loop: a `lax.scan` over the stacked blocks (True) or a
                    Python loop, unrolled in the trace (False: measured faster on CPU
                    and GPU, docs/performance.md).
-    remat          what the backward pass keeps (vit_pure/remat.py tags the values):
+    remat          what the backward pass keeps (vit_pure/layers/remat.py tags the values):
       "none"             every activation the backward pass needs but the GELU's
                          output, which the backward recomputes in the kernel of its
-                         derivative (model._gelu_matmul; fastest);
+                         derivative (layers/mlp.py's `_gelu_matmul`; fastest);
       "block"            only each block's input: the whole block forward is recomputed
                          in the backward pass (about one more forward pass);
       "block-save-dots"  the outputs of the block's matmuls and attention products (with
@@ -146,9 +146,9 @@ class Execution:
                    recomputed from), as does a "block-save:NAMES" without "dot";
                    "block-save-dots" keeps its result (the name sits after the psum).
     attention      "einsum" (the reference, in model.py), "xla" or "cudnn"
-                   (vit_pure/attention.py): the same results within the rounding of the
+                   (vit_pure/layers/attention.py): the same results within the rounding of the
                    compute dtype.
-    dropout_masks  "bernoulli" or "threefry16" (vit_pure/dropout.py).
+    dropout_masks  "bernoulli" or "threefry16" (vit_pure/layers/dropout.py).
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same
                    masks and results; less memory and HBM traffic on a GPU.

@@ -3,7 +3,7 @@
     python -m benchmarks.probes.dropout_masks                            # vit-cifar, batch 128
     python -m benchmarks.probes.dropout_masks --batch 4096 --dtype bf16  # the GPU's headline shape
 
-The model draws each dropout mask from per-example keys (model._dropout: fold_in of the
+The model draws each dropout mask from per-example keys (layers.dropout.dropout: fold_in of the
 example id, the layer and the site, then dropout.keep_mask under a vmap), by one of two
 methods (--dropout-masks): "threefry16", four 16-bit uniforms per Threefry hash of the
 key, or "bernoulli", `jax.random.bernoulli` with whatever PRNG implementation the keys
@@ -35,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import harness
-from vit_pure import dropout, model
+from vit_pure import model
 from vit_pure.config import PRESETS, get_preset
+from vit_pure.layers import dropout
 from vit_pure.run import cli
 
 IMPLS = ("threefry2x32", "philox4x32", "rbg")
@@ -74,7 +75,7 @@ def example_keys(impl: str, ids):
 def site(x, keys, rate, masks):
     """One dropout site, exactly as the model runs it on a CPU (layer 1, the attention
     branch; masks kept a byte an element, as vit_pure/run/backend.py resolves there)."""
-    return model._dropout(x, rate, keys, 1, model._SITE_ATTN, masks, packed=False)
+    return dropout.dropout(x, rate, keys, 1, model._SITE_ATTN, masks, packed=False)
 
 
 def per_example(masks: str, impl: str, rate: float) -> bool:

@@ -1,4 +1,5 @@
-"""Dropout masks, drawn per example (the --dropout-masks flag; model._dropout uses them).
+"""Dropout and stochastic depth (`dropout`, `drop_path`), their masks drawn per example
+(the --dropout-masks flag).
 
 Every mask comes from `fold_in(rng, example_id)` (`example_keys`), then the layer and the
 site (`site_keys`): it belongs to the example, not to the device holding it. `keep_mask`
@@ -16,7 +17,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.random import threefry2x32_p
+
+from vit_pure.layers.remat import MASK
 
 
 def example_keys(rng, example_ids):
@@ -114,3 +118,32 @@ def _apply_mask_bwd(keep_prob, mask, dy):
 
 
 apply_mask.defvjp(_apply_mask_fwd, _apply_mask_bwd)
+
+
+def dropout(x, rate, ex_keys, layer, site, masks="bernoulli", packed=True):
+    """Dropout on x (B, T, E) or (B*T, E): each example's elements lie together, and its
+    mask over them (x.size / B, drawn as one flat vector) comes from its own key. With
+    `packed` (`Execution.packed_masks`) the mask is kept eight elements a byte along E,
+    when E is a multiple of 8."""
+    if ex_keys is None or rate == 0.0:
+        return x
+    keys = site_keys(ex_keys, layer, site)
+    per_example = x.size // keys.shape[0]
+    if packed and x.shape[-1] % 8 == 0:  # each example's bytes, as rows of E / 8
+        keep = jax.vmap(lambda k: keep_bytes(k, per_example // 8, rate, masks))(keys)
+        keep = keep.reshape(*x.shape[:-1], -1)
+    else:
+        keep = jax.vmap(lambda k: keep_mask(k, (per_example,), rate, masks))(keys)
+        keep = keep.reshape(x.shape)
+    return apply_mask(x, checkpoint_name(keep, MASK), keep_probability(rate, masks))
+
+
+def drop_path(x, rate, ex_keys, layer, site):
+    """Stochastic depth: zero the whole residual branch x (B*T, E) for some examples."""
+    if ex_keys is None:
+        return x
+    keys = site_keys(ex_keys, layer, site)
+    keep = checkpoint_name(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(keys), MASK)
+    keep = jnp.repeat(keep, x.shape[0] // keep.shape[0])  # (B*T,): each token its example's
+    return jnp.where(keep[:, None], x / (1.0 - rate), 0).astype(x.dtype)
+

@@ -1,0 +1,220 @@
+"""Self-attention of an encoder block, one call (`self_attention`): the q, k, v
+projection, attention over this device's heads, and the output projection.
+
+Three attention implementations compute the same function of the same parameters
+(tests/test_attention.py), picked by `Execution.attention`:
+
+- "einsum" (the reference, `attention_einsum`): two `policy.einsum` products on
+  (B, H, T, D), with the head transposes that layout needs.
+- "xla" and "cudnn" (`fused_attention`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
+  vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, T, H, D), straight
+  from the qkv matmul's layout, with the token axis padded to a multiple of 8 around the
+  call and the padded keys masked.
+
+With a fused attention, `Execution.qkv_projection` "pallas" makes q, k and v with the
+Pallas kernels of vit_pure/pallas/qkv.py, already padded (`_padded_qkv`), instead of one
+XLA matmul, a split and a padding copy.
+
+The output projection's bias is not added here: with tensor parallelism it is a
+row-parallel matmul whose partial sums `model._block` adds up first.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from vit_pure.config import Execution, ViTConfig
+from vit_pure.layers.linear import add_bias, varying_like
+from vit_pure.layers.remat import save_dot
+from vit_pure.pallas import qkv as qkv_kernel
+from vit_pure.policy import Policy, einsum, matmul
+
+F32 = jnp.float32
+TOKEN_MULTIPLE = 8  # the fused attention pads the token axis to a multiple of this
+
+
+
+def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
+    """h (B*T, E) compute dtype, a this layer's "attn" params -> the output projection's
+    result (B*T, E) in the matmul dtype, before its bias. With tensor parallelism a holds
+    Hl of the H heads and the result is this device's partial sum over them."""
+    implementation = execution.attention
+    E, T = h.shape[-1], cfg.seq_len
+    if implementation != "einsum" and cfg.lsa:
+        raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
+                         f"attention only, not {implementation!r}")
+    w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
+    if (implementation != "einsum" and execution.qkv_projection == "pallas"
+            and _qkv_pallas_fits(h, w_qkv, T, policy)):
+        q, k, v = _padded_qkv(h, w_qkv, b_qkv, T, cfg, policy)  # (B, Tp, Hl, D) each
+        ctx = attend_padded(q, k, v, T, policy, implementation)  # (B, Tp, Hl*D)
+    else:
+        qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
+        qkv = add_bias(qkv, b_qkv)
+        qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
+        if implementation == "einsum":  # (B, T, Hl*D)
+            ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+        else:  # (B, Tp, Hl*D)
+            ctx = fused_attention(qkv, cfg, policy, implementation)
+    B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
+    y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
+    if Tc != T:
+        y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
+    return y
+
+
+def attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):
+    """The reference attention: qkv (B, T, 3*Hl*D) compute dtype -> (B, T, Hl*D) compute
+    dtype, over this device's Hl heads.
+
+    Locality self-attention (cfg.lsa; `log_scale` (Hl,), this layer's heads): each head's
+    scores are scaled by exp(log_scale) instead of 1/sqrt(D), and each token's score for
+    itself is masked (-inf, so zero weight after the softmax).
+
+    Both products go through `policy.einsum` (compute-dtype inputs, float32 accumulation,
+    `policy.matmul_dtype` out, the policy's matmul precision; under ``m=f32`` its custom
+    VJP runs the backward products with compute-dtype inputs too). The scores are scaled
+    and the softmax taken in float32; the probabilities enter the second product in the
+    compute dtype. The (B, H, T, D) layout costs a transpose of q, k, v and of the
+    context (and their transposes again in the backward pass).
+    """
+    cd = policy.compute_dtype
+    q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=cfg.head_dim)
+    scores = save_dot(einsum("bhqd,bhkd->bhqk", q, k, policy))
+    if log_scale is None:
+        scores = scores.astype(F32) / math.sqrt(cfg.head_dim)
+    else:
+        scores = scores.astype(F32) * jnp.exp(log_scale.astype(F32))[:, None, None]
+        self_score = jnp.eye(scores.shape[-1], dtype=bool)  # (T, T): query i, key i
+        scores = jnp.where(self_score, -jnp.inf, scores)
+    probs = jax.nn.softmax(scores, axis=-1)  # f32
+    ctx = save_dot(einsum("bhqk,bhkd->bhqd", probs.astype(cd), v, policy))
+    return rearrange(ctx.astype(cd), "b h t d -> b t (h d)")
+
+
+
+def padded_length(tokens: int) -> int:
+    """The token count the fused attention pads to: the next multiple of 8 (65 -> 72)."""
+    return -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+
+
+def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
+    """`jax.nn.dot_product_attention(..., implementation=)` on (B, T, H, D): qkv
+    (B, T, 3*Hl*D) compute dtype -> (B, Tp, Hl*D) compute dtype, Tp = `padded_length(T)`,
+    over this device's Hl heads, with no head transposes (q, k, v are slices of the qkv
+    matmul's output, the context reshapes straight into the output projection's input).
+    Rows T to Tp - 1 of each example are padding: the caller slices them off (the block
+    does after the output projection, which then reads the kernel's output as it is).
+
+    Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v are padded with
+    zeros on the token axis to the next multiple of 8 (65 -> 72) for this call only, with
+    ``key_value_seq_lengths = T``: the padded keys get zero weight (a -0.7*f32max score in
+    "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after
+    the output projection, so their gradient is zero. Padding only here, not the whole
+    token axis, measured faster on an H100 (docs/performance.md, "Attention
+    implementations").
+
+    Precision, against the einsum reference (`attention_einsum`):
+      * "xla" (JAX's reference implementation, any backend): the scores in float32
+        (``preferred_element_type``; for bf16 inputs the BF16_BF16_F32 dot algorithm),
+        scaled, masked and put through the softmax in float32, the probabilities cast to
+        the compute dtype, the context returned in the compute dtype (float32
+        accumulation inside the GEMM). `policy.matmul_dtype` is not consulted and the
+        backward products come from plain autodiff (under ``m=f32`` their cotangents
+        are float32, not cast to the compute dtype as `policy.einsum` does), so low-
+        precision results differ from the einsum path by bf16 rounding, float32 results
+        by float32 rounding. The policy's matmul precision applies to the float32 case
+        (``jax.default_matmul_precision``).
+      * "cudnn" (NVIDIA GPUs, bf16 / fp16 inputs only): cuDNN's flash attention, both
+        products accumulating in float32 and the softmax computed online in float32; the
+        probabilities are rounded to the input dtype before the second product, as in the
+        einsum path; the context comes back in the compute dtype. The backward pass
+        recomputes the probabilities from the saved softmax statistics instead of
+        keeping the (T, T) matrix. benchmarks/probes/attention_check.py compares its
+        gradients with the einsum path's on a GPU.
+    The kit has no dropout on the attention probabilities (its dropout sits on full-width
+    activations), so the fused call needs none.
+
+    Under remat="block-save-dots": with "cudnn" the kernel's own outputs (the padded
+    context and the softmax statistics) are saved, so the backward pass runs only cuDNN's
+    backward kernel; with "xla" the padded context is saved and the products inside the
+    call are recomputed.
+    """
+    T = qkv.shape[1]
+    q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
+                         d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
+    Tp = padded_length(T)
+    q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
+    return attend_padded(q, k, v, T, policy, implementation)
+
+
+def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
+    """`fused_attention` from q, k, v already padded: (B, Tp, Hl, D) each, compute dtype,
+    rows `tokens` to Tp - 1 of each example padding (their values do not matter: the
+    padded keys are masked, the padded queries' outputs sliced off by the caller).
+    Returns (B, Tp, Hl*D). The Pallas q, k, v projection (vit_pure/pallas/qkv.py) writes
+    its outputs in this form, so the split and the padding copy are not made."""
+    B, Tp = q.shape[:2]
+    lengths = None if Tp == tokens else jnp.full((B,), tokens, jnp.int32)  # no mask, no pad
+    precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
+    with jax.default_matmul_precision(precision):
+        ctx = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                           implementation=implementation)  # (B, Tp, Hl, D)
+    ctx = ctx.astype(policy.compute_dtype)
+    if implementation != "cudnn":  # cuDNN's output is saved as it is (`remat.save_policy`)
+        ctx = save_dot(ctx)
+    return rearrange(ctx, "b t h d -> b t (h d)")
+
+
+def _qkv_pallas_fits(h, w, tokens: int, policy: Policy) -> bool:
+    """Whether `_padded_qkv`'s kernels take the LayerNorm's output h (B*T, E) and the qkv
+    kernel w (E, 3*Hl*D): their tiles fit the padded rows, and h, w and the matmul's
+    output share one dtype (the kernels' dots read the incoming gradients and w)."""
+    rows = h.shape[0] // tokens * padded_length(tokens)
+    return (h.ndim == 2 and h.dtype == w.dtype == policy.matmul_dtype
+            and qkv_kernel.tiles(rows, w.shape[0], w.shape[1] // 3) is not None)
+
+
+def _padded_qkv(h, w, bias, tokens: int, cfg: ViTConfig, policy: Policy):
+    """q, k, v for the fused attention, (B, Tp, Hl, D) each in the compute dtype, padded as
+    `attention.attend_padded` takes them: h (B*T, E) is padded to Tp rows an example (the
+    zero rows are written by the LayerNorm's kernel) and `_qkv_projection` writes the three
+    straight from it, with no (B*T, 3*Hl*D) array and no split-and-pad copy."""
+    E, Tp = h.shape[-1], padded_length(tokens)
+    hp = jnp.pad(h.reshape(-1, tokens, E), ((0, 0), (0, Tp - tokens), (0, 0)))
+    qkv = _qkv_projection(hp.reshape(-1, E), w, varying_like(bias, h), policy)
+    D = cfg.head_dim
+    return tuple(save_dot(a).astype(policy.compute_dtype).reshape(-1, Tp, a.shape[-1] // D, D)
+                 for a in qkv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _qkv_projection(hp, w, bias, policy: Policy):
+    """(q, k, v) = hp @ w + bias, split into thirds by columns, (rows, Hl*D) each in the
+    matmul dtype: one Pallas kernel forward and one for the input gradient and the bias
+    gradient (vit_pure/pallas/qkv.py; `Execution.qkv_projection`); the weight gradient is
+    three XLA GEMMs. Keeps hp for the backward, as the reference keeps h."""
+    return qkv_kernel.projection(hp, w, bias, policy.matmul_dtype,
+                                 precision=policy.precision)
+
+
+def _qkv_projection_fwd(hp, w, bias, policy):
+    return _qkv_projection(hp, w, bias, policy), (hp, w, bias)
+
+
+def _qkv_projection_bwd(policy, residuals, cotangents):
+    hp, w, bias = residuals
+    dq, dk, dv = (d.astype(w.dtype) for d in cotangents)
+    dhp, dbias = qkv_kernel.projection_input_gradient(dq, dk, dv, w, hp.dtype,
+                                                      precision=policy.precision)
+    dw = jnp.concatenate([jnp.einsum("re,rn->en", hp, d, precision=policy.precision,
+                                     preferred_element_type=w.dtype) for d in (dq, dk, dv)],
+                         axis=1)
+    return dhp, dw, dbias.astype(bias.dtype)
+
+
+_qkv_projection.defvjp(_qkv_projection_fwd, _qkv_projection_bwd)

@@ -1,0 +1,69 @@
+"""LayerNorm: float32 statistics and arithmetic, the result in the input's dtype.
+
+A custom VJP (`_normalise`) so that the backward pass reads and writes what a fused
+kernel would: it keeps x as it came and two float32 statistics per token, not float32
+copies of the (rows, E) intermediates.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from vit_pure.layers.linear import varying_like
+
+F32 = jnp.float32
+
+
+def layer_norm(x, p, eps):
+    """LayerNorm with float32 statistics; returns x's dtype (`_normalise`)."""
+    return _normalise(x, varying_like(p["scale"], x), varying_like(p["bias"], x), eps)
+
+
+
+def _ln_statistics(x, eps):
+    """Per-token mean and 1 / std over the last axis, float32, shape (..., 1)."""
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _normalise(x, scale, bias, eps):
+    """(x - mean) / std * scale + bias over the last axis, the statistics and the
+    arithmetic in float32, the result in x's dtype.
+
+    A custom VJP so that the backward pass reads and writes what a fused kernel would:
+    it keeps x as it came (the compute dtype) and the two float32 statistics per token,
+    and returns dx in x's dtype, each formula in float32 inside its kernel. Plain autodiff
+    keeps float32 copies of the (B, T, E) intermediates and sums the scale and bias
+    gradients through them (on a GPU, in layouts that need transposes)."""
+    return _normalise_fwd(x, scale, bias, eps)[0]
+
+
+def _normalise_fwd(x, scale, bias, eps):
+    mean, rstd = _ln_statistics(x, eps)
+    y = (x.astype(F32) - mean) * rstd
+    y = (y * scale.astype(F32) + bias.astype(F32)).astype(x.dtype)
+    return y, (x, scale, bias, mean, rstd)
+
+
+def _normalise_bwd(eps, residuals, dy):
+    x, scale, bias, mean, rstd = residuals
+    # The barrier: the statistics are read as saved (8 bytes a token). Else XLA:GPU
+    # recomputes them inside the dx kernel, and the scale gradient's column sum, which
+    # cannot share that row-wise kernel, reads a float32 (B*T, E) product written for it.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))  # every axis but the normalised one
+    dscale = jnp.sum(dy * xhat, axis=rows).astype(scale.dtype)
+    dbias = jnp.sum(dy, axis=rows).astype(bias.dtype)
+    g = dy * scale.astype(F32)
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), dscale, dbias
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
