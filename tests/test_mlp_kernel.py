@@ -84,19 +84,21 @@ def test_tiles_fit_exactly_or_not_at_all():
         mlp_kernel.gelu_fc2_forward(jnp.zeros((16, 48)), jnp.zeros((64, 48)), jnp.float32)
 
 
-def test_the_default_is_the_kernels_on_an_nvidia_gpu_in_bf16_only():
+def test_the_kernels_are_opt_in_everywhere():
+    """Not yet timed on a GPU: XLA's kernels by default on every platform; asked for on an
+    NVIDIA GPU they run, with a remat that keeps the GELU's input."""
     def choose(dtype="bf16", nvidia=True, given=None, remat="none", platform="gpu"):
         return backend.resolve(dtype, "default", None, platform, nvidia=nvidia,
                                mlp_kernels=given, remat=remat)
 
     chosen = choose()
-    assert chosen.mlp_kernels == "pallas"
-    assert any(n.startswith("MLP kernels: Pallas kernels") for n in chosen.notes)
-    assert choose(nvidia=False).mlp_kernels == "xla"  # ROCm, or before compute capability 8
+    assert chosen.mlp_kernels == "xla"
+    assert any(n.startswith("Pallas kernels:") for n in chosen.notes)
+    assert choose(nvidia=False).mlp_kernels == "xla"
     assert choose(dtype="fp32").mlp_kernels == "xla"
-    assert choose(remat="block-save:dot+gelu").mlp_kernels == "xla"
-    assert choose(remat="block-save-dots").mlp_kernels == "pallas"
-    assert choose(given="xla").mlp_kernels == "xla"
+    assert choose(remat="block-save-dots").mlp_kernels == "xla"
+    assert choose(given="pallas").mlp_kernels == "pallas"
+    assert choose(given="pallas", remat="block-save-dots").mlp_kernels == "pallas"
     assert choose(platform="cpu", nvidia=False, dtype="fp32").mlp_kernels == "xla"
 
 

@@ -1,6 +1,6 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Seven settings have a right answer that depends on the hardware; each is measured, and
+Six settings have a right answer that depends on the hardware; each is measured, and
 its figures are in docs/performance.md (the section named after each). The startup log
 says what was chosen and why:
 
@@ -33,19 +33,14 @@ says what was chosen and why:
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
-  MLP kernels      `--mlp-kernels` not given: three Pallas (Triton) kernels for fc2 and
-                   the GELU, forward and backward, that never write the GELU's output
-                   (vit_pure/pallas/mlp.py), on an NVIDIA GPU of compute capability 8.0 or
-                   more in bf16, unless --remat saves the GELU's output (the kernels
-                   recompute it): less HBM traffic in the H100's compiled program (counted
-                   from the program, not yet timed on a GPU). XLA's kernels elsewhere; a
-                   CPU runs the same arithmetic in XLA anyway.
-  qkv projection   `--qkv-projection` not given: with cuDNN attention (chosen or given),
-                   Pallas (Triton) kernels that write q, k and v padded as cuDNN takes
-                   them straight from the LayerNorm's padded output, and the input and bias
-                   gradients back in one (vit_pure/pallas/qkv.py): the H100's compiled
-                   program moves less through HBM (counted from the program, not yet timed
-                   on a GPU). Elsewhere XLA's GEMM and the split-and-pad copy.
+  MLP kernels,     `--mlp-kernels` / `--qkv-projection` not given: XLA's kernels (`xla`)
+  qkv projection   on every platform. The kit's Pallas (Triton) kernels for fc2 and the GELU
+                   (vit_pure/pallas/mlp.py) and for the q, k, v projection
+                   (vit_pure/pallas/qkv.py) move less HBM traffic in the H100's compiled
+                   program, but have not been timed on a GPU: a kernel of the kit's own
+                   becomes a default only after a same-run A/B on an H100 shows it faster
+                   than what it replaces. `--mlp-kernels pallas` / `--qkv-projection pallas`
+                   ask for them; on a GPU the start-up notes say so in one line.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -69,6 +64,10 @@ from vit_pure.step import StepConfig
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # Backends where the unrolled layer loop was measured faster than the scan.
 UNROLLED_MEASURED = ("cpu", "gpu", "cuda", "rocm")
+# The start-up note on an NVIDIA GPU when either flag is left to the default: the kit's own
+# kernels are there, opt-in, unmeasured.
+PALLAS_NOTE = ("Pallas kernels: --mlp-kernels pallas and --qkv-projection pallas exist, not "
+               "yet timed on a GPU, so XLA's kernels run unless asked (docs/performance.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +181,10 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
                      "save memory on a GPU, not time here; docs/performance.md)")
 
     saves_gelu = "gelu" in remat_saved_names(remat)
+    if nvidia and (mlp_kernels is None or qkv_projection is None):
+        notes.append(PALLAS_NOTE)
     if mlp_kernels is None:
-        pallas = nvidia and policy.compute_dtype == jnp.bfloat16 and not saves_gelu
-        mlp_kernels = "pallas" if pallas else "xla"
-        if pallas:
-            notes.append("MLP kernels: Pallas kernels for fc2 and the GELU, forward and "
-                         "backward, that never write the GELU's output (--mlp-kernels not "
-                         "given; less HBM traffic in the H100's compiled program, not yet "
-                         "timed on a GPU: docs/performance.md; --mlp-kernels xla for XLA's "
-                         "kernels)")
+        mlp_kernels = "xla"
     elif mlp_kernels == "pallas" and not nvidia:
         raise UsageError(f"--mlp-kernels pallas are Triton kernels for NVIDIA GPUs (compute "
                          f"capability 8.0 or more); this run is on {platform}: use "
@@ -199,14 +193,7 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
         raise UsageError(f"--mlp-kernels pallas recomputes the GELU's output, which --remat "
                          f"{remat} saves: use --mlp-kernels xla, or a --remat without gelu")
     if qkv_projection is None:
-        pallas = nvidia and attention == "cudnn" and policy.compute_dtype == jnp.bfloat16
-        qkv_projection = "pallas" if pallas else "xla"
-        if pallas:
-            notes.append("qkv projection: Pallas kernels that write cuDNN's padded q, k, v "
-                         "and return the input and bias gradients (--qkv-projection not "
-                         "given; less HBM traffic in the H100's compiled program, not yet "
-                         "timed on a GPU: docs/performance.md; --qkv-projection xla for "
-                         "XLA's GEMM and copies)")
+        qkv_projection = "xla"
     elif qkv_projection == "pallas" and not nvidia:
         raise UsageError(f"--qkv-projection pallas is a Triton kernel for NVIDIA GPUs (compute "
                          f"capability 8.0 or more); this run is on {platform}: use "

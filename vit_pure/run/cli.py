@@ -117,15 +117,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "or three Pallas/Triton kernels that never write the GELU's output "
                         "(pallas: NVIDIA GPUs; where the shapes fit their tiles); same results "
                         "within rounding "
-                        "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
-                        "pallas on NVIDIA GPUs in bf16 unless --remat saves the GELU, else xla")
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
     g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
                    help="with --attention cudnn or xla, the q, k, v projection: one XLA GEMM "
                         "and a copy that splits and pads its output (xla), or Pallas/Triton "
                         "kernels that write the padded q, k, v straight away (pallas: NVIDIA "
                         "GPUs; where the shapes fit its tiles); same results within rounding "
-                        "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
-                        "pallas with cuDNN attention on NVIDIA GPUs in bf16, else xla")
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
