@@ -6,6 +6,8 @@ import functools
 
 import jax
 
+from vit_pure.pallas.failures import NOTE
+
 # Triton's blocks are powers of two; tensor-core dots need 16 or more on each side.
 BLOCKS = (128, 64, 32, 16)
 
@@ -25,11 +27,17 @@ def vary_alike(*arrays):
                  for a in arrays)
 
 
-def dispatch(kernel, whole_arrays, arrays, interpret: bool):
+def dispatch(name: str, kernel, whole_arrays, arrays, interpret: bool):
     """kernel(*arrays): with `interpret`, run by Pallas's interpreter (any backend, for
     tests); else lowered by Pallas (Triton on a GPU), and on a CPU `whole_arrays(*arrays)`,
-    the same arithmetic on whole arrays in XLA, in its place (`lax.platform_dependent`)."""
-    if interpret:
-        return kernel(*arrays, interpret=True)
-    return jax.lax.platform_dependent(*arrays, default=functools.partial(kernel, interpret=False),
-                                      cpu=whole_arrays)
+    the same arithmetic on whole arrays in XLA, in its place (`lax.platform_dependent`).
+    An error while the kernel is traced carries a note naming it (`name`, the kernel's
+    `pallas_call` name: vit_pure/pallas/failures.py)."""
+    try:
+        if interpret:
+            return kernel(*arrays, interpret=True)
+        return jax.lax.platform_dependent(
+            *arrays, default=functools.partial(kernel, interpret=False), cpu=whole_arrays)
+    except Exception as e:
+        e.add_note(NOTE + name)
+        raise

@@ -105,7 +105,7 @@ def gelu_fc2_forward(h, w, out_dtype, *, precision=None, interpret: bool = False
     kernel = functools.partial(_forward_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_forward_whole, out_dtype=out_dtype, precision=precision)
-    return dispatch(kernel, whole, vary_alike(h, w), interpret)
+    return dispatch("gelu_fc2_forward", kernel, whole, vary_alike(h, w), interpret)
 
 
 def _forward_kernel(h_ref, w_ref, z_ref, *, bm: int, precision):
@@ -157,7 +157,7 @@ def gelu_fc2_backward(dz, w, h, *, precision=None, interpret: bool = False):
     fit = _check(h, w, dz, "gelu_fc2_backward")
     kernel = functools.partial(_backward_call, tiling=fit, precision=precision)
     whole = functools.partial(_backward_whole, precision=precision)
-    return dispatch(kernel, whole, vary_alike(dz, w, h), interpret)
+    return dispatch("gelu_fc2_backward", kernel, whole, vary_alike(dz, w, h), interpret)
 
 
 def _backward_epilogue(dg, h):
@@ -226,7 +226,7 @@ def gelu_fc2_weight_gradient(h, dz, out_dtype, *, precision=None, interpret: boo
     kernel = functools.partial(_weight_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_weight_whole, out_dtype=out_dtype, precision=precision)
-    return dispatch(kernel, whole, vary_alike(h, dz), interpret)
+    return dispatch("gelu_fc2_weight_gradient", kernel, whole, vary_alike(h, dz), interpret)
 
 
 def _weight_kernel(h_ref, dz_ref, dw_ref, *, br: int, precision):

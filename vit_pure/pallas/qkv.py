@@ -84,7 +84,7 @@ def projection(x, w, bias, out_dtype, *, precision=None, interpret: bool = False
     kernel = functools.partial(_projection_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_projection_whole, out_dtype=out_dtype, precision=precision)
-    return dispatch(kernel, whole, (x, w, bias), interpret)
+    return dispatch("qkv_projection", kernel, whole, (x, w, bias), interpret)
 
 
 def _projection_kernel(x_ref, w_ref, b_ref, q_ref, k_ref, v_ref, *, bk, precision):
@@ -148,7 +148,7 @@ def projection_input_gradient(dq, dk, dv, w, out_dtype, *, precision=None,
     kernel = functools.partial(_gradient_call, tiling=fit, out_dtype=out_dtype,
                                precision=precision)
     whole = functools.partial(_gradient_whole, out_dtype=out_dtype, precision=precision)
-    return dispatch(kernel, whole, arrays, interpret)
+    return dispatch("qkv_input_gradient", kernel, whole, arrays, interpret)
 
 
 def _gradient_kernel(dq_ref, dk_ref, dv_ref, w_ref, dx_ref, db_ref, *, bk, precision):
