@@ -30,7 +30,7 @@ from vit_pure.xla import hlo, kernels
 
 E_MEM = np.arange(0.40, 1.0001, 0.01)
 E_GEMM = np.arange(0.20, 1.0001, 0.01)
-E_ATTENTION = np.arange(0.10, 1.0001, 0.01)
+E_ATTENTION = np.arange(0.02, 1.0001, 0.01)
 
 
 def summarise(found: list[kernels.Kernel]) -> list[dict]:
