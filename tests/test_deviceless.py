@@ -20,6 +20,8 @@ import sys
 import pytest
 from conftest import subprocess_env
 
+from benchmarks import fit_step
+from vit_pure.pallas import traffic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
 
@@ -153,7 +155,6 @@ def test_grid_bytes_credit_reuse_within_a_wave_only():
     programs: with the column blocks on axis 0 (launched fastest) a wave shares one row
     block (4 loads in all); with the row blocks on axis 0, each wave loads 3 (12 in
     all). Outputs: every block once."""
-    from vit_pure.pallas import traffic
     rows_last = traffic.grid_bytes((3, 4), [(10, lambda j, i: (i, 0))],
                                    [(1, lambda j, i: (i, j))], wave=3)
     rows_first = traffic.grid_bytes((4, 3), [(10, lambda i, j: (i, 0))],
@@ -181,7 +182,6 @@ def test_the_predicted_step_prices_each_kernel_at_its_class():
 def test_the_fit_recovers_the_efficiencies_that_made_the_steps():
     """Steps made with known efficiencies (four mixes of memory, GEMM and attention
     work): the grid fit finds them, and each row left out is predicted exactly."""
-    from benchmarks import fit_step
     made = kernels.Rates(e_mem=0.7, e_gemm=0.55, e_attention=0.35, e_pallas=0.3,
                          int_per_s=1e13)
     rows = []

@@ -30,7 +30,11 @@ from test_collective_sites import collective_sites, misplaced
 import train_shardmap as ts
 from vit_pure import model, step
 from vit_pure.config import PRESETS, Execution
+from vit_pure.pallas import failures, qkv
+from vit_pure.pallas import mlp as mlp_kernels
+from vit_pure.pallas.common import Tiling
 from vit_pure.policy import LossScale, Policy
+from vit_pure.run import backend, cli
 
 # Sizes both kernels' tiles fit: E 64, 4 heads of 16, M 64 (16 a device under TP over 4);
 # 17 tokens (24 padded): 16 examples make 272 MLP rows and 384 padded rows, both
@@ -137,8 +141,6 @@ def test_a_kernel_the_device_refuses_is_one_line_and_exit_2(monkeypatch, capsys)
     (here: the forward kernel's entry raises what Triton's lowering raises), from inside
     `--accum-steps auto`'s compile: one line naming the kernel, the error's first line
     and the flag that turns it off; exit code 2, no traceback."""
-    from vit_pure.pallas import mlp as mlp_kernels
-    from vit_pure.run import backend, cli
 
     chosen = backend.step_config
 
@@ -169,13 +171,12 @@ def test_a_kernel_the_device_refuses_is_one_line_and_exit_2(monkeypatch, capsys)
 def test_a_real_triton_lowering_error_names_its_kernel():
     """The kernel lowered for CUDA (no GPU needed to lower) at a tiling Triton refuses (24
     rows a block): the error as Pallas raises it is traced back to the kernel by name."""
-    from vit_pure.pallas import failures, qkv
-
-    x, w, b = jnp.zeros((48, 32), jnp.bfloat16), jnp.zeros((32, 96), jnp.bfloat16), jnp.zeros(96)
-    call = functools.partial(qkv._projection_call, tiling=(24, 32, 32), out_dtype=jnp.bfloat16,
-                             precision=None, interpret=False)
+    x = jnp.zeros((48, 32), jnp.bfloat16)
+    w3, b3 = jnp.zeros((32, 3, 32), jnp.bfloat16), jnp.zeros((3, 1, 32))
+    call = functools.partial(qkv._projection_call, fit=Tiling(24, 32, 32, 3, 4, 1),
+                             out_dtype=jnp.bfloat16, precision=None, interpret=False)
     with pytest.raises(Exception) as caught:
-        jax.jit(call).trace(x, w, b.reshape(1, -1)).lower(lowering_platforms=("cuda",))
+        jax.jit(call).trace(x, w3, b3).lower(lowering_platforms=("cuda",))
     line = failures.failure_line(caught.value)
     assert line is not None and "qkv_projection (--qkv-projection pallas)" in line, line
     assert line.endswith("--qkv-projection xla turns it off") and "\n" not in line
