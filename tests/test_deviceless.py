@@ -22,6 +22,7 @@ from conftest import subprocess_env
 
 from benchmarks import fit_step
 from vit_pure.pallas import traffic
+from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
 
@@ -438,3 +439,17 @@ def test_the_gpu_install_command_resolves():
         assert to_install.get(name, jax.__version__) == jax.__version__, to_install
     if not targets.cuda_plugin_installed():
         assert "jax-cuda12-plugin" in to_install, to_install
+
+
+def test_the_h100_rates_are_the_fit_to_the_measured_steps():
+    """vit_pure/xla/kernels.py's H100 efficiencies are what benchmarks.fit_step finds on
+    the four steps measured on 2026-11-23 (their programs' kernels, kept in
+    benchmarks/data/), and each row is predicted within 6%."""
+    rows = json.loads((REPO / "benchmarks" / "data" / "h100-2026-11-23.json").read_text())["rows"]
+    bandwidth, peak = targets.memory_bandwidth("h100"), ic.HARDWARE["h100"].peak_flops
+    got = fit_step.fit(rows, bandwidth, peak)
+    rates = kernels.H100_RATES
+    assert (got.e_mem, got.e_gemm, got.e_attention) == (rates.e_mem, rates.e_gemm,
+                                                        rates.e_attention)
+    for row in rows:
+        assert abs(fit_step.predict_ms(row, bandwidth, peak, rates) / row["measured_ms"] - 1) < 0.06

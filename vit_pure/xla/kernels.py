@@ -96,9 +96,11 @@ class Rates:
 
 # The H100 SXM: 64 INT32 operations per SM a clock, 132 SMs at 1.98 GHz; e_mem, e_gemm and
 # e_attention fitted to the four steps measured on one H100 on 2026-11-23, their
-# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py,
-# docs/notes/2026-11-26-predicted-step.md). e_pallas: half of e_gemm, until measured.
-H100_RATES = Rates(e_mem=0.75, e_gemm=0.6, e_attention=0.4, e_pallas=0.3,
+# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
+# benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
+# docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
+# operand count misses what the L2 serves. e_pallas: half of e_gemm, until measured.
+H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, e_pallas=0.20,
                    int_per_s=64 * 132 * 1.98e9)
 
 
