@@ -26,7 +26,8 @@ Columns, per device and per step, from the compiled program:
     peak GiB       XLA's memory analysis: arguments + outputs - aliased + temporaries
                    (vit_pure/run/accum.py's StepMemory, as the plan reports it)
     kernels        kernels launched (fusions, library calls, copies, collectives)
-    GB by class    HBM traffic, each kernel's operand + output bytes, by class
+    GB by class    HBM traffic, each kernel's operand + output bytes (a kit Pallas kernel:
+                   the blocks its grid loads and stores), by class
                    (vit_pure/xla/kernels.py): GEMM, attention, norms/reductions,
                    elementwise, transposes/copies; "rest" is collectives and other
     TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
@@ -34,6 +35,10 @@ Columns, per device and per step, from the compiled program:
                    bits, mostly: dropout masks); not in the floor
     floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
                    a floor, not a prediction of the step time
+    pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem), FLOPs /
+                   (peak x e_class)) + its integer work + a launch, the efficiencies fitted
+                   to the H100's measured steps (vit_pure/xla/kernels.py, H100_RATES;
+                   benchmarks/fit_step.py gives the fit and its errors)
     compile s      the deviceless compile
 
 `--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
@@ -159,7 +164,7 @@ def _figure(x: float) -> str:
 def table(rows: list[dict]) -> str:
     """The Markdown table of the rows (a failed row shows its error)."""
     head = (["row", "peak GiB", "kernels"] + [f"{c} GB" for c in SHOWN.values()]
-            + ["rest GB", "total GB", "TFLOP", "int Gop", "floor ms", "compile s"])
+            + ["rest GB", "total GB", "TFLOP", "int Gop", "floor ms", "pred ms", "compile s"])
     lines = []
     for r in rows:
         if "error" in r:
@@ -174,6 +179,7 @@ def table(rows: list[dict]) -> str:
                       _figure(rest / 1e9), _figure(g["bytes"] / 1e9),
                       _figure(r["flops"]["program_per_device"] / 1e12),
                       _figure(g["int_ops"] / 1e9), _figure(g["floor_s"] * 1e3),
+                      _figure(g["predicted_s"] * 1e3) if "predicted_s" in g else "-",
                       "-" if compile_s is None else f"{compile_s:.1f}"])
     return harness.markdown_table(head, lines, numeric=range(1, len(head)))
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
+import os
 import re
 
 import jax
@@ -28,7 +30,11 @@ from test_collective_sites import collective_sites, misplaced
 import train_shardmap as ts
 from vit_pure import model, step
 from vit_pure.config import PRESETS, Execution
+from vit_pure.pallas import failures, qkv
+from vit_pure.pallas import mlp as mlp_kernels
+from vit_pure.pallas.common import Tiling
 from vit_pure.policy import LossScale, Policy
+from vit_pure.run import backend, cli
 
 # Sizes both kernels' tiles fit: E 64, 4 heads of 16, M 64 (16 a device under TP over 4);
 # 17 tokens (24 padded): 16 examples make 272 MLP rows and 384 padded rows, both
@@ -122,3 +128,56 @@ def test_tensor_parallel_gradients_equal_one_device(mesh, fsdp):
     sites = collective_sites(jaxpr)
     assert sites and not misplaced(sites)
     assert sites == collective_sites(jax.make_jaxpr(grads_step(xla))(*args))
+
+
+def _refused(*args, **kwargs):
+    raise ValueError("The Pallas Triton lowering currently requires that all operations "
+                     "have array arguments and results whose size is a power of 2.\n"
+                     "Encountered an array of shape (24, 24)")
+
+
+def test_a_kernel_the_device_refuses_is_one_line_and_exit_2(monkeypatch, capsys):
+    """The train script asked for the kernels, on a device whose compiler refuses one
+    (here: the forward kernel's entry raises what Triton's lowering raises), from inside
+    `--accum-steps auto`'s compile: one line naming the kernel, the error's first line
+    and the flag that turns it off; exit code 2, no traceback."""
+
+    chosen = backend.step_config
+
+    def pallas_step_config(args, **kw):  # as an NVIDIA GPU would resolve the flags
+        sc = chosen(args, **kw)
+        return dataclasses.replace(sc, cfg=CFG, execution=sc.execution.replace(
+            mlp_kernels="pallas"))
+
+    monkeypatch.setattr(backend, "step_config", pallas_step_config)
+    # start_runtime writes XLA_FLAGS (--cpu-devices): put it back afterwards.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setattr(mlp_kernels, "_forward_call", _refused)
+    # Batch 384: MLP rows a multiple of 16 a device whether the process has 1 device or
+    # conftest's 8 (--cpu-devices cannot change a backend already started), so that the
+    # kernels' tiles fit; the failure comes as the step is traced, before any compile.
+    code = cli.main_guard(lambda: ts.main([
+        "--model", "tiny", "--dataset", "synthetic", "--batch", "384", "--steps", "1",
+        "--accum-steps", "auto", "--cpu-devices", "1", "--log-every", "1"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "Traceback" not in err[0]
+    assert err[0].startswith("error: the Pallas kernel gelu_fc2_forward (--mlp-kernels pallas)")
+    assert "ValueError: The Pallas Triton lowering currently requires" in err[0]
+    assert "(24, 24)" not in err[0]  # the first line only
+    assert err[0].endswith("--mlp-kernels xla turns it off")
+
+
+def test_a_real_triton_lowering_error_names_its_kernel():
+    """The kernel lowered for CUDA (no GPU needed to lower) at a tiling Triton refuses (24
+    rows a block): the error as Pallas raises it is traced back to the kernel by name."""
+    x = jnp.zeros((48, 32), jnp.bfloat16)
+    w3, b3 = jnp.zeros((32, 3, 32), jnp.bfloat16), jnp.zeros((3, 1, 32))
+    call = functools.partial(qkv._projection_call, fit=Tiling(24, 32, 32, 3, 4, 1),
+                             out_dtype=jnp.bfloat16, precision=None, interpret=False)
+    with pytest.raises(Exception) as caught:
+        jax.jit(call).trace(x, w3, b3).lower(lowering_platforms=("cuda",))
+    line = failures.failure_line(caught.value)
+    assert line is not None and "qkv_projection (--qkv-projection pallas)" in line, line
+    assert line.endswith("--qkv-projection xla turns it off") and "\n" not in line
+    assert failures.failure_line(ValueError("an unrelated bug")) is None

@@ -1,6 +1,6 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Seven settings have a right answer that depends on the hardware; each is measured, and
+Six settings have a right answer that depends on the hardware; each is measured, and
 its figures are in docs/performance.md (the section named after each). The startup log
 says what was chosen and why:
 
@@ -33,19 +33,14 @@ says what was chosen and why:
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
-  MLP kernels      `--mlp-kernels` not given: three Pallas (Triton) kernels for fc2 and
-                   the GELU, forward and backward, that never write the GELU's output
-                   (vit_pure/pallas/mlp.py), on an NVIDIA GPU of compute capability 8.0 or
-                   more in bf16, unless --remat saves the GELU's output (the kernels
-                   recompute it): less HBM traffic in the H100's compiled program (counted
-                   from the program, not yet timed on a GPU). XLA's kernels elsewhere; a
-                   CPU runs the same arithmetic in XLA anyway.
-  qkv projection   `--qkv-projection` not given: with cuDNN attention (chosen or given),
-                   Pallas (Triton) kernels that write q, k and v padded as cuDNN takes
-                   them straight from the LayerNorm's padded output, and the input and bias
-                   gradients back in one (vit_pure/pallas/qkv.py): the H100's compiled
-                   program moves less through HBM (counted from the program, not yet timed
-                   on a GPU). Elsewhere XLA's GEMM and the split-and-pad copy.
+  MLP kernels,     `--mlp-kernels` / `--qkv-projection` not given: XLA's kernels (`xla`)
+  qkv projection   on every platform. The kit's Pallas (Triton) kernels for fc2 and the GELU
+                   (vit_pure/pallas/mlp.py) and for the q, k, v projection
+                   (vit_pure/pallas/qkv.py) move less HBM traffic in the H100's compiled
+                   program, but have not been timed on a GPU: a kernel of the kit's own
+                   becomes a default only after a same-run A/B on an H100 shows it faster
+                   than what it replaces. `--mlp-kernels pallas` / `--qkv-projection pallas`
+                   ask for them; on a GPU the start-up notes say so in one line.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -69,6 +64,10 @@ from vit_pure.step import StepConfig
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # Backends where the unrolled layer loop was measured faster than the scan.
 UNROLLED_MEASURED = ("cpu", "gpu", "cuda", "rocm")
+# The start-up note on an NVIDIA GPU when either flag is left to the default: the kit's own
+# kernels are there, opt-in, unmeasured.
+PALLAS_NOTE = ("Pallas kernels: --mlp-kernels pallas and --qkv-projection pallas exist, not "
+               "yet timed on a GPU, so XLA's kernels run unless asked (docs/performance.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +112,8 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
             mlp_kernels: str | None = None, remat: str = "none",
             qkv_projection: str | None = None) -> Choices:
     """The policy, layer loop, attention, dropout masks (how drawn, how kept), the MLP's
-    kernels and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...).
+    kernels and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...): one
+    resolver per knob below, each returning its choice and its notes, in this order.
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -126,12 +126,29 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     mlp_kernels: `--mlp-kernels` if given, else None. remat: `--remat`.
     qkv_projection: `--qkv-projection` if given, else None.
     """
-    notes = []
     on_cpu = platform == "cpu"
     if on_cpu and flags is None:
         flags = cpu_flags()
-    bf16_fast = not on_cpu or cpu_has_bf16(flags)
+    policy, notes = _resolve_policy(policy_text, matmul_precision, platform, flags)
+    scan, layer_notes = _resolve_layers(scan, platform)
+    attention, attention_notes = _resolve_attention(attention, cudnn, policy)
+    dropout_masks, mask_notes = _resolve_dropout_masks(dropout_masks, platform)
+    notes += layer_notes + attention_notes + mask_notes
+    if nvidia and (mlp_kernels is None or qkv_projection is None):
+        notes.append(PALLAS_NOTE)
+    mlp_kernels = _resolve_mlp_kernels(mlp_kernels, platform, nvidia, remat)
+    qkv_projection = _resolve_qkv_projection(qkv_projection, platform, nvidia, attention)
+    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_kernels,
+                   qkv_projection, tuple(notes))
 
+
+def _resolve_policy(policy_text: str, matmul_precision: str, platform: str,
+                    flags: frozenset[str] | None) -> tuple[Policy, list[str]]:
+    """`--dtype auto`, the matmul output dtype a policy without `m=` leaves open, and
+    what float32 matmuls mean on an accelerator."""
+    notes = []
+    on_cpu = platform == "cpu"
+    bf16_fast = not on_cpu or cpu_has_bf16(flags)
     text = policy_text.strip().lower()
     if text == "auto":
         text = "bf16" if bf16_fast else "fp32"
@@ -155,22 +172,38 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
             "TF32 tensor cores where the GPU has them (--matmul-precision default); "
             "--matmul-precision highest for full float32" if matmul_precision == "default"
             else f"precision {matmul_precision}"))
+    return policy, notes
 
-    if scan is None:
-        scan = platform not in UNROLLED_MEASURED
-        notes.append("layers: " + (
-            "unrolled loop (--scan not given; measured faster than the layer scan on "
-            f"{'CPU' if on_cpu else 'GPU'}: docs/performance.md)" if not scan else
-            f"lax.scan (--no-scan not given; {platform}: unrolled not measured here, the "
-            "scan compiles deep models faster)"))
 
-    if attention is None:
-        fused = cudnn and policy.compute_dtype == jnp.bfloat16
-        attention = "cudnn" if fused else "einsum"
-        if fused:
-            notes.append("attention: cuDNN fused (--attention not given; measured faster than "
-                         "the einsums on an H100 in bf16: docs/performance.md; --attention "
-                         "einsum for the reference path)")
+def _resolve_layers(scan: bool | None, platform: str) -> tuple[bool, list[str]]:
+    """The layer loop: unrolled where measured faster, else the scan."""
+    if scan is not None:
+        return scan, []
+    scan = platform not in UNROLLED_MEASURED
+    return scan, ["layers: " + (
+        "unrolled loop (--scan not given; measured faster than the layer scan on "
+        f"{'CPU' if platform == 'cpu' else 'GPU'}: docs/performance.md)" if not scan else
+        f"lax.scan (--no-scan not given; {platform}: unrolled not measured here, the "
+        "scan compiles deep models faster)")]
+
+
+def _resolve_attention(attention: str | None, cudnn: bool,
+                       policy: Policy) -> tuple[str, list[str]]:
+    """cuDNN's fused attention where it runs in bf16, else the einsums."""
+    if attention is not None:
+        return attention, []
+    if cudnn and policy.compute_dtype == jnp.bfloat16:
+        return "cudnn", ["attention: cuDNN fused (--attention not given; measured faster "
+                         "than the einsums on an H100 in bf16: docs/performance.md; "
+                         "--attention einsum for the reference path)"]
+    return "einsum", []
+
+
+def _resolve_dropout_masks(dropout_masks: str | None, platform: str) -> tuple[str, list[str]]:
+    """How the masks are drawn (threefry16 on accelerators), and the CPU's note on how
+    they are kept (a byte an element there; packed elsewhere: `Choices.packed_masks`)."""
+    notes = []
+    on_cpu = platform == "cpu"
     if dropout_masks is None:
         dropout_masks = "bernoulli" if on_cpu else "threefry16"
         if not on_cpu:
@@ -180,43 +213,38 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     if on_cpu:
         notes.append("dropout masks: kept a byte an element (CPU: packed eight to a byte they "
                      "save memory on a GPU, not time here; docs/performance.md)")
+    return dropout_masks, notes
 
-    saves_gelu = "gelu" in remat_saved_names(remat)
+
+def _resolve_mlp_kernels(mlp_kernels: str | None, platform: str, nvidia: bool,
+                         remat: str) -> str:
+    """XLA's kernels unless the Pallas ones are asked for, where they can run."""
     if mlp_kernels is None:
-        pallas = nvidia and policy.compute_dtype == jnp.bfloat16 and not saves_gelu
-        mlp_kernels = "pallas" if pallas else "xla"
-        if pallas:
-            notes.append("MLP kernels: Pallas kernels for fc2 and the GELU, forward and "
-                         "backward, that never write the GELU's output (--mlp-kernels not "
-                         "given; less HBM traffic in the H100's compiled program, not yet "
-                         "timed on a GPU: docs/performance.md; --mlp-kernels xla for XLA's "
-                         "kernels)")
-    elif mlp_kernels == "pallas" and not nvidia:
+        return "xla"
+    if mlp_kernels == "pallas" and not nvidia:
         raise UsageError(f"--mlp-kernels pallas are Triton kernels for NVIDIA GPUs (compute "
                          f"capability 8.0 or more); this run is on {platform}: use "
                          f"--mlp-kernels xla")
-    elif mlp_kernels == "pallas" and saves_gelu:
+    if mlp_kernels == "pallas" and "gelu" in remat_saved_names(remat):
         raise UsageError(f"--mlp-kernels pallas recomputes the GELU's output, which --remat "
                          f"{remat} saves: use --mlp-kernels xla, or a --remat without gelu")
+    return mlp_kernels
+
+
+def _resolve_qkv_projection(qkv_projection: str | None, platform: str, nvidia: bool,
+                            attention: str) -> str:
+    """XLA's GEMM and copy unless the Pallas kernels are asked for, where they can run."""
     if qkv_projection is None:
-        pallas = nvidia and attention == "cudnn" and policy.compute_dtype == jnp.bfloat16
-        qkv_projection = "pallas" if pallas else "xla"
-        if pallas:
-            notes.append("qkv projection: Pallas kernels that write cuDNN's padded q, k, v "
-                         "and return the input and bias gradients (--qkv-projection not "
-                         "given; less HBM traffic in the H100's compiled program, not yet "
-                         "timed on a GPU: docs/performance.md; --qkv-projection xla for "
-                         "XLA's GEMM and copies)")
-    elif qkv_projection == "pallas" and not nvidia:
+        return "xla"
+    if qkv_projection == "pallas" and not nvidia:
         raise UsageError(f"--qkv-projection pallas is a Triton kernel for NVIDIA GPUs (compute "
                          f"capability 8.0 or more); this run is on {platform}: use "
                          f"--qkv-projection xla")
-    elif qkv_projection == "pallas" and attention == "einsum":
+    if qkv_projection == "pallas" and attention == "einsum":
         raise UsageError("--qkv-projection pallas writes the fused attention's padded inputs; "
                          "--attention einsum has none: use --attention cudnn (or xla), or "
                          "--qkv-projection xla")
-    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_kernels,
-                   qkv_projection, tuple(notes))
+    return qkv_projection
 
 
 def cudnn_attention_runs(device) -> bool:

@@ -19,6 +19,7 @@ from vit_pure.config import (
     remat_saved_names,
 )
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
+from vit_pure.pallas import failures
 from vit_pure.policy import Policy
 from vit_pure.run import distributed
 from vit_pure.run.checks import (
@@ -117,15 +118,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "or three Pallas/Triton kernels that never write the GELU's output "
                         "(pallas: NVIDIA GPUs; where the shapes fit their tiles); same results "
                         "within rounding "
-                        "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
-                        "pallas on NVIDIA GPUs in bf16 unless --remat saves the GELU, else xla")
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
     g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
                    help="with --attention cudnn or xla, the q, k, v projection: one XLA GEMM "
                         "and a copy that splits and pads its output (xla), or Pallas/Triton "
                         "kernels that write the padded q, k, v straight away (pallas: NVIDIA "
                         "GPUs; where the shapes fit its tiles); same results within rounding "
-                        "(docs/performance.md). Default: per backend (vit_pure/run/backend.py): "
-                        "pallas with cuDNN attention on NVIDIA GPUs in bf16, else xla")
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
@@ -429,7 +430,9 @@ def require_positive(parser, args, *names: str) -> None:
 
 
 def main_guard(fn: Callable[[], Any]) -> int:
-    """Run a script's main; bad input becomes one line on stderr and exit code 2.
+    """Run a script's main; bad input becomes one line on stderr and exit code 2, and so
+    does a kit Pallas kernel that the device fails to lower or compile
+    (vit_pure/pallas/failures.py).
 
     A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
     normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
@@ -454,6 +457,10 @@ def main_guard(fn: Callable[[], Any]) -> int:
               file=sys.stderr)
         return _leave(130, "interrupted by a second signal")
     except Exception as e:  # a bug or an unforeseen failure: its traceback, then as above
+        kernel = failures.failure_line(e)  # but a kit kernel the device refused: one line
+        if kernel is not None:
+            print(f"error: {kernel}", file=sys.stderr)
+            return _leave(2, kernel)
         if distributed.report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"):
             traceback.print_exc()
             return _leave(1, "")

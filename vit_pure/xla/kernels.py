@@ -10,11 +10,18 @@ the real figure; and it ranks changes that move large amounts of memory, not tho
 cost is arithmetic (random bits, for one).
 
 A Pallas kernel lowered to Triton is a custom call whose IR the HLO text does not show;
-one that states its matmul FLOPs in its metadata (vit_pure/pallas/mlp.py does) counts as
-a GEMM with those FLOPs, its epilogue's work included.
+one that states its matmul FLOPs in its metadata (the kit's kernels, vit_pure/pallas/, do)
+counts as a GEMM with those FLOPs, its epilogue's work included, and its traffic is the
+figure it states too: the bytes its grid and BlockSpecs load and store, reuse credited
+only between programs that run together (vit_pure/pallas/traffic.py), not its operand
+sizes (a tiled GEMM reads its operands many times).
 
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
-peak), plus a launch (3 us, an assumption), summed over the kernels in order.
+peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
+predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
+max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of XLA's GEMMs,
+cuDNN's attention (its FLOPs counted from q's shape) or the kit's Pallas GEMMs, plus its
+integer work at the GPU's INT32 rate and a launch (`Rates`, `H100_RATES`).
 
 Integer arithmetic, which the floor leaves out, is counted apart (`int_ops`): each
 integer add, multiply, bitwise or shift instruction inside a kernel, times its elements.
@@ -53,6 +60,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # states its matmul FLOPs in the call's metadata (JSON, quotes escaped as \22).
 _TRITON_TARGET = "__gpu$xla.gpu.triton"
 _TRITON_FLOPS = re.compile(r'serialized_metadata = "[^"]*flops\\22: \\22(\d+)\\22')
+_TRITON_BYTES = re.compile(r'serialized_metadata = "[^"]*bytes\\22: \\22(\d+)\\22')
 _INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
 _INT_OPS = {"add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
             "shift-left", "shift-right-logical", "shift-right-arithmetic", "maximum",
@@ -69,6 +77,31 @@ class Kernel:
     shape: str = ""  # its output, physical layout (XLA:GPU's shapes are major to minor)
     op: str = ""     # the JAX operation it came from: its op_name's last two parts
     int_ops: int = 0  # integer arithmetic (`int_ops`), per execution
+    pallas: bool = False  # a kit Pallas kernel (bytes and FLOPs as it states them)
+    attention_flops: int = 0  # cuDNN attention's matmul FLOPs, per execution
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What `predicted_s` prices a kernel at, besides the GPU's bandwidth and peak: the
+    fraction of each reached (memory; XLA's GEMMs; cuDNN's attention; the kit's Pallas
+    GEMMs), INT32 operations a second and a launch's cost."""
+    e_mem: float
+    e_gemm: float
+    e_attention: float
+    e_pallas: float
+    int_per_s: float
+    launch_s: float = LAUNCH_S
+
+
+# The H100 SXM: 64 INT32 operations per SM a clock, 132 SMs at 1.98 GHz; e_mem, e_gemm and
+# e_attention fitted to the four steps measured on one H100 on 2026-11-23, their
+# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
+# benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
+# docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
+# operand count misses what the L2 serves. e_pallas: half of e_gemm, until measured.
+H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, e_pallas=0.20,
+                   int_per_s=64 * 132 * 1.98e9)
 
 
 def classify(instr: Instr) -> str:
@@ -109,6 +142,18 @@ def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
     return 2 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
+def _attention_flops(instr: Instr, shapes: dict[str, str], kind: str) -> int:
+    """cuDNN's fused attention: q (B, T, H, D) as its first operand; the forward runs two
+    products (4 B H T^2 D FLOPs), the backward five (the scores again, dV, dP, dQ, dK)."""
+    if kind != "attention" or not instr.operands:
+        return 0
+    q = arrays(shapes.get(instr.operands[0], ""))
+    if not q or len(q[0][1]) != 4:
+        return 0
+    b, t, h, d = q[0][1]
+    return (10 if "Backward" in instr.attrs else 4) * b * h * t * t * d
+
+
 def int_ops(module: Module, comp: str) -> int:
     """Integer arithmetic in a fused computation (and any it calls): each add, multiply,
     bitwise or shift instruction of an integer type, times its output's elements."""
@@ -140,6 +185,9 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
                 outputs = instr.shape[1:].split(", s8[")[0]  # the result, not the workspace
             nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
                                                 for o in instr.operands)
+            stated_bytes = _TRITON_BYTES.search(instr.attrs) if kind == "gemm" else None
+            if stated_bytes:  # a kit Pallas kernel: its grid's loads and stores
+                nbytes = int(stated_bytes.group(1))
             flops = 0
             if kind == "gemm":
                 stated = _TRITON_FLOPS.search(instr.attrs)  # a Pallas kernel (`classify`)
@@ -149,7 +197,9 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
-                              "/".join(op.split("/")[-2:]), ints))
+                              "/".join(op.split("/")[-2:]), ints,
+                              pallas=_TRITON_TARGET in instr.attrs and kind == "gemm",
+                              attention_flops=_attention_flops(instr, shapes, kind)))
     return out
 
 
@@ -179,8 +229,25 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
             "kernels": sum(r["kernels"] for r in by.values()), "bytes": total,
             "flops": sum(r["flops"] for r in by.values()),
             "int_ops": sum(r["int_ops"] for r in by.values()), "floor_s": floor,
+            "predicted_s": predicted_s(found, bandwidth, peak_flops),
             "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
             "peak_flops": peak_flops, "launch_s": LAUNCH_S}
+
+
+def predicted_s(found: list[Kernel], bandwidth: float, peak_flops: float,
+                rates: Rates = H100_RATES) -> float:
+    """The step's predicted time: per kernel max(bytes / (bandwidth x e_mem), FLOPs /
+    (peak x e_class)), plus its integer operations at `rates.int_per_s` and a launch,
+    summed over the kernels in order (module docstring)."""
+    total = 0.0
+    for k in found:
+        e = (rates.e_pallas if k.pallas else rates.e_gemm if k.kind == "gemm"
+             else rates.e_attention)
+        flops = k.flops + k.attention_flops
+        compute = flops / (peak_flops * e) if flops else 0.0
+        total += k.runs * (max(k.bytes / (bandwidth * rates.e_mem), compute)
+                           + k.int_ops / rates.int_per_s + rates.launch_s)
+    return total
 
 
 def report(t: dict) -> str:
@@ -190,7 +257,8 @@ def report(t: dict) -> str:
              f"{t['int_ops'] / 1e9:.1f} G integer ops elsewhere; floor "
              f"{t['floor_s'] * 1e3:.2f} ms (each kernel max(bytes / "
              f"{t['bandwidth'] / 1e12:.2f} TB/s, FLOPs / {t['peak_flops'] / 1e12:.0f} "
-             f"TFLOP/s) + {t['launch_s'] * 1e6:.0f} us)"]
+             f"TFLOP/s) + {t['launch_s'] * 1e6:.0f} us); predicted step "
+             f"{t['predicted_s'] * 1e3:.1f} ms (fitted efficiencies: vit_pure/xla/kernels.py)"]
     for kind, row in t["classes"].items():
         lines.append(f"  {kind:18s} {row['kernels']:6d} kernels  {row['bytes'] / 1e9:9.3f} GB  "
                      f"{100 * row['bytes'] / max(t['bytes'], 1):5.1f}%")
