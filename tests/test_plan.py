@@ -301,8 +301,10 @@ def test_record_has_the_documented_keys(tp):
     assert {"devices", "mesh", "hardware", "params_per_device", "collectives",
             "predicted"} <= set(record)
     assert record["devices"] == 8 and record["mesh"] == {"data": 2, "pipe": 1, "model": 4}
-    assert all(set(c) == {"kind", "axes", "dtype", "bytes", "count", "source", "overlap"}
-               for c in record["collectives"])
+    assert all(set(c) == {"kind", "axes", "dtype", "bytes", "count", "source", "overlap",
+                          "algorithm"} for c in record["collectives"])
+    # Inside a node (tiny mesh of 8 on 8-GPU nodes) NCCL runs rings or NVLS.
+    assert {c["algorithm"] for c in record["collectives"]} <= {"ring", "nvls", "p2p"}
     pred = record["predicted"]
     assert pred["step_s"] == pytest.approx(pred["compute_s"] + pred["comm_s"])
     # The floor: the critical-path collectives never hide, the others up to the compute.

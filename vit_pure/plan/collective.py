@@ -4,6 +4,8 @@ nccl-tests before trusting a plan:
     python -m vit_pure.plan.collective --op all-reduce --size 32MiB --nodes 8 \
         --gpus-per-node 8 --hardware h100 [--fabric NAME] [--inter-gbps G] \
         [--latency-us US] [--algo auto|ring|tree|nvls|nvlstree] [--json]
+    python -m vit_pure.plan.collective --published
+
 
 It prints the predicted time of one call, its bus bandwidth (nccl-tests' busbw, so it reads
 against all_reduce_perf's column) and the algorithm chosen, then each algorithm NCCL has for
@@ -11,11 +13,14 @@ the call; with --json one line {"seconds": ..., "busbw_gbps": ..., "algorithm": 
 --size is the buffer per GPU as nccl-tests counts it (all_reduce_perf's "size"; for
 all_gather_perf, the gathered output), in bytes or with K/KiB, M/MiB, G/GiB (powers of 2,
 as nccl-tests' -b/-e) or KB, MB, GB (powers of 10). The formulas: vit_pure/plan/nccl.py;
-the fabrics and their sources: vit_pure/plan/fabrics.py.
+the fabrics and their sources: vit_pure/plan/fabrics.py. --published prints the model
+against every published run the fabrics were fitted to or checked on
+(vit_pure/plan/measurements/nccl_all_reduce.json), as a markdown table.
 """
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import sys
 
@@ -107,11 +112,50 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+MEASUREMENTS = pathlib.Path(__file__).parent / "measurements" / "nccl_all_reduce.json"
+
+
+def published_rows() -> list[dict]:
+    """Every published all-reduce point against the model (the default h100 node with
+    the table's fabric): one dict a point."""
+    rows = []
+    for t in json.loads(MEASUREMENTS.read_text())["tables"]:
+        hw = ic.with_overrides(ic.HARDWARE["h100"], fabric=t["fabric"],
+                               devices_per_node=t["gpus_per_node"])
+        n = t["nodes"] * t["gpus_per_node"]
+        where = ic.Placement(n, t["nodes"])
+        for q in t["points"]:
+            size = q["bytes"]
+            measured = (q["time_us"] * 1e-6 if "time_us" in q
+                        else size / (q["algbw_gbps"] * 1e9))
+            cost = nccl.best_cost(ic.ALL_REDUCE, size, where, hw)
+            rows.append({"table": t["id"], "fabric": t["fabric"], "nodes": t["nodes"],
+                         "role": t["role"], "bytes": size, "measured_s": measured,
+                         "model_s": cost.seconds(size), "algorithm": cost.algorithm})
+    return rows
+
+
+def published_table() -> str:
+    lines = ["| fabric | nodes | fitted or checked | size | measured | model | model / "
+             "measured | algorithm |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in published_rows():
+        size = (f"{r['bytes'] / 2**30:g} GiB" if r["bytes"] >= 2**30
+                else f"{r['bytes'] / 2**20:g} MiB")
+        lines.append(f"| {r['fabric']} | {r['nodes']} | {r['role']} | {size} | "
+                     f"{_us(r['measured_s'])} | {_us(r['model_s'])} | "
+                     f"{r['model_s'] / r['measured_s']:.2f} | {r['algorithm']} |")
+    return "\n".join(lines)
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.0f} us"
+
+
 def main(argv=None) -> int:
     parser = cli.doc_parser(__doc__)
     parser.add_argument("--op", default="all-reduce", metavar="OP",
                         help=f"the collective: {', '.join(OPS)} (default all-reduce)")
-    parser.add_argument("--size", required=True, metavar="BYTES",
+    parser.add_argument("--size", default=None, metavar="BYTES",
                         help="buffer per GPU, e.g. 32MiB (as nccl-tests' size column)")
     parser.add_argument("--nodes", type=int, default=1, metavar="M",
                         help="nodes (default 1)")
@@ -132,9 +176,17 @@ def main(argv=None) -> int:
                              "the node has NVSwitch and it is faster)")
     parser.add_argument("--json", action="store_true",
                         help='print one line {"seconds", "busbw_gbps", "algorithm"}')
+    parser.add_argument("--published", action="store_true",
+                        help="print the model against every published run the fabrics "
+                             "were fitted to or checked on (a markdown table)")
     args = parser.parse_args(argv)
 
     def run() -> None:
+        if args.published:
+            print(published_table())
+            return
+        if args.size is None:
+            raise UsageError("--size is required (or --published)")
         r = price(args)
         if args.json:
             print(json.dumps({k: r[k] for k in ("seconds", "busbw_gbps", "algorithm")}))

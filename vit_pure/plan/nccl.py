@@ -58,6 +58,25 @@ ALGORITHMS = (RING, TREE, NVLS, NVLS_TREE)
 AUTO = "auto"
 CHOICES = (AUTO, RING, TREE, NVLS, NVLS_TREE)
 
+# How far the published runs reach (vit_pure/plan/measurements/nccl_all_reduce.json):
+# within 30% on two fabrics up to 8 nodes; one fabric (EFA) up to 32, where the model is
+# up to 1.75x optimistic for 64 MiB-1 GiB calls; nothing beyond.
+VALIDATED_NODES, CHECKED_NODES = 8, 32
+
+
+def scale_note(nodes: int) -> str:
+    """What the published runs say about a collective across `nodes` nodes ('' when they
+    cover it)."""
+    if nodes <= VALIDATED_NODES:
+        return ""
+    if nodes <= CHECKED_NODES:
+        return (f"{nodes} nodes: checked on one fabric only (EFA, 16 and 32 nodes), where "
+                "the model is up to 1.75x optimistic for 64 MiB-1 GiB calls "
+                "(docs/planning.md)")
+    return (f"{nodes} nodes: beyond the {CHECKED_NODES} nodes of any published run the "
+            "fabric profiles were checked on; the formulas extrapolate (docs/planning.md)")
+
+
 # One NVLink step of a ring or chain: a few microseconds (NCCL's tuning tables give its
 # NVLink latencies per step in this range, src/graph/tuning.cc): assumed.
 NVLINK_HOP = 1.0e-6
