@@ -10,15 +10,20 @@ GPU (the whole array an all-reduce reduces or an all-gather gathers). Every call
 latency plus its bytes over the bandwidth of the link that limits it; NCCL's own tuner has
 this shape (src/graph/tuning.cc: a base latency, a latency per step, a bandwidth per
 algorithm). Across nodes each GPU uses its own NIC, whose bandwidth depends on the bytes
-it carries in the call, c = S / p_nic (vit_pure/plan/fabrics.py):
+it carries per network step of the call (vit_pure/plan/fabrics.py's ramp):
 
     net = p_nic x fabric.bandwidth(c)            a node's NICs together
+    c = S / (p_nic x steps)                      steps: m-1 for a ring, ceil(log2 m) for a tree
+
+so a call of a given size, spread over more steps on more nodes, reaches less of the
+peak. NVLink enters at its peak rates: the fabric's ramp is fitted end to end on
+cross-node runs and already holds what small calls lose inside the node.
 
 RING (all-reduce, all-gather, reduce-scatter). One ring per channel; each crosses a node
 boundary once per node, so the bus bandwidth is the nodes' NICs or NVLink's ring rate,
 whichever is lower, and the latency grows linearly with the ring's steps:
 
-    busbw = min(net, NVLink ring busbw at c)
+    busbw = min(net, NVLink's ring busbw)
     all-reduce        2 (n-1)/n S / busbw + base + 2 (m-1) hop + 2 (n-m) nvlink_hop
     all-gather, r-s     (n-1)/n S / busbw + base +   (m-1) hop +   (n-m) nvlink_hop
 
@@ -28,7 +33,7 @@ edge and each node sends S once (half a ring's bytes: the reason a 2-node all-re
 busbw can exceed the NICs'); from three nodes on a node is inner in one of the two trees
 and sends 2S, as much as a ring:
 
-    algbw = min(net / (1 if m == 2 else 2), the chain's NVLink rate)
+    algbw = min(net / (1 if m == 2 else 2), the node's ring all-reduce as algbw)
     S / algbw + base + 2 ceil(log2 m) hop + 2 (p-1) nvlink_hop
 
 NVLS-TREE (all-reduce, NVSwitch: H100 / H200). The tree across nodes, NVLink SHARP inside
