@@ -27,6 +27,11 @@ latency per call. The chunk is V / p inside a node (p devices of the group there
 across nodes, so the ring's length enters twice: in the (n-1)/n factors and in the chunk.
 Across nodes the latency grows with log2 of the nodes (a tree's depth; assumed).
 
+ACROSS NODES ON GPUS the plan prices collectives as NCCL runs them (ring, tree, NVLS,
+NVLS-tree) over a fabric profile: vit_pure/plan/nccl.py and fabrics.py. The hierarchical
+formula below is what hardware without a fabric profile (the TPUs) keeps, and what
+nccl.py calls inside one node.
+
 HIERARCHICAL. `devices_per_node` devices share a fast domain (NVLink / NVSwitch on GPUs, ICI
 on TPUs); nodes are joined by a slower network, one NIC per GPU. A group of n devices in m
 nodes, p_max of them in its fullest node and p_min in its emptiest, runs its collective as
@@ -124,7 +129,9 @@ class Hardware:
 #         way (nccl-tests sendrecv_perf at 1 GiB, github.com/li-plus/playground cuda/nccl.md).
 # [NIC]   DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per A100 (25 GB/s line
 #         rate), taken at ~92% (23 GB/s): assumed.
-# [X16]   H100 across two nodes, the curve `H100_ACROSS` is fitted to: nccl-tests
+# [X16]   (The plan's h100 now prices cross-node collectives with a fabric profile,
+#         fabrics.py; `H100_ACROSS` stays as the `inter` link of the table, unused where
+#         a fabric is set.) H100 across two nodes, the curve `H100_ACROSS` is fitted to: nccl-tests
 #         all_reduce_perf on 16 H100 80GB HBM3, 8 per node (GCP A3 Mega: one 200 Gb/s NIC
 #         per GPU), github.com/lessizzmore/create-a3mega-ztan-fork, file
 #         ztan-NCCL-test-result, out-of-place:
