@@ -112,7 +112,8 @@ def candidates(kind: str, where: ic.Placement, hw: ic.Hardware) -> tuple[str, ..
             return (RING, NVLS)
         return (RING,)
     if kind == ic.ALL_REDUCE:
-        return (RING, TREE, NVLS_TREE) if nvswitch(hw) else (RING, TREE)
+        # In NCCL's order of preference where two cost the same (NVLS-tree on NVSwitch).
+        return (RING, NVLS_TREE, TREE) if nvswitch(hw) else (RING, TREE)
     return (RING,)
 
 
