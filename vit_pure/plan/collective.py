@@ -1,4 +1,4 @@
-"""Price one collective as the plan does, to hold the model against your own cluster's
+r"""Price one collective as the plan does, to hold the model against your own cluster's
 nccl-tests before trusting a plan:
 
     python -m vit_pure.plan.collective --op all-reduce --size 32MiB --nodes 8 \
