@@ -26,10 +26,11 @@ compiled per-device program, not out of a description of the model:
    another dtype than the compiled op at the same source line and size, the lowered dtype
    counts; where it has more ops at one line and size, the missing ones count. The
    report lists each correction.
-3. Time per mesh axis from the message-size-aware formulas in
-   vit_pure/plan/interconnect.py and its cited curves, each collective priced by its
-   slowest group; each collective marked critical-path or overlappable from the program's
-   data flow (vit_pure/plan/overlap.py).
+3. Time per mesh axis: each collective priced by its slowest group, as NCCL runs it
+   (vit_pure/plan/nccl.py: ring, tree, NVLS, NVLS-tree, the fastest or the one --algo
+   forces) over the target's links (interconnect.py) and fabric (fabrics.py); each
+   collective marked critical-path or overlappable from the program's data flow
+   (vit_pure/plan/overlap.py).
 4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
    trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
    body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
