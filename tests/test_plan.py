@@ -301,8 +301,10 @@ def test_record_has_the_documented_keys(tp):
     assert {"devices", "mesh", "hardware", "params_per_device", "collectives",
             "predicted"} <= set(record)
     assert record["devices"] == 8 and record["mesh"] == {"data": 2, "pipe": 1, "model": 4}
-    assert all(set(c) == {"kind", "axes", "dtype", "bytes", "count", "source", "overlap"}
-               for c in record["collectives"])
+    assert all(set(c) == {"kind", "axes", "dtype", "bytes", "count", "source", "overlap",
+                          "algorithm"} for c in record["collectives"])
+    # Inside a node (tiny mesh of 8 on 8-GPU nodes) NCCL runs rings or NVLS.
+    assert {c["algorithm"] for c in record["collectives"]} <= {"ring", "nvls", "p2p"}
     pred = record["predicted"]
     assert pred["step_s"] == pytest.approx(pred["compute_s"] + pred["comm_s"])
     # The floor: the critical-path collectives never hide, the others up to the compute.
@@ -338,12 +340,16 @@ def test_plan_for_64_devices_from_the_command_line(tmp_path):
     run = subprocess.run(
         [sys.executable, "train_shardmap.py", "--model", "tiny", "--batch", "64", "--dtype",
          "bf16", "--mesh", "data=16,model=4", "--plan", "64", "--plan-json", str(out),
-         "--randaugment", "0", "--dropout", "0", "--drop-path", "0", "--accum-steps", "1"],
+         "--randaugment", "0", "--dropout", "0", "--drop-path", "0", "--accum-steps", "1",
+         "--fabric", "efa-p5", "--algo", "ring"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env=subprocess_env())
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["devices"] == 64 and record["mesh"] == {"data": 16, "pipe": 1, "model": 4}
+    # --fabric and --algo reach the plan: every call priced as a ring on EFA.
+    assert record["hardware"]["fabric"]["name"] == "efa-p5" and record["algorithm"] == "ring"
+    assert {c["algorithm"] for c in record["collectives"]} == {"ring"}
     if not targets.cuda_plugin_installed():  # (with it, tests/test_deviceless.py's case)
         assert record["compiled_for"] == "cpu" and record["gpu_program"] is None
         assert "compiled for XLA:CPU on 64 fake CPU devices; for the GPU's own program: pip " \

@@ -124,6 +124,13 @@ def test_the_report_says_when_groups_cross_a_node(tp):
     assert model6["seconds"] > model8["seconds"]
     text = p6.report()
     assert "1 of 2 groups CROSS A NODE BOUNDARY" in text
+    # Rows name NCCL's algorithm: across two nodes an all-reduce runs as NVLS-tree (tree
+    # across, NVLink SHARP inside), inside one node as NVLS; forcing the ring prices rings.
+    assert model6["algorithms"] == ["nvlstree"] and model8["algorithms"] == ["nvls"]
+    assert "NCCL nvlstree" in text
+    ring = dataclasses.replace(p6, algorithm="ring")
+    assert ring.per_axis()["model"]["algorithms"] == ["ring"]
+    assert ring.per_axis()["model"]["seconds"] > model6["seconds"]
     # The advice tests divisibility, not <=: model=4 fits in 6 but does not divide it.
     advice = p6._advice("model", model6, p6.compute_s)
     assert "model=4 does not divide the 6 devices" in advice and "{1, 2, 3, 6}" in advice

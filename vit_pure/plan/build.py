@@ -26,10 +26,11 @@ compiled per-device program, not out of a description of the model:
    another dtype than the compiled op at the same source line and size, the lowered dtype
    counts; where it has more ops at one line and size, the missing ones count. The
    report lists each correction.
-3. Time per mesh axis from the message-size-aware formulas in
-   vit_pure/plan/interconnect.py and its cited curves, each collective priced by its
-   slowest group; each collective marked critical-path or overlappable from the program's
-   data flow (vit_pure/plan/overlap.py).
+3. Time per mesh axis: each collective priced by its slowest group, as NCCL runs it
+   (vit_pure/plan/nccl.py: ring, tree, NVLS, NVLS-tree, the fastest or the one --algo
+   forces) over the target's links (interconnect.py) and fabric (fabrics.py); each
+   collective marked critical-path or overlappable from the program's data flow
+   (vit_pure/plan/overlap.py).
 4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
    trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
    body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
@@ -59,8 +60,8 @@ from jax.sharding import PartitionSpec as P
 
 from vit_pure import step
 from vit_pure.model import init_params
+from vit_pure.plan import fabrics, nccl, targets
 from vit_pure.plan import interconnect as ic
-from vit_pure.plan import targets
 from vit_pure.plan.collectives import (
     CPU_BARRIER_EXPANDER,
     CPU_COMBINER,
@@ -103,9 +104,16 @@ def target_hardware(args) -> ic.Hardware:
         raise cli.UsageError(f"--latency-us must be >= 0, got {args.latency_us}")
     if not 0 < args.efficiency <= 1:
         raise cli.UsageError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    fabric = getattr(args, "fabric", None)
+    if fabric is not None and fabric not in fabrics.FABRICS:
+        raise cli.UsageError(f"--fabric {fabric!r}: unknown; choose one of "
+                             f"{', '.join(fabrics.FABRICS)}")
+    if fabric is not None and ic.HARDWARE[name].platform != "gpu":
+        raise cli.UsageError(f"--fabric: {name} is not a GPU; its network is the table's")
     return ic.with_overrides(ic.HARDWARE[name], peak_tflops=args.peak_tflops,
                              intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
-                             devices_per_node=args.gpus_per_node, latency_us=args.latency_us)
+                             devices_per_node=args.gpus_per_node, latency_us=args.latency_us,
+                             fabric=fabric)
 
 
 # ------------------------------------------------------------------- building it
@@ -169,7 +177,8 @@ def model_flops_per_device(cfg, global_batch: int, devices: int) -> float:
 
 def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                script: str, efficiency: float = cli.DEFAULT_EFFICIENCY,
-               notes: tuple[str, ...] = (), compiled_for: str = "") -> Plan:
+               notes: tuple[str, ...] = (), compiled_for: str = "",
+               algorithm: str = nccl.AUTO) -> Plan:
     """Compile `strategy.train_step` for its devices and read the plan out of it. On GPU
     devices (a deviceless target) the program is XLA:GPU's as it would run: its collectives
     async and combined, their dtypes as asked; on CPU devices XLA:CPU's combiner is off and
@@ -214,7 +223,8 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                 sc.cfg.seq_len, params_per_device(strategy, sc), found,
                 calls, corrections, program_flops,
                 model_flops_per_device(sc.cfg, global_batch, devices), memory, compile_s, notes,
-                compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program)
+                compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program,
+                algorithm=algorithm)
 
 
 def run(args, make_strategy, script: str) -> dict:
@@ -252,7 +262,8 @@ def run(args, make_strategy, script: str) -> dict:
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
                  f"remat {sc.execution.remat}, accumulation {k}")
     plan = build_plan(strategy, sc, optimizer, args.batch, hw, script=script,
-                      efficiency=args.efficiency, notes=tuple(notes), compiled_for=compiled_for)
+                      efficiency=args.efficiency, notes=tuple(notes), compiled_for=compiled_for,
+                      algorithm=getattr(args, "algo", None) or nccl.AUTO)
     print(plan.report(), flush=True)
     record = plan.record()
     if args.plan_json:

@@ -27,6 +27,11 @@ latency per call. The chunk is V / p inside a node (p devices of the group there
 across nodes, so the ring's length enters twice: in the (n-1)/n factors and in the chunk.
 Across nodes the latency grows with log2 of the nodes (a tree's depth; assumed).
 
+ACROSS NODES ON GPUS the plan prices collectives as NCCL runs them (ring, tree, NVLS,
+NVLS-tree) over a fabric profile: vit_pure/plan/nccl.py and fabrics.py. The hierarchical
+formula below is what hardware without a fabric profile (the TPUs) keeps, and what
+nccl.py calls inside one node.
+
 HIERARCHICAL. `devices_per_node` devices share a fast domain (NVLink / NVSwitch on GPUs, ICI
 on TPUs); nodes are joined by a slower network, one NIC per GPU. A group of n devices in m
 nodes, p_max of them in its fullest node and p_min in its emptiest, runs its collective as
@@ -54,6 +59,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+from vit_pure.plan import fabrics as fb
+from vit_pure.plan.fabrics import Fabric
 
 GB = 1e9
 
@@ -101,12 +109,14 @@ class Hardware:
     sources: str             # where the figures come from
     measured_efficiency: float = 0.0   # a training step's measured MFU on this device, if any
     efficiency_source: str = ""
+    fabric: Fabric | None = None       # across nodes, as NCCL runs it (vit_pure/plan/nccl.py)
 
     def describe(self) -> str:
+        across = (f"fabric {self.fabric.describe()}" if self.fabric is not None else
+                  f"per device, {self.inter.describe()}")
         return (f"{self.name}: {self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense, "
                 f"{self.memory_bytes / 2**30:.0f} GiB; {self.devices_per_node} per node; "
-                f"inside a node {self.intra.describe()}; across nodes, per device, "
-                f"{self.inter.describe()}")
+                f"inside a node {self.intra.describe()}; across nodes {across}")
 
 
 # Sources (public figures; what is assumed is said so):
@@ -119,7 +129,9 @@ class Hardware:
 #         way (nccl-tests sendrecv_perf at 1 GiB, github.com/li-plus/playground cuda/nccl.md).
 # [NIC]   DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per A100 (25 GB/s line
 #         rate), taken at ~92% (23 GB/s): assumed.
-# [X16]   H100 across two nodes, the curve `H100_ACROSS` is fitted to: nccl-tests
+# [X16]   (The plan's h100 now prices cross-node collectives with a fabric profile,
+#         fabrics.py; `H100_ACROSS` stays as the `inter` link of the table, unused where
+#         a fabric is set.) H100 across two nodes, the curve `H100_ACROSS` is fitted to: nccl-tests
 #         all_reduce_perf on 16 H100 80GB HBM3, 8 per node (GCP A3 Mega: one 200 Gb/s NIC
 #         per GPU), github.com/lessizzmore/create-a3mega-ztan-fork, file
 #         ztan-NCCL-test-result, out-of-place:
@@ -163,15 +175,16 @@ H100_ACROSS = Link(24.7 * GB, 11.9e6, 0.81, 123e-6, min_chunk=2**19)
 H100_MFU = (0.170, "vit-cifar, batch 4096, bf16, one H100 (docs/performance.md, 2026-11-23)")
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", "gpu", 989e12, 80 * 2**30, H100_INSIDE, H100_ACROSS, 8,
-                     "H100 datasheet; NVLink curve [NVL], cross-node curve fitted to a "
-                     "16-H100 nccl-tests run [X16] (vit_pure/plan/interconnect.py)",
-                     *H100_MFU),
+                     "H100 datasheet; NVLink curve [NVL]; across nodes the fabric profile "
+                     "(vit_pure/plan/fabrics.py), priced as NCCL runs it "
+                     "(vit_pure/plan/nccl.py)", *H100_MFU, fabric=fb.IB_400),
     "h200": Hardware("h200", "gpu", 989e12, 141e9, H100_INSIDE, H100_ACROSS, 8,
-                     "H200 datasheet; links as h100"),
+                     "H200 datasheet; links as h100", fabric=fb.IB_400),
     "a100": Hardware("a100", "gpu", 312e12, 80 * 2**30, Link(195 * GB, latency=10e-6),
                      Link(23 * GB, latency=30e-6), 8,
                      "A100 datasheet; 195 GB/s ring bandwidth measured by nccl-tests on 8 "
-                     "NVLink A100s; 200 Gb/s HDR per GPU, 23 GB/s assumed"),
+                     "NVLink A100s; across nodes 200 Gb/s HDR per GPU (fabric ib-200)",
+                     fabric=fb.FABRICS["ib-200"]),
     "tpu-v5e": Hardware("tpu-v5e", "tpu", 197e12, 16e9, Link(90 * GB, latency=5e-6),
                         Link(3.125 * GB, latency=30e-6), 256,
                         "Cloud TPU v5e docs; ICI from the JAX scaling book"),
@@ -268,11 +281,18 @@ def wire_bytes(kind: str, nbytes: float, n: int) -> float:
 
 
 def with_overrides(hw: Hardware, *, peak_tflops=None, intra_gbps=None, inter_gbps=None,
-                   devices_per_node=None, latency_us=None, memory_gib=None) -> Hardware:
+                   devices_per_node=None, latency_us=None, memory_gib=None,
+                   fabric: str | None = None) -> Hardware:
     """`hw` with the figures given on the command line (None: keep the table's). A
-    bandwidth given scales its link's curve to that peak (the shape is kept)."""
+    bandwidth given scales its link's curve to that peak (the shape is kept); `fabric`
+    names a profile of vit_pure/plan/fabrics.py, whose NIC rate and latency the
+    bandwidth and latency given then set."""
     changes = {}
     intra, inter = hw.intra, hw.inter
+    across = fb.FABRICS[fabric] if fabric is not None else hw.fabric
+    if across is not None:
+        changes["fabric"] = fb.with_overrides(across, nic_gbps=inter_gbps,
+                                              latency_us=latency_us)
     if peak_tflops is not None:
         changes["peak_flops"] = peak_tflops * 1e12
     if intra_gbps is not None:

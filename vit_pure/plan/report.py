@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from vit_pure.plan import interconnect as ic
+from vit_pure.plan import nccl
 from vit_pure.plan.collectives import (
     CPU_BARRIER_EXPANDER,
     CPU_COMBINER,
@@ -41,24 +42,32 @@ class Plan:
     compiled: object = None  # the executable the plan was read from (tests run it)
     platform: str = "cpu"  # what it was compiled for: "gpu" (a deviceless target) or "cpu"
     gpu_program: dict | None = None  # kernels and HBM traffic (xla/kernels.py), GPU only
+    algorithm: str = nccl.AUTO  # NCCL's algorithm: auto (its tuner's pick) or one forced
 
     # -- time
+    def priced(self, c: Collective) -> tuple[float, str]:
+        """(seconds per step, the algorithm NCCL runs its calls with: vit_pure/plan/nccl.py)."""
+        transfer, latency, algorithm = nccl.seconds(c.kind, c.nbytes, c.where, self.hardware,
+                                                    self.algorithm, c.message)
+        return c.count * transfer + self.calls.get(id(c), c.count) * latency, algorithm
+
     def seconds(self, c: Collective) -> float:
-        return (c.count * ic.transfer_seconds(c.kind, c.nbytes, c.where, self.hardware,
-                                              c.message)
-                + self.calls.get(id(c), c.count) * ic.latency_seconds(c.where, self.hardware))
+        return self.priced(c)[0]
 
     def per_axis(self) -> dict[str, dict]:
         out = {}
         for c in self.collectives:
             row = out.setdefault(c.axes, {"bytes": 0, "wire_bytes": 0.0, "calls": 0,
                                           "ops": 0, "seconds": 0.0, "critical_s": 0.0,
-                                          "groups": 0, "straddling": 0, "nodes": 1})
+                                          "groups": 0, "straddling": 0, "nodes": 1,
+                                          "algorithms": []})
             row["bytes"] += c.nbytes * c.count
             row["wire_bytes"] += c.count * ic.wire_bytes(c.kind, c.nbytes, c.where.n)
             row["calls"] += self.calls.get(id(c), c.count)
             row["ops"] += c.count
-            seconds = self.seconds(c)
+            seconds, algorithm = self.priced(c)
+            if algorithm not in row["algorithms"]:
+                row["algorithms"].append(algorithm)
             row["seconds"] += seconds
             row["critical_s"] += seconds if c.overlap == CRITICAL else 0.0
             if c.where.straddling >= row["straddling"]:
@@ -102,7 +111,9 @@ class Plan:
     def verdict(self) -> tuple[str, str]:
         compute, comm = self.compute_s, self.comm_s
         axes = self.per_axis()
-        rule = ("rule: ratio = communication / compute (no overlap); ratio > 1: "
+        rule = ("rule: collectives priced as NCCL runs them (vit_pure/plan/nccl.py; "
+                f"algorithm {self.algorithm}); ratio = communication / compute (no overlap); "
+                "ratio > 1: "
                 "communication-bound on the axis with the most time; else compute-bound. "
                 "On 'data' the gradient collectives do not grow with the per-device batch "
                 "and the compute does, so the balance batch is b x t_axis / t_compute")
@@ -151,7 +162,9 @@ class Plan:
             "hardware": dataclasses.asdict(self.hardware) | {"efficiency": self.efficiency},
             "params_per_device": self.params_per_device,
             "global_batch": self.global_batch, "per_device_batch": self.per_device_batch,
-            "collectives": [c.record() for c in self.collectives],
+            "algorithm": self.algorithm,
+            "collectives": [c.record() | {"algorithm": self.priced(c)[1]}
+                            for c in self.collectives],
             "per_axis": self.per_axis(),
             "corrections": self.corrections,
             "flops": {"program_per_device": self.program_flops,
@@ -207,13 +220,14 @@ class Plan:
                          "calls as modelled, a shared call counted on the row that opens it):")
         lines.append(f"  {'kind':<19}{'axes':<12}{'dtype':<6}{'ops':>5}{'V min..max':>22}"
                      f"{'count/step':>11}{'calls':>7}{'MB/step':>10}{'ms/step':>9}  "
-                     f"{'overlap':<13}source")
+                     f"{'algorithm':<10}{'overlap':<13}source")
         groups = collections.defaultdict(list)
         for c in self.collectives:
             groups[(c.kind, c.axes, c.dtype, c.source, c.overlap)].append(c)
         for (kind, axes, dtype, source, overlap), cs in sorted(
                 groups.items(), key=lambda kv: -sum(self.seconds(c) for c in kv[1])):
             sizes = [c.nbytes for c in cs]
+            algorithms = "/".join(dict.fromkeys(self.priced(c)[1] for c in cs))
             span = (_size(min(sizes)) if min(sizes) == max(sizes)
                     else f"{_size(min(sizes))}..{_size(max(sizes))}")
             lines.append(
@@ -221,7 +235,8 @@ class Plan:
                 f"{sum(c.count for c in cs):>11}"
                 f"{sum(self.calls.get(id(c), c.count) for c in cs):>7}"
                 f"{sum(c.nbytes * c.count for c in cs) / 1e6:>10.1f}"
-                f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {overlap:<13}{source}")
+                f"{sum(self.seconds(c) for c in cs) * 1e3:>9.3f}  {algorithms:<10}"
+                f"{overlap:<13}{source}")
         lines.append("  (critical: a matmul makes its input and another waits for it; "
                      "overlappable: no matmul waits for it, or it needs none: a prefetch)")
         lines.append("per mesh axis (per device per step; each collective priced by its "
@@ -230,7 +245,11 @@ class Plan:
             lines.append(f"  {axis:<12} V {row['bytes'] / 1e6:9.1f} MB, sent on the wire "
                          f"{row['wire_bytes'] / 1e6:9.1f} MB, {row['ops']} executions in "
                          f"{row['calls']} calls: {row['seconds'] * 1e3:.3f} ms "
-                         f"({row['critical_s'] * 1e3:.3f} critical); {_placed(row, hw)}")
+                         f"({row['critical_s'] * 1e3:.3f} critical), NCCL "
+                         f"{'/'.join(row['algorithms'])}; {_placed(row, hw)}")
+        nodes = max((row["nodes"] for row in self.per_axis().values()), default=1)
+        if nccl.scale_note(nodes) and hw.fabric is not None:
+            lines.append(f"  across {nccl.scale_note(nodes)}")
         lines += self._compute_lines()
         m = self.memory
         lines.append(f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "

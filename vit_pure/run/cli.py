@@ -309,10 +309,19 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                    help="override the peak of the bus-bandwidth curve inside a node "
                         "(smaller messages get less of it; docs/planning.md)")
     g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
-                   help="override the peak of the per-device bandwidth curve across "
-                        "nodes (the H100 curve is for one 200 Gb/s NIC per GPU; docs/planning.md)")
+                   help="override the NIC bandwidth per GPU across nodes (GPUs: the "
+                        "fabric's; the H100's default fabric, ib-400, has 46; docs/planning.md)")
     g.add_argument("--latency-us", type=float, default=None, metavar="US",
-                   help="override the latency per call, in microseconds")
+                   help="override the latency per call, in microseconds (GPUs across "
+                        "nodes: a two-node call's, the fabric's per-step latencies scaled)")
+    g.add_argument("--fabric", default=None, metavar="NAME",
+                   help="the network between GPU nodes: ib-400, roce-400, ib-200, roce-200, "
+                        "efa-p5 or tcpxo (vit_pure/plan/fabrics.py; default: the hardware's, "
+                        "ib-400 for h100 and h200)")
+    g.add_argument("--algo", default="auto",
+                   choices=("auto", "ring", "tree", "nvls", "nvlstree"),
+                   help="NCCL algorithm the collectives are priced with, as NCCL_ALGO forces "
+                        "it (default auto: the fastest for each call, as NCCL's tuner picks)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
