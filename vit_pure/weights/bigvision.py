@@ -22,7 +22,9 @@ big_vision's. A scanned big_vision model stores one ``Transformer/encoderblock/.
 whose arrays carry a leading layer axis. The position embedding may have the class
 token's row (T = N + 1 rows) or not (N rows: big_vision adds it before prepending the
 class token; the kit's row for the token is then zero). These models use the tanh GELU,
-LayerNorm epsilon 1e-6 and inputs scaled to [-1, 1].
+LayerNorm epsilon 1e-6 and inputs scaled to [-1, 1]. Models without a class token are
+refused: big_vision's "gap" pooling averages after the final LayerNorm, the kit's "gap"
+before it.
 """
 from __future__ import annotations
 
@@ -86,15 +88,18 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
 
     mha, ln2, mlp = f"MultiHeadDotProductAttention_{a}/", f"LayerNorm_{n}/", f"MlpBlock_{m}/"
     qkv = [stack(f"{mha}{x}/kernel") for x in ("query", "key", "value")]  # (L, E, H, D)
-    class_token = "cls" in w
+    if "cls" not in w:
+        raise WeightsError(f"{path}: a model without class token (big_vision's \"gap\" "
+                           f"pooling takes the mean after the final LayerNorm, the kit's "
+                           f"before it): not a model the kit has")
     pos_key = next((k for k in POS_KEYS if k in w), None)
     if pos_key is None:
         raise WeightsError(f"{path}: no position embedding ({' or '.join(POS_KEYS)})")
     kernel = get(w, "embedding/kernel", prefix)
     params = {
         "patch_embed": {"kernel": hwio_to_rows(kernel), "bias": get(w, "embedding/bias", "")},
-        **({"cls_token": w["cls"].reshape(-1)} if class_token else {}),
-        "pos_embed": pos_rows(w[pos_key], class_token, prefix + pos_key),
+        "cls_token": w["cls"].reshape(-1),
+        "pos_embed": pos_rows(w[pos_key], True, prefix + pos_key),
         "blocks": {
             "ln1": {"scale": stack("LayerNorm_0/scale"), "bias": stack("LayerNorm_0/bias")},
             "attn": {
@@ -119,7 +124,7 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
     elif "head/kernel" in w:
         params["head"] = {"kernel": w["head/kernel"], "bias": w["head/bias"]}
     found = Found(format="bigvision", patch_size=kernel.shape[0], channels=kernel.shape[2],
-                  heads=qkv[0].shape[2], pool="cls" if class_token else "gap", gelu="tanh",
+                  heads=qkv[0].shape[2], pool="cls", gelu="tanh",
                   ln_eps=1e-6, inputs="minus1to1", notes=tuple(notes))
     return params, found
 
