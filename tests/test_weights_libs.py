@@ -174,3 +174,24 @@ def test_finetune_recipe_lowers_the_loss_under_a_data_model_pipe_mesh(tmp_path, 
     assert len(losses) == 12
     assert losses[0] == pytest.approx(np.log(10), abs=1e-5)  # the zero head: uniform logits
     assert np.mean(losses[-3:]) < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("pool", ["cls", "gap"])
+def test_export_to_timm_loads_in_timm_with_the_kits_logits(pool, tmp_path):
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    cfg = get_preset("tiny").replace(pool=pool, dropout=0.0, drop_path=0.0)
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
+                          .astype(np.float32), weights.tree.init_params(jax.random.key(0), cfg))
+    weights.save(tmp_path, cfg, params, "timm")
+    config = json.loads((tmp_path / "config.json").read_text())
+    # As tools/export.py's docstring says: the pretrained_cfg (its class count keeps the
+    # head), the file, and model_args for the shapes.
+    overlay = dict(config["pretrained_cfg"], file=str(tmp_path / "model.safetensors"))
+    model = timm.create_model(config["architecture"], pretrained=True,
+                              pretrained_cfg_overlay=overlay, **config["model_args"]).eval()
+    x = images(32)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+    assert_close(kit_logits(cfg, params, x), ref)

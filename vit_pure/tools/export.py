@@ -11,8 +11,14 @@ evaluates). Then, with transformers installed:
 
     ViTForImageClassification.from_pretrained(DIR)
 
-and with timm, `timm.create_model(config["architecture"], pretrained=True,
-pretrained_cfg_overlay=dict(file=DIR + "/model.safetensors"), **config["model_args"])`.
+and with timm, config = json.load(open(DIR + "/config.json")), then
+
+    timm.create_model(config["architecture"], pretrained=True,
+                      pretrained_cfg_overlay=dict(config["pretrained_cfg"],
+                                                  file=DIR + "/model.safetensors"),
+                      **config["model_args"])
+
+(the pretrained_cfg's class count keeps the head; model_args give the shapes).
 Hugging Face's ViT reads the class token: models with --pool mean or gap, a convolutional
 stem or locality self-attention export only to timm (pools) or not at all (stem, lsa).
 """

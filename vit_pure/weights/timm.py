@@ -142,8 +142,7 @@ def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found
 
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
     """timm's model.safetensors and Hub config.json for the kit's model `cfg` in
-    `directory`; `timm.create_model("vit_base_patch16_224", pretrained=True,
-    pretrained_cfg_overlay=dict(file=...), **config["model_args"])` builds it."""
+    `directory` (tools/export.py's docstring shows how timm builds the model from them)."""
     if cfg.stem or cfg.lsa:
         raise WeightsError(f"{cfg.name}: a convolutional stem or locality self-attention has "
                            f"no timm VisionTransformer equivalent")
@@ -178,7 +177,8 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
     directory.mkdir(parents=True, exist_ok=True)
     mean, std = INPUT_SCALINGS[cfg.inputs]
     config = {
-        "architecture": f"vit_base_patch{cfg.patch_size}_{cfg.image_size}",
+        # A registered model name: model_args give every shape (they override its own).
+        "architecture": "vit_base_patch16_224",
         "num_classes": cfg.num_classes, "num_features": E,
         "global_pool": "token" if cfg.pool == "cls" else "avg",
         "model_args": {"img_size": cfg.image_size, "patch_size": cfg.patch_size,
