@@ -67,9 +67,6 @@ def test_safetensors_round_trip_and_dtypes(tmp_path):
     got, _ = safetensors.read(tmp_path / "b.safetensors")
     np.testing.assert_array_equal(got["b"], [1.5, -2.0, 3.25])
     np.testing.assert_array_equal(got["h"], [0.5, 7.0])
-    st = pytest.importorskip("safetensors.numpy")  # the reference reader, where installed
-    ref = st.load_file(str(tmp_path / "a.safetensors"))
-    np.testing.assert_array_equal(ref["x"], a["x"])
 
 
 # The position embedding's three places: vision_transformer / AugReg's (no prefix, and

@@ -53,6 +53,17 @@ def perturbed(torch, model):
     return model.eval()
 
 
+def test_the_kits_safetensors_files_read_in_the_safetensors_package(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")  # the format's own reader
+    cfg = get_preset("tiny")
+    params = jax.tree.map(np.asarray, weights.tree.init_params(jax.random.key(0), cfg))
+    weights.save(tmp_path, cfg, params, "timm")
+    ref = st.load_file(str(tmp_path / "model.safetensors"))
+    np.testing.assert_array_equal(ref["blocks.2.mlp.fc1.weight"],
+                                  params["blocks"]["mlp"]["fc1"]["kernel"][2].T)
+    assert len(ref) == 4 + 2 + 2 + 2 + 12 * 4  # patch, cls/pos, norm, head, 12 per block
+
+
 # (width, depth, heads, mlp, image, patch, hidden_act, layer_norm_eps)
 HF_SHAPES = [(24, 2, 4, 40, 32, 8, "gelu", 1e-12),
              (30, 3, 5, 36, 24, 4, "gelu_pytorch_tanh", 1e-6),
