@@ -12,8 +12,8 @@ layouts), optionally with timm's Hub ``config.json`` beside it.
     head.weight (K, E)                    head.bias (K,)
 
 A torch Linear's weight is (out, in): the kit's kernels are its transpose. The head count
-is not in the weights: it comes from the caller (`--model`), else from config.json's
-model_args or architecture name, else width / 64 (every ViT of the ViT and DeiT papers
+is not in the weights: it comes from config.json's model_args or architecture name, else
+from the caller (`--model`), else width / 64 (every ViT of the ViT and DeiT papers
 has 64-wide heads but ViT-H's 80). timm's ViTs use the exact GELU and LayerNorm epsilon
 1e-6; the input scaling is config.json's pretrained_cfg mean / std when there is one, else
 [-1, 1] (the default of timm's `vit_*` models, which come from the AugReg release).
@@ -74,9 +74,10 @@ def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found
     while f"blocks.{depth}.norm1.weight" in w:
         depth += 1
     notes = []
-    heads = heads or hub.get("model_args", {}).get("num_heads") or next(
+    # The file's own word first (then a --model of another head count fails to fit).
+    heads = hub.get("model_args", {}).get("num_heads") or next(
         (h for stem, h in NAME_HEADS.items() if hub.get("architecture", "").startswith(stem)),
-        None)
+        None) or heads
     if not heads:
         heads = max(1, width // 64)
         notes.append(f"head count not in the file: assumed width / 64 = {heads}")
