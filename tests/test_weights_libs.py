@@ -23,7 +23,7 @@ import pytest
 import train_shardmap
 from vit_pure import weights
 from vit_pure.config import ViTConfig, get_preset
-from vit_pure.model import apply
+from vit_pure.model import apply, init_params
 from vit_pure.weights import bigvision
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def perturbed(torch, model):
 def test_the_kits_safetensors_files_read_in_the_safetensors_package(tmp_path):
     st = pytest.importorskip("safetensors.numpy")  # the format's own reader
     cfg = get_preset("tiny")
-    params = jax.tree.map(np.asarray, weights.tree.init_params(jax.random.key(0), cfg))
+    params = jax.tree.map(np.asarray, init_params(jax.random.key(0), cfg))
     weights.save(tmp_path, cfg, params, "timm")
     ref = st.load_file(str(tmp_path / "model.safetensors"))
     np.testing.assert_array_equal(ref["blocks.2.mlp.fc1.weight"],
@@ -95,7 +95,7 @@ def test_export_to_hf_loads_in_transformers_with_the_kits_logits(gelu, tmp_path)
     cfg = get_preset("tiny").replace(gelu=gelu, dropout=0.0, drop_path=0.0)
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
-                          .astype(np.float32), weights.tree.init_params(jax.random.key(0), cfg))
+                          .astype(np.float32), init_params(jax.random.key(0), cfg))
     weights.save(tmp_path, cfg, params, "hf")
     model = tf.ViTForImageClassification.from_pretrained(tmp_path).eval()
     x = images(32)
@@ -145,7 +145,7 @@ def test_bigvision_npz_reads_the_same_in_timm_and_the_kit(layout, tmp_path):
                     heads=5, mlp_dim=28)
     rng = np.random.default_rng(2)
     tree = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32),
-                        weights.tree.init_params(jax.random.key(0), cfg))
+                        init_params(jax.random.key(0), cfg))
     np.savez(tmp_path / "m.npz", **bigvision.arrays(tree, 8, 3, **layout))
     # timm's loader, into a timm ViT with the tanh GELU big_vision uses.
     model = VisionTransformer(img_size=24, patch_size=8, embed_dim=20, depth=3, num_heads=5,
@@ -167,7 +167,7 @@ def test_finetune_recipe_lowers_the_loss_under_a_data_model_pipe_mesh(tmp_path, 
     src = get_preset("tiny").replace(image_size=64, num_classes=16)
     rng = np.random.default_rng(3)
     tree = jax.tree.map(lambda a: (np.asarray(a) + 0.05 * rng.standard_normal(a.shape))
-                        .astype(np.float32), weights.tree.init_params(jax.random.key(1), src))
+                        .astype(np.float32), init_params(jax.random.key(1), src))
     np.savez(tmp_path / "tiny.npz", **bigvision.arrays(tree, 8, 3))
     log = tmp_path / "log.jsonl"
     train_shardmap.main([
@@ -194,7 +194,7 @@ def test_export_to_timm_loads_in_timm_with_the_kits_logits(pool, tmp_path):
     cfg = get_preset("tiny").replace(pool=pool, dropout=0.0, drop_path=0.0)
     rng = np.random.default_rng(4)
     params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
-                          .astype(np.float32), weights.tree.init_params(jax.random.key(0), cfg))
+                          .astype(np.float32), init_params(jax.random.key(0), cfg))
     weights.save(tmp_path, cfg, params, "timm")
     config = json.loads((tmp_path / "config.json").read_text())
     # As tools/export.py's docstring says: the pretrained_cfg (its class count keeps the
