@@ -61,7 +61,7 @@ def test_the_kits_safetensors_files_read_in_the_safetensors_package(tmp_path):
     ref = st.load_file(str(tmp_path / "model.safetensors"))
     np.testing.assert_array_equal(ref["blocks.2.mlp.fc1.weight"],
                                   params["blocks"]["mlp"]["fc1"]["kernel"][2].T)
-    assert len(ref) == 4 + 2 + 2 + 2 + 12 * 4  # patch, cls/pos, norm, head, 12 per block
+    assert len(ref) == 2 + 2 + 2 + 2 + 12 * 4  # patch, cls + pos, norm, head; 12 a block
 
 
 # (width, depth, heads, mlp, image, patch, hidden_act, layer_norm_eps)
