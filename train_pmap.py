@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from vit_pure import step
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, hostmem, loop
-from vit_pure.run.settings import RunConfig
+from vit_pure.run.settings import RunConfig, pretrained_weights
 
 AXIS = "data"
 
@@ -121,13 +121,16 @@ class PmapStrategy:
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
+        pretrained_weights(args, fit=False)  # --init-from's model, not its weights
         return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
+    # --init-from: the file's weights fitted to the model (which it may change), or None.
+    pretrained = pretrained_weights(args)
     # The flags become two frozen values, here, once: nothing below reads `args`.
     sc, rc = backend.step_config(args), RunConfig.from_args(args)
-    return loop.run(rc, sc, PmapStrategy)
+    return loop.run(rc, sc, PmapStrategy, init_params=pretrained)
 
 
 if __name__ == "__main__":

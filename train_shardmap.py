@@ -71,7 +71,7 @@ from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import RunConfig
+from vit_pure.run.settings import RunConfig, pretrained_weights
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -417,11 +417,14 @@ def build_parser():
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
+        pretrained_weights(args, fit=False)  # --init-from's model, not its weights
         return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
+    # --init-from: the file's weights fitted to the model (which it may change), or None.
+    pretrained = pretrained_weights(args)
     # The flags become two frozen values, here, once: nothing below reads `args`.
     sc, rc = backend.step_config(args), RunConfig.from_args(args)
 
@@ -429,7 +432,7 @@ def main(argv=None) -> dict:
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,
                                 microbatches=args.microbatches)
 
-    return loop.run(rc, sc, make_strategy)
+    return loop.run(rc, sc, make_strategy, init_params=pretrained)
 
 
 if __name__ == "__main__":

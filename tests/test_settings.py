@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # command of its own), and the stand-alone tools with parsers of their own.
 ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/backend.py",
          "vit_pure/run/settings.py", "vit_pure/plan/build.py", "vit_pure/tools/plot.py",
-         "vit_pure/tools/params_table.py"}
+         "vit_pure/tools/params_table.py", "vit_pure/tools/export.py"}
 
 
 def _parse(*argv):

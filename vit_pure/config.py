@@ -10,6 +10,17 @@ from __future__ import annotations
 import dataclasses
 
 POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
+GELUS = ("tanh", "exact")  # ViTConfig.gelu
+# ViTConfig.inputs: how pixels in [0, 1] are scaled before the model, (x - mean) / std per
+# channel (RGB). "cifar10": the kit's own normalisation (data/cifar10.py CIFAR10_MEAN /
+# CIFAR10_STD); "minus1to1": [-1, 1], what big_vision's and the AugReg ViTs were trained
+# on (timm's "inception" mean/std); "imagenet": torchvision's ImageNet mean/std (DeiT and
+# most other timm / Hugging Face checkpoints).
+INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "minus1to1": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks,
 # --mlp-kernels, --qkv-projection, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
@@ -55,6 +66,13 @@ class ViTConfig:
     # 1/sqrt(head_dim) scale, and no token attends to itself (the score matrix's diagonal
     # is masked), which sharpens the attention towards the other tokens.
     lsa: bool = False
+    # The MLP's GELU: "tanh", the tanh approximation (jax.nn.gelu's default; the kit's
+    # presets, big_vision), or "exact", x * Phi(x) with erf (timm's and Hugging Face's
+    # ViTs; an imported checkpoint sets it, vit_pure/weights/).
+    gelu: str = "tanh"
+    # The input scaling the weights were trained with: a name of INPUT_SCALINGS, applied
+    # by the data pipeline (step.prepare_images).
+    inputs: str = "cifar10"
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
@@ -64,6 +82,12 @@ class ViTConfig:
         if self.pool not in POOLS:
             raise ValueError(f"{self.name}: pool must be one of {', '.join(POOLS)}, "
                              f"got {self.pool!r}")
+        if self.gelu not in GELUS:
+            raise ValueError(f"{self.name}: gelu must be one of {', '.join(GELUS)}, "
+                             f"got {self.gelu!r}")
+        if self.inputs not in INPUT_SCALINGS:
+            raise ValueError(f"{self.name}: inputs must be one of {', '.join(INPUT_SCALINGS)}, "
+                             f"got {self.inputs!r}")
         if any(c < 1 for c in self.stem) or self.patch_size % (2 ** len(self.stem)):
             raise ValueError(
                 f"{self.name}: a stem of {len(self.stem)} stride-2 convolutions needs "

@@ -17,6 +17,11 @@ class CheckpointError(Exception):
     """A checkpoint is missing, corrupt or partial, or does not fit the template."""
 
 
+class WeightsError(UsageError):
+    """A weights file (--init-from, vit_pure/weights/) that cannot be read or does not fit
+    the model; the message is one line naming the file or key, and the shapes."""
+
+
 class Interrupted(Exception):
     """SIGTERM / SIGINT stopped a run that had nowhere to save (no --ckpt-dir).
 

@@ -264,7 +264,8 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     x = x + residual(y, p["attn"]["out"]["bias"], _SITE_ATTN, _SITE_PATH_ATTN)
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
-    y = save_dot(_reduce_from_tp(mlp(h, p["mlp"], policy, execution), tp_axis))
+    y = save_dot(_reduce_from_tp(mlp(h, p["mlp"], policy, execution, cfg.gelu),
+                                 tp_axis))
     return x + residual(y, p["mlp"]["fc2"]["bias"], _SITE_MLP, _SITE_PATH_MLP)
 
 

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from vit_pure.config import Execution, ViTConfig
+from vit_pure.config import INPUT_SCALINGS, Execution, ViTConfig
 from vit_pure.data import augment as augment_lib
-from vit_pure.data import cifar10 as data_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
 from vit_pure.model import apply, init_params
@@ -48,15 +47,19 @@ def decay_mask(params) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW's settings (--lr, --weight-decay, --warmup-steps)."""
+    """The optimizer's settings (--optimizer, --lr, --weight-decay, --warmup-steps)."""
     lr: float = 1e-3
     weight_decay: float = 0.05
     warmup_steps: int | None = None  # None: 5% of the run's steps
+    # "adamw", or "sgd": SGD with momentum 0.9 (the fine-tuning recipe of Dosovitskiy et
+    # al. 2020), with weight decay added to the gradient of the weight matrices if > 0.
+    optimizer: str = "adamw"
 
 
 def make_optimizer(optim: OptimConfig,
                    total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """AdamW with linear warm-up and cosine decay. Gradient clipping is not in here: it
+    """AdamW (or SGD with momentum) with linear warm-up and cosine decay. Gradient
+    clipping is not in here: it
     needs the *global* gradient norm, which under model parallelism is a collective, so
     the scripts compute the norm and `apply_gradients` clips."""
     warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
@@ -64,15 +67,25 @@ def make_optimizer(optim: OptimConfig,
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)
-    optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=optim.weight_decay,
-                            mask=decay_mask)
+    if optim.optimizer == "sgd":
+        decay = ([optax.add_decayed_weights(optim.weight_decay, mask=decay_mask)]
+                 if optim.weight_decay > 0 else [])
+        optimizer = optax.chain(*decay, optax.sgd(schedule, momentum=0.9))
+    else:
+        optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=optim.weight_decay,
+                                mask=decay_mask)
     return optimizer, schedule
 
 
-def init_state(key, cfg: ViTConfig, policy: Policy, optimizer, *, ema: bool = False) -> dict:
+def init_state(key, cfg: ViTConfig, policy: Policy, optimizer, *, ema: bool = False,
+               params=None) -> dict:
     """The whole training state, one plain pytree. With `ema` (`--ema DECAY` > 0) it also
-    holds "ema": a float32 copy of the params, laid out like them (see `update_ema`)."""
-    params = policy.cast_to_param(init_params(key, cfg))
+    holds "ema": a float32 copy of the params, laid out like them (see `update_ema`).
+    `params`: start from these (a tree like `init_params(key, cfg)`'s, e.g. imported
+    weights, vit_pure/weights/) instead of a fresh initialisation."""
+    if params is None:
+        params = init_params(key, cfg)
+    params = policy.cast_to_param(params)
     state = {
         "params": params,
         "opt_state": optimizer.init(params),
@@ -140,13 +153,15 @@ def cross_entropy(logits, labels, num_classes: int, smoothing: float = 0.0, *, t
 
 
 def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
-                   randaugment: tuple[int, int] = (0, 0)):
+                   randaugment: tuple[int, int] = (0, 0), inputs: str = "cifar10"):
     """uint8 batch -> normalised float32, with the training augmentation (on device).
 
     Training: random flip + resized crop (vit_pure.data.cifar10), then, if `randaugment` =
     (num_ops, magnitude) has num_ops > 0, RandAugment (vit_pure.data.randaugment), all on
-    [0, 1] pixels, each example's draws keyed by its global id; then the CIFAR-10
-    normalisation. Models with another input size (the 224 px presets) get the batch resized.
+    [0, 1] pixels, each example's draws keyed by its global id; then the model's input
+    scaling (`inputs`, ViTConfig.inputs: the CIFAR-10 mean / std by default, [-1, 1] or
+    ImageNet's for imported weights). Models with another input size (the 224 px presets)
+    get the batch resized.
     """
     x = images_u8.astype(F32) * (1.0 / 255.0)
     if train:
@@ -155,7 +170,8 @@ def prepare_images(images_u8, key, example_ids, *, train: bool, image_size: int,
         if num_ops:
             x = randaugment_lib.rand_augment(jax.random.fold_in(key, 1), x, example_ids,
                                              num_ops=num_ops, magnitude=magnitude)
-    x = (x - jnp.asarray(data_lib.CIFAR10_MEAN, F32)) / jnp.asarray(data_lib.CIFAR10_STD, F32)
+    mean, std = INPUT_SCALINGS[inputs]
+    x = (x - jnp.asarray(mean, F32)) / jnp.asarray(std, F32)
     if x.shape[1] != image_size:
         x = jax.image.resize(x, (x.shape[0], image_size, image_size, x.shape[3]), "bilinear")
     return x
@@ -169,7 +185,8 @@ def prepare_batch(sc: "StepConfig", images_u8, labels, example_ids, key):
     """
     aug_key, drop_key = jax.random.split(key)
     images = prepare_images(images_u8, aug_key, example_ids, train=sc.augment,
-                            image_size=sc.cfg.image_size, randaugment=sc.randaugment)
+                            image_size=sc.cfg.image_size, randaugment=sc.randaugment,
+                            inputs=sc.cfg.inputs)
     targets = one_hot_targets(labels, sc.cfg.num_classes, sc.label_smoothing)
     if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha):
         try:  # pairs examples 2k, 2k+1 of this slice: the same pairs on any device count
@@ -352,7 +369,8 @@ def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> d
     prepared for evaluation, `logits_fn(images) -> logits`, then the masked sums
     {"loss", "correct", "count"}. With `sc.eval_flip` the logits are the mean of the
     image's and its left-right mirror's (each example on its own: no collective)."""
-    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size)
+    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size,
+                            inputs=sc.cfg.inputs)
     logits = logits_fn(images)
     if sc.eval_flip:
         logits = (logits + logits_fn(images[:, :, ::-1])) / 2

@@ -9,6 +9,10 @@ Two paths compute the same function of the same parameters:
   (`_bias_gelu_fc2`, kernels in vit_pure/pallas/mlp.py); the GELU's output is never
   written.
 
+The GELU is the tanh form (ViTConfig.gelu "tanh", the presets') or the exact erf form
+("exact", imported timm / Hugging Face weights). The Pallas kernels compute the tanh form
+only: with "exact" the MLP runs the XLA path whatever `Execution.mlp_kernels` says.
+
 fc2's bias is not added here: with tensor parallelism fc2 is a row-parallel matmul whose
 partial sums `model._block` adds up first.
 """
@@ -24,6 +28,7 @@ from vit_pure.config import Execution
 from vit_pure.layers.linear import add_bias, varying_like
 from vit_pure.layers.remat import GELU, save_dot
 from vit_pure.pallas.mlp import (
+    exact_gelu_and_slope,
     gelu_and_slope,
     gelu_fc2_backward,
     gelu_fc2_forward,
@@ -35,44 +40,45 @@ from vit_pure.policy import Policy, matmul
 F32 = jnp.float32
 
 
-def mlp(h, m, policy: Policy, execution: Execution):
+def mlp(h, m, policy: Policy, execution: Execution, gelu: str = "tanh"):
     """h (rows, E) compute dtype, m this layer's "mlp" params -> fc2's output (rows, E)
     in the matmul dtype, before fc2's bias. With tensor parallelism m holds Ml of the M
-    hidden units and the result is this device's partial sum."""
+    hidden units and the result is this device's partial sum. `gelu`: ViTConfig.gelu."""
     h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (rows, Ml), matmul dtype
-    if execution.mlp_kernels == "pallas" and _mlp_pallas_fits(h, m["fc2"]["kernel"], policy):
+    if (execution.mlp_kernels == "pallas" and gelu == "tanh"
+            and _mlp_pallas_fits(h, m["fc2"]["kernel"], policy)):
         return _bias_gelu_fc2(h, varying_like(m["fc1"]["bias"], h), m["fc2"]["kernel"], policy)
     h = add_bias(h, m["fc1"]["bias"], barrier=True)
     return _gelu_matmul(h, m["fc2"]["kernel"], policy.compute_dtype, policy,
-                        recompute=execution.remat == "none")
+                        recompute=execution.remat == "none", exact=gelu == "exact")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gelu(x, dtype):
-    """GELU (tanh form, `jax.nn.gelu`) of x in x's dtype (the matmul dtype), returned
-    in `dtype`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gelu(x, dtype, exact=False):
+    """GELU (tanh form, `jax.nn.gelu`; with `exact` the erf form) of x in x's dtype (the
+    matmul dtype), returned in `dtype`.
 
     Written in x's dtype right after fc1's matmul and bias add so that XLA:GPU folds it
     into the GEMM: cuBLASLt's `BIAS_GELU_AUX` epilogue applies bias and GELU before it
     rounds its result, and writes x too, for the backward. A custom VJP so that the
     backward keeps only x, in the matmul dtype, and evaluates the derivative's formula in
     float32, returning x's gradient in x's dtype."""
-    return jax.nn.gelu(x).astype(dtype)
+    return jax.nn.gelu(x, approximate=not exact).astype(dtype)
 
 
-def _gelu_fwd(x, dtype):
-    return _gelu(x, dtype), x
+def _gelu_fwd(x, dtype, exact):
+    return _gelu(x, dtype, exact), x
 
 
-def _gelu_bwd(dtype, x, dz):
-    _, slope = gelu_and_slope(x.astype(F32))
+def _gelu_bwd(dtype, exact, x, dz):
+    _, slope = (exact_gelu_and_slope if exact else gelu_and_slope)(x.astype(F32))
     return ((dz.astype(F32) * slope).astype(x.dtype),)
 
 
 _gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
+def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool, exact: bool = False):
     """`_gelu`(x) @ w with the policy's matmul. With `recompute` (remat "none", where
     nothing else is recomputed) the GELU's output, a (B*T, M) activation, is not kept
     for the backward pass: the backward recomputes it from x, which the GELU's
@@ -81,7 +87,7 @@ def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool):
     headline's traffic, deviceless"). Under the other remat modes the block's own
     checkpoint decides what is kept."""
     def gelu_matmul(x, w):
-        return matmul(checkpoint_name(_gelu(x, dtype), GELU), w, policy)
+        return matmul(checkpoint_name(_gelu(x, dtype, exact), GELU), w, policy)
 
     if not recompute:
         return gelu_matmul(x, w)

@@ -83,6 +83,15 @@ def gelu_and_slope(x):
     return gelu, slope
 
 
+def exact_gelu_and_slope(x):
+    """GELU (exact form, x * Phi(x) with erf, as `jax.nn.gelu(x, approximate=False)`) of
+    float32 x and its derivative Phi(x) + x * phi(x). The kernels here use the tanh form;
+    layers/mlp.py runs the exact one through XLA."""
+    cdf = 0.5 * (1 + jax.lax.erf(x * (1 / math.sqrt(2.0))))
+    pdf = jnp.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return x * cdf, cdf + x * pdf
+
+
 def _gelu(h, dtype):
     """gelu(h) in float32, rounded to `dtype`: what the forward and weight-gradient kernels
     feed the tensor cores."""

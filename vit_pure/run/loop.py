@@ -52,7 +52,7 @@ from vit_pure.step import StepConfig, init_state, make_optimizer, step_key
 
 
 def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *,
-        is_main: bool | None = None) -> dict:
+        is_main: bool | None = None, init_params: dict | None = None) -> dict:
     """Train, evaluating on validation each `--eval-every` epochs and on test at the end.
 
     `sc` is the step's settings (step.StepConfig); `make_strategy(sc, optimizer)` builds
@@ -66,6 +66,11 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
     With several processes (vit_pure/run/distributed.py) every process calls `run` with the
     same flags; only the main one (default: process 0) logs and writes checkpoints, and
     all of them return the same result.
+
+    `init_params`: a fresh run starts from these params (a host tree like
+    `model.init_params`'s: --init-from's weights, vit_pure/weights/) instead of a random
+    initialisation; placed like any checkpoint's (`strategy.put_state`). A resumed run
+    ignores them.
     """
     if is_main is None:
         is_main = jax.process_index() == 0
@@ -77,7 +82,7 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
             if rc.eval_only:
                 result = evaluate_checkpoint(rc, sc, make_strategy, log)
             else:
-                result = _run(rc, sc, make_strategy, log, is_main, stop, profiler)
+                result = _run(rc, sc, make_strategy, log, is_main, stop, profiler, init_params)
             # No process leaves (and takes its part of the runtime with it) before all are
             # done; a signal that arrives in the barrier finds the handler still installed
             # (StopRequest.finished: the run already ended cleanly, so it is ignored).
@@ -91,7 +96,7 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
 
 
 def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
-         stop: StopRequest, profiler: Profiler) -> dict:
+         stop: StopRequest, profiler: Profiler, init_params: dict | None = None) -> dict:
     # One function on purpose: the whole loop reads top to bottom, like
     # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
@@ -112,7 +117,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=train.images.shape[1:], log=log)
     eval_batch = rc.eval_batch
-    host_state, step = _start_state(rc, sc, optimizer, ckpts, resume_from)
+    host_state, step = _start_state(rc, sc, optimizer, ckpts, resume_from, init_params)
+    del init_params
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
         _log_setup(log, rc, sc, strategy, ckpts, plan, host_state, step)
     state = strategy.put_state(host_state)
@@ -330,11 +336,13 @@ class MixSchedule:
 
 
 def _start_state(rc: RunConfig, sc: StepConfig, optimizer, ckpts: Checkpoints,
-                 resume_from: pathlib.Path | None) -> tuple[dict, int]:
-    """(host state, step): from the checkpoint, or a fresh initialisation at step 0."""
+                 resume_from: pathlib.Path | None,
+                 init_params: dict | None = None) -> tuple[dict, int]:
+    """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
+    weights) or a fresh initialisation."""
     if resume_from is None:
         host_state = init_state(jax.random.key(rc.seed), sc.cfg, sc.policy, optimizer,
-                                ema=sc.ema_decay > 0)
+                                ema=sc.ema_decay > 0, params=init_params)
         step = 0
     else:
         # Only shapes and dtypes are needed to read the checkpoint back: no initialisation.

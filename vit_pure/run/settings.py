@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from typing import Any
 
+from vit_pure import weights
+from vit_pure.data.cifar10 import NUM_CLASSES
+from vit_pure.errors import UsageError
 from vit_pure.step import OptimConfig
 
 
@@ -66,7 +70,7 @@ class RunConfig:
             repeat_aug=args.repeat_aug, seed=args.seed,
             epochs=args.epochs, steps=args.steps, stop_after=args.stop_after,
             optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
-                              warmup_steps=args.warmup_steps),
+                              warmup_steps=args.warmup_steps, optimizer=args.optimizer),
             accum_steps=args.accum_steps, memory_budget=args.memory_budget,
             mix_off_epochs=args.mix_off_epochs,
             eval_every=args.eval_every, final_eval=not args.no_final_eval,
@@ -88,3 +92,51 @@ def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:
     records of the command line (tuples become lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
             if isinstance(v, (str, int, float, bool, type(None), list, tuple))}
+
+
+def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | None:
+    """--image-size and --init-from: the model's resolution and the imported weights.
+
+    Without --init-from, only --image-size changes `args.cfg`; returns None. With it, the
+    file (fetched first if it is a URL: vit_pure/weights/fetch.py) fixes what the flags do
+    not: the resolution (the file's, unless --image-size), the pooling (the file's, unless
+    --pool), the GELU, the LayerNorm epsilon and the input scaling; the class count
+    becomes the dataset's. Returns the file's weights fitted to that model
+    (`weights.fit`: position embedding resampled, new head), after one line per change on
+    stdout, or, with `fit` False (--plan), None having set only `args.cfg`. Call it after
+    `cli.start_runtime` when `fit`: fitting may run a JAX computation.
+    """
+    cfg = args.cfg
+    if args.image_size is not None and args.image_size < 1:
+        raise UsageError(f"--image-size must be positive, got {args.image_size}")
+    if args.init_from is None:
+        if args.recipe == "finetune-b16":
+            raise UsageError("--recipe finetune-b16 fine-tunes pretrained weights: give "
+                             "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
+                             "ViT\")")
+        if args.image_size is not None:
+            try:
+                args.cfg = cfg.replace(image_size=args.image_size)
+            except ValueError as e:
+                raise UsageError(f"--image-size: {e}") from None
+        return None
+    path = weights.resolve(args.init_from)
+    params, found = weights.load_found(path, heads=cfg.heads)
+    src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    try:
+        args.cfg = cfg.replace(
+            image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
+            pool=args.pool or src.pool, gelu=src.gelu, ln_eps=src.ln_eps, inputs=src.inputs)
+    except ValueError as e:
+        raise UsageError(f"--init-from {args.init_from}: {e}") from None
+    if not fit:
+        return None
+    params, notes = weights.fit(params, src, args.cfg, str(path))
+    if getattr(args, "process_id", None) in (None, 0):
+        c = args.cfg
+        print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "
+              f"{c.heads} heads, {c.image_size} px in {c.patch_size} px patches, GELU "
+              f"{c.gelu}, LayerNorm eps {c.ln_eps:g}, inputs {c.inputs}", flush=True)
+        for note in (*found.notes, *notes):
+            print(f"--init-from: {note}", file=sys.stdout, flush=True)
+    return params

@@ -1,0 +1,319 @@
+"""Pretrained weights in and out (vit_pure/weights/, vit_pure/tools/export.py), with the
+kit alone: each format's documented layout written and read back, fitting a tree to
+another model, the exact GELU, the input scaling, and bad files as one line, exit 2.
+tests/test_weights_libs.py checks the same against transformers and timm themselves."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_pmap
+from vit_pure import weights
+from vit_pure.config import ViTConfig, get_preset
+from vit_pure.errors import WeightsError
+from vit_pure.layers.mlp import _gelu
+from vit_pure.run import checkpoint, cli
+from vit_pure.step import prepare_images
+from vit_pure.tools import export
+from vit_pure.weights import bigvision, fetch, hf, safetensors, timm
+from vit_pure.weights.tree import expected_shapes
+
+# Odd, distinct sizes: 20 wide in 5 heads of 4, 3 layers, MLP 28, 24 px in 8 px patches
+# (3x3 grid), 6 classes.
+CFG = ViTConfig(name="w", image_size=24, patch_size=8, num_classes=6, width=20, depth=3,
+                heads=5, mlp_dim=28)
+
+
+def random_tree(cfg: ViTConfig, seed=0, zero_cls_row=False) -> dict:
+    rng = np.random.default_rng(seed)
+    tree = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32),
+                        expected_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    if zero_cls_row and cfg.class_token:
+        tree["pos_embed"][0] = 0
+    return tree
+
+
+def assert_same_tree(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+# ------------------------------------------------------------------------- the formats
+def test_safetensors_round_trip_and_dtypes(tmp_path):
+    a = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "y": np.ones((1, 1, 4), np.float32)}
+    safetensors.write(tmp_path / "a.safetensors", a, {"format": "pt"})
+    got, meta = safetensors.read(tmp_path / "a.safetensors")
+    assert meta == {"format": "pt"} and got.keys() == a.keys()
+    for k in a:
+        np.testing.assert_array_equal(got[k], a[k])
+    # bfloat16 and float16, written by hand from the format's description.
+    bf16 = (np.array([1.5, -2.0, 3.25], np.float32).view(np.uint32) >> 16).astype("<u2")
+    f16 = np.array([0.5, 7.0], "<f2")
+    header = {"b": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
+              "h": {"dtype": "F16", "shape": [2], "data_offsets": [6, 10]}}
+    text = json.dumps(header).encode()
+    (tmp_path / "b.safetensors").write_bytes(len(text).to_bytes(8, "little") + text
+                                             + bf16.tobytes() + f16.tobytes())
+    got, _ = safetensors.read(tmp_path / "b.safetensors")
+    np.testing.assert_array_equal(got["b"], [1.5, -2.0, 3.25])
+    np.testing.assert_array_equal(got["h"], [0.5, 7.0])
+
+
+# The position embedding's three places: vision_transformer / AugReg's (no prefix, and
+# under an older Flax optimizer's "opt/target/"), big_vision's top-level one (without the
+# class token's row, scanned blocks, "params/"), and a two-tower model's image tower.
+BV_LAYOUTS = {
+    "augreg": dict(prefix="", numbering="vision_transformer",
+                   pos_key="Transformer/posembed_input/pos_embedding", class_row=True),
+    "opt-target": dict(prefix="opt/target/", numbering="vision_transformer",
+                       pos_key="Transformer/posembed_input/pos_embedding", class_row=True),
+    "big_vision-scanned": dict(prefix="params/", numbering="big_vision",
+                               pos_key="pos_embedding", class_row=False, scanned=True),
+    "big_vision-img-tower": dict(prefix="params/img/", numbering="big_vision",
+                                 pos_key="pos_embedding", class_row=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(BV_LAYOUTS))
+def test_bigvision_npz_layouts_read_back(layout, tmp_path):
+    tree = random_tree(CFG, zero_cls_row=True)
+    arrays = bigvision.arrays(tree, CFG.patch_size, CFG.channels, **BV_LAYOUTS[layout])
+    # The documented names, e.g. the first block's query kernel (E, H, D).
+    a = "1" if BV_LAYOUTS[layout]["numbering"] == "vision_transformer" else "0"
+    q = (f"Transformer/encoderblock/MultiHeadDotProductAttention_{a}/query/kernel"
+         if BV_LAYOUTS[layout].get("scanned") else
+         f"Transformer/encoderblock_0/MultiHeadDotProductAttention_{a}/query/kernel")
+    assert arrays[BV_LAYOUTS[layout]["prefix"] + q].shape[-3:] == (20, 5, 4)
+    np.savez(tmp_path / "m.npz", **arrays)
+    cfg, params = weights.load(tmp_path / "m.npz")
+    assert_same_tree(params, tree)
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.mlp_dim, cfg.image_size, cfg.patch_size,
+            cfg.num_classes, cfg.pool) == (20, 3, 5, 28, 24, 8, 6, "cls")
+    assert (cfg.gelu, cfg.ln_eps, cfg.inputs) == ("tanh", 1e-6, "minus1to1")
+
+
+# timm's documented state-dict names and shapes for CFG (E 20, M 28, K 6, 3x3 + 1 tokens).
+TIMM_KEYS = {"patch_embed.proj.weight": (20, 3, 8, 8), "patch_embed.proj.bias": (20,),
+             "cls_token": (1, 1, 20), "pos_embed": (1, 10, 20), "norm.weight": (20,),
+             "norm.bias": (20,), "head.weight": (6, 20), "head.bias": (6,),
+             **{f"blocks.{i}.{k}": s for i in range(3) for k, s in {
+                 "norm1.weight": (20,), "norm1.bias": (20,), "norm2.weight": (20,),
+                 "norm2.bias": (20,), "attn.qkv.weight": (60, 20), "attn.qkv.bias": (60,),
+                 "attn.proj.weight": (20, 20), "attn.proj.bias": (20,),
+                 "mlp.fc1.weight": (28, 20), "mlp.fc1.bias": (28,),
+                 "mlp.fc2.weight": (20, 28), "mlp.fc2.bias": (20,)}.items()}}
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean", "gap"])
+def test_timm_layout_is_the_documented_one_and_reads_back(pool, tmp_path):
+    cfg = CFG.replace(pool=pool, gelu="exact")
+    tree = random_tree(cfg)
+    timm.write(tmp_path, cfg, tree)
+    got, _ = safetensors.read(tmp_path / "model.safetensors")
+    want = dict(TIMM_KEYS)
+    if pool != "cls":  # timm's average pooling: the LayerNorm after the pool, fc_norm
+        want["fc_norm.weight"], want["fc_norm.bias"] = want.pop("norm.weight"), want.pop(
+            "norm.bias")
+    if pool == "gap":
+        del want["cls_token"]
+        want["pos_embed"] = (1, 9, 20)
+    assert {k: v.shape for k, v in got.items()} == want
+    # A torch Linear is (out, in): q, k, v are the rows of qkv, each (heads, head dim).
+    np.testing.assert_array_equal(got["blocks.1.attn.qkv.weight"][20:40],
+                                  tree["blocks"]["attn"]["qkv"]["kernel"][1][:, 1]
+                                  .reshape(20, 20).T)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_args"]["num_heads"] == 5
+    (tmp_path / "config.json").unlink()  # the weights alone: heads from the caller
+    cfg2, params = weights.load(tmp_path / "model.safetensors", heads=5)
+    assert_same_tree(params, tree)
+    assert (cfg2.pool, cfg2.gelu, cfg2.ln_eps) == (pool, "exact", 1e-6)
+
+
+def test_hf_folder_round_trip(tmp_path):
+    cfg = CFG.replace(gelu="exact", ln_eps=1e-12, inputs="imagenet")
+    tree = random_tree(cfg)
+    weights.save(tmp_path, cfg, tree, "hf")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["num_attention_heads"], config["hidden_act"], config["layer_norm_eps"]) \
+        == (5, "gelu", 1e-12)
+    assert weights.detect(tmp_path) == "hf" == weights.detect(tmp_path / "model.safetensors")
+    cfg2, params = weights.load(tmp_path)
+    assert_same_tree(params, tree)
+    assert cfg2.replace(name="w") == cfg
+    # transformers 5's key names are read too.
+    w, meta = safetensors.read(tmp_path / "model.safetensors")
+    renamed = {k.replace("encoder.layer.", "layers.").replace(
+        "attention.attention.query", "attention.q_proj").replace(
+        "intermediate.dense", "mlp.fc1"): v for k, v in w.items()}
+    safetensors.write(tmp_path / "model.safetensors", renamed, meta)
+    assert_same_tree(weights.load(tmp_path)[1], tree)
+    with pytest.raises(WeightsError, match="pool 'gap'"):
+        hf.write(tmp_path / "x", cfg.replace(pool="gap"), tree)
+
+
+def test_export_of_a_checkpoint_imports_back_unchanged(tmp_path, capsys):
+    cfg = get_preset("tiny")
+    tree = random_tree(cfg)
+    meta = {"model_config": json.loads(json.dumps(cfg.__dict__))}
+    checkpoint.save(tmp_path / "ckpt", 7, {"params": tree, "step": 7}, meta)
+    for fmt in ("hf", "timm"):
+        assert export.main([str(tmp_path / "ckpt"), "--to", fmt, str(tmp_path / fmt)]) == 0
+        cfg2, params = weights.load(tmp_path / fmt / "model.safetensors", heads=None)
+        assert_same_tree(params, tree)
+        assert cfg2.replace(name="tiny", dropout=0.1, drop_path=0.1, gelu="tanh",
+                            inputs="cifar10", ln_eps=cfg.ln_eps) == cfg
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] \
+        == "gelu_pytorch_tanh"  # the tiny preset's tanh GELU, said to transformers
+    assert export.main([str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "e"),
+                        "--ema"]) == 2
+    assert "no ema" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- fitting to the model
+def test_fit_resamples_the_position_embedding_and_puts_in_a_zero_head():
+    src = CFG.replace(image_size=48)  # a 6x6 grid, 6 classes
+    tree = random_tree(src)
+    cfg = CFG.replace(num_classes=10)  # 3x3 grid, 10 classes
+    params, notes = weights.fit(tree, src, cfg, "f")
+    assert params["pos_embed"].shape == (10, 20)
+    np.testing.assert_array_equal(params["pos_embed"][0], tree["pos_embed"][0])  # class row
+    grid = jax.image.resize(tree["pos_embed"][1:].reshape(6, 6, 20), (3, 3, 20), "bilinear")
+    np.testing.assert_allclose(params["pos_embed"][1:], np.asarray(grid).reshape(9, 20),
+                               rtol=1e-6)
+    assert not params["head"]["kernel"].any() and params["head"]["kernel"].shape == (20, 10)
+    assert notes == ["position embedding resampled from 6x6 to 3x3 patches (bilinear)",
+                     "new head: 10 classes, zero-initialised (the file's 6)"]
+    same, notes = weights.fit(tree, src, src, "f")  # the file's own model: unchanged
+    assert_same_tree(same, tree)
+    assert notes == []
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(width=24, heads=6), "blocks/attn/out/bias is (3, 20) in the file; w needs (3, 24)"),
+    (dict(mlp_dim=32), "blocks/mlp/fc1/bias is (3, 28) in the file; w needs (3, 32)"),
+    (dict(depth=4), "blocks/attn/out/bias is (3, 20) in the file; w needs (4, 20)"),
+    (dict(pool="gap"), "has class token; --pool gap needs none"),
+])
+def test_a_file_that_does_not_fit_is_one_line_naming_key_and_shapes(change, message):
+    with pytest.raises(WeightsError) as e:
+        weights.fit(random_tree(CFG), CFG, CFG.replace(**change), "f")
+    assert message in one_line(e)
+
+
+# ------------------------------------------------------------------- the model's details
+def test_exact_gelu_and_its_gradient():
+    @jax.jit  # one program, not one per operation
+    def values(x):
+        def exact(x):
+            return _gelu(x, jnp.float32, True).sum()
+
+        def ref(x):
+            return jax.nn.gelu(x, approximate=False).sum()
+        return (_gelu(x, jnp.float32, True), jax.nn.gelu(x, approximate=False),
+                jax.grad(exact)(x), jax.grad(ref)(x), _gelu(x, jnp.float32, False))
+
+    gelu, ref, grad, ref_grad, tanh = values(jnp.linspace(-5.0, 5.0, 41))
+    np.testing.assert_allclose(gelu, ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(tanh - gelu)).max() > 1e-4  # not the tanh form
+
+
+@pytest.mark.parametrize("inputs, low, high", [("minus1to1", -1.0, 1.0),
+                                               ("imagenet", -0.485 / 0.229, 0.515 / 0.229)])
+def test_input_scaling_is_applied_by_the_pipeline(inputs, low, high):
+    x = np.zeros((1, 2, 2, 3), np.uint8)
+    x[0, 1] = 255
+    out = np.asarray(prepare_images(x, None, None, train=False, image_size=2, inputs=inputs))
+    np.testing.assert_allclose(out[0, 0, :, 0], low, rtol=1e-6)
+    np.testing.assert_allclose(out[0, 1, :, 0], high, rtol=1e-6)
+
+
+# ------------------------------------------------------------- bad input: one line, exit 2
+def _write_bad(tmp_path, kind):
+    p = tmp_path / "bad"
+    if kind == "garbage":
+        p.write_bytes(b"\x00garbage" * 10)
+    elif kind == "truncated":
+        tree = random_tree(CFG)
+        timm.write(tmp_path / "t", CFG, tree)
+        data = (tmp_path / "t" / "model.safetensors").read_bytes()
+        p.write_bytes(data[:len(data) // 2])
+    elif kind == "npz-not-vit":
+        np.savez(tmp_path / "bad.npz", foo=np.zeros(3))
+        p = tmp_path / "bad.npz"
+    elif kind == "wrong-shape":  # a 20-wide model for --model tiny (24 wide)
+        np.savez(tmp_path / "w.npz", **bigvision.arrays(random_tree(CFG), 8, 3))
+        p = tmp_path / "w.npz"
+    elif kind == "missing":
+        p = tmp_path / "nothing-here.npz"
+    return p
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("garbage", "not a safetensors file"), ("truncated", "do not fit shape"),
+    ("npz-not-vit", "no embedding/kernel"), ("missing", "no such file"),
+    ("wrong-shape", "needs (4, 24)"),
+])
+def test_bad_weights_file_is_one_line_and_exit_2(kind, message, tmp_path, capsys):
+    path = _write_bad(tmp_path, kind)
+    code = cli.main_guard(lambda: train_pmap.main(
+        ["--model", "tiny", "--dataset", "synthetic", "--init-from", str(path)]))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_url_is_fetched_into_the_cache_and_offline_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "cache"))
+    src = tmp_path / "m.npz"
+    np.savez(src, **bigvision.arrays(random_tree(CFG), 8, 3))
+    local = weights.resolve(src.as_uri(), log=lambda line: None)
+    assert local.read_bytes() == src.read_bytes() and str(tmp_path / "cache") in str(local)
+    src.unlink()  # the second time it comes from the cache
+    assert weights.resolve(src.as_uri(), log=lambda line: None) == local
+    with pytest.raises(WeightsError) as e:  # nothing listens on port 9 of this machine
+        weights.resolve("http://127.0.0.1:9/ViT-B_16.npz", log=lambda line: None)
+    assert "cannot fetch http://127.0.0.1:9/ViT-B_16.npz" in one_line(e)
+
+
+def test_finetune_recipe_needs_init_from_and_sets_sgd(capsys):
+    code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-b16",
+                                                   "--dataset", "synthetic"]))
+    assert code == 2 and "give --init-from" in capsys.readouterr().err
+    r = cli.RECIPES["finetune-b16"]
+    assert (r["optimizer"], r["batch"], r["lr"], r["grad_clip"], r["model"]) == \
+        ("sgd", 512, 0.03, 1.0, "vit-b16")
+    assert math.isclose(r["weight_decay"], 0.0)
+
+
+def test_exact_gelu_runs_the_xla_mlp_even_when_pallas_is_asked():
+    """The Pallas MLP kernels compute the tanh form: an exact-GELU model falls back to
+    the XLA path (same logits), and the tanh model's logits differ from it."""
+    from vit_pure.config import Execution
+    from vit_pure.model import apply
+    # Shapes the kernels' tiles fit (rows 2 x 16 tokens, M 48, E 32: multiples of 16),
+    # so "pallas" would run them but for the GELU.
+    tanh = ViTConfig(name="p", image_size=16, patch_size=4, num_classes=6, width=32, depth=1,
+                     heads=2, mlp_dim=48, pool="gap")
+    cfg = tanh.replace(gelu="exact")
+    params = jax.tree.map(jnp.asarray, random_tree(cfg, seed=5))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 16, 3)), jnp.float32)
+
+    @jax.jit
+    def logits(params, x):
+        return [apply(params, x, c, execution=Execution(mlp_kernels=k))
+                for c, k in ((cfg, "xla"), (cfg, "pallas"), (tanh, "pallas"))]
+
+    exact, exact_pallas, tanh = logits(params, x)
+    np.testing.assert_array_equal(exact_pallas, exact)
+    assert np.abs(np.asarray(tanh - exact)).max() > 1e-5  # what a missed fallback gives

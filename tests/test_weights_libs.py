@@ -1,0 +1,208 @@
+"""Pretrained weights checked by libraries nobody here wrote, and fine-tuning them.
+
+* Hugging Face transformers (torch on the CPU): random `ViTForImageClassification`s of
+  several shapes, saved with `save_pretrained`, imported by the kit: the same logits on
+  the same images, <= 1e-5 relative in float32; and the kit's export loaded with
+  `from_pretrained` gives the kit's logits.
+* timm (where installed; CI does not install it, docs/training.md says how): random
+  VisionTransformers (class token or average pooling) saved as safetensors, and
+  big_vision-style .npz files in three layouts read by timm's own npz loader: the kit's
+  logits equal timm's.
+* `--recipe finetune-b16` on tiny shapes, from an imported .npz, under a data + model +
+  pipe mesh: the loss goes down.
+
+Slow tier: importing torch takes ~10 s and each library model is built and run.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_shardmap
+from vit_pure import weights
+from vit_pure.config import ViTConfig, get_preset
+from vit_pure.model import apply, init_params
+from vit_pure.weights import bigvision
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-5  # on the logits, relative to their largest magnitude, float32
+
+
+def kit_logits(cfg: ViTConfig, params, images_nhwc):
+    return np.asarray(jax.jit(lambda p, x: apply(p, x, cfg))(
+        jax.tree.map(jnp.asarray, params), jnp.asarray(images_nhwc)))
+
+
+def assert_close(kit, ref):
+    err = np.abs(kit - ref).max() / np.abs(ref).max()
+    assert err <= RTOL, err
+
+
+def images(size, n=3, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, size, size, 3)).astype(np.float32)
+
+
+def perturbed(torch, model):
+    """Random weights everywhere (zero biases and unit LayerNorms would hide a swap)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_the_kits_safetensors_files_read_in_the_safetensors_package(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")  # the format's own reader
+    cfg = get_preset("tiny")
+    params = jax.tree.map(np.asarray, init_params(jax.random.key(0), cfg))
+    weights.save(tmp_path, cfg, params, "timm")
+    ref = st.load_file(str(tmp_path / "model.safetensors"))
+    np.testing.assert_array_equal(ref["blocks.2.mlp.fc1.weight"],
+                                  params["blocks"]["mlp"]["fc1"]["kernel"][2].T)
+    assert len(ref) == 2 + 2 + 2 + 2 + 12 * 4  # patch, cls + pos, norm, head; 12 a block
+
+
+# (width, depth, heads, mlp, image, patch, hidden_act, layer_norm_eps)
+HF_SHAPES = [(24, 2, 4, 40, 32, 8, "gelu", 1e-12),
+             (30, 3, 5, 36, 24, 4, "gelu_pytorch_tanh", 1e-6),
+             (18, 1, 3, 20, 28, 14, "gelu", 1e-5)]
+
+
+@pytest.mark.parametrize("shape", HF_SHAPES, ids=[f"E{s[0]}-L{s[1]}-H{s[2]}-p{s[5]}"
+                                                  for s in HF_SHAPES])
+def test_transformers_vit_imports_with_its_logits(shape, tmp_path):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    E, L, H, M, img, p, act, eps = shape
+    model = perturbed(torch, tf.ViTForImageClassification(tf.ViTConfig(
+        hidden_size=E, num_hidden_layers=L, num_attention_heads=H, intermediate_size=M,
+        image_size=img, patch_size=p, num_labels=7, hidden_act=act, layer_norm_eps=eps)))
+    model.save_pretrained(tmp_path)
+    cfg, params = weights.load(tmp_path)
+    assert (cfg.heads, cfg.ln_eps, cfg.gelu) == (H, eps, "exact" if act == "gelu" else "tanh")
+    x = images(img)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits.numpy()
+    assert_close(kit_logits(cfg, params, x), ref)
+
+
+@pytest.mark.parametrize("gelu", ["tanh", "exact"])
+def test_export_to_hf_loads_in_transformers_with_the_kits_logits(gelu, tmp_path):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    cfg = get_preset("tiny").replace(gelu=gelu, dropout=0.0, drop_path=0.0)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
+                          .astype(np.float32), init_params(jax.random.key(0), cfg))
+    weights.save(tmp_path, cfg, params, "hf")
+    model = tf.ViTForImageClassification.from_pretrained(tmp_path).eval()
+    x = images(32)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits.numpy()
+    assert_close(kit_logits(cfg, params, x), ref)
+
+
+# ------------------------------------------------------------------------------- timm
+TIMM_SHAPES = [dict(embed_dim=20, depth=3, num_heads=5, mlp_ratio=1.4, patch_size=8,
+                    img_size=24, class_token=True, global_pool="token"),
+               dict(embed_dim=24, depth=2, num_heads=3, mlp_ratio=2.0, patch_size=4,
+                    img_size=16, class_token=False, global_pool="avg"),
+               dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.5, patch_size=8,
+                    img_size=32, class_token=True, global_pool="avg")]
+
+
+@pytest.mark.parametrize("kw", TIMM_SHAPES, ids=["token", "gap", "mean"])
+def test_timm_vit_imports_with_its_logits(kw, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("timm")
+    from safetensors.torch import save_file
+    from timm.models.vision_transformer import VisionTransformer
+    model = perturbed(torch, VisionTransformer(num_classes=6, **kw))
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    cfg, params = weights.load(tmp_path / "model.safetensors", heads=kw["num_heads"])
+    assert cfg.pool == {"token": "cls", "avg": "mean" if kw["class_token"] else "gap"}[
+        kw["global_pool"]]
+    x = images(kw["img_size"])
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+    assert_close(kit_logits(cfg, params, x), ref)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(prefix="", numbering="vision_transformer",
+         pos_key="Transformer/posembed_input/pos_embedding"),
+    dict(prefix="opt/target/", numbering="vision_transformer",
+         pos_key="Transformer/posembed_input/pos_embedding"),
+    dict(prefix="params/", numbering="big_vision", pos_key="pos_embedding"),
+], ids=["augreg", "opt-target", "big_vision"])
+def test_bigvision_npz_reads_the_same_in_timm_and_the_kit(layout, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer, _load_weights
+    cfg = ViTConfig(name="bv", image_size=24, patch_size=8, num_classes=6, width=20, depth=3,
+                    heads=5, mlp_dim=28)
+    rng = np.random.default_rng(2)
+    tree = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32),
+                        init_params(jax.random.key(0), cfg))
+    np.savez(tmp_path / "m.npz", **bigvision.arrays(tree, 8, 3, **layout))
+    # timm's loader, into a timm ViT with the tanh GELU big_vision uses.
+    model = VisionTransformer(img_size=24, patch_size=8, embed_dim=20, depth=3, num_heads=5,
+                              mlp_ratio=1.4, num_classes=6, act_layer="gelu_tanh").eval()
+    _load_weights(model, str(tmp_path / "m.npz"))
+    cfg2, params = weights.load(tmp_path / "m.npz")
+    x = images(24)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+    assert_close(kit_logits(cfg2, params, x), ref)
+
+
+# ---------------------------------------------------------------------- fine-tuning
+def test_finetune_recipe_lowers_the_loss_under_a_data_model_pipe_mesh(tmp_path, capsys):
+    """`--recipe finetune-b16` on tiny shapes: an imported big_vision .npz of a tiny ViT at
+    64 px with 16 classes, fine-tuned at 32 px (position embedding resampled) with a new
+    10-class head, on a mesh with all three axes: the imported tree is laid out as a
+    checkpoint is, and trains."""
+    src = get_preset("tiny").replace(image_size=64, num_classes=16)
+    rng = np.random.default_rng(3)
+    tree = jax.tree.map(lambda a: (np.asarray(a) + 0.05 * rng.standard_normal(a.shape))
+                        .astype(np.float32), init_params(jax.random.key(1), src))
+    np.savez(tmp_path / "tiny.npz", **bigvision.arrays(tree, 8, 3))
+    log = tmp_path / "log.jsonl"
+    train_shardmap.main([
+        "--recipe", "finetune-b16", "--model", "tiny", "--image-size", "32",
+        "--init-from", str(tmp_path / "tiny.npz"), "--mesh", "data=2,model=2,pipe=2",
+        "--dataset", "synthetic", "--synthetic-train", "32", "--synthetic-val", "16",
+        "--synthetic-test", "16", "--batch", "32", "--steps", "12", "--warmup-steps", "2",
+        "--lr", "0.1", "--accum-steps", "1", "--dtype", "fp32", "--no-progress",
+        "--eval-every", "0", "--no-final-eval", "--log-json", str(log)])
+    out = capsys.readouterr().out
+    assert "position embedding resampled from 8x8 to 4x4 patches" in out
+    assert "new head: 10 classes, zero-initialised (the file's 16)" in out
+    losses = [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r
+              and "split" not in r]
+    assert len(losses) == 12
+    assert losses[0] == pytest.approx(np.log(10), abs=1e-5)  # the zero head: uniform logits
+    assert np.mean(losses[-3:]) < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("pool", ["cls", "gap"])
+def test_export_to_timm_loads_in_timm_with_the_kits_logits(pool, tmp_path):
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    cfg = get_preset("tiny").replace(pool=pool, dropout=0.0, drop_path=0.0)
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
+                          .astype(np.float32), init_params(jax.random.key(0), cfg))
+    weights.save(tmp_path, cfg, params, "timm")
+    config = json.loads((tmp_path / "config.json").read_text())
+    # As tools/export.py's docstring says: the pretrained_cfg (its class count keeps the
+    # head), the file, and model_args for the shapes.
+    overlay = dict(config["pretrained_cfg"], file=str(tmp_path / "model.safetensors"))
+    model = timm.create_model(config["architecture"], pretrained=True,
+                              pretrained_cfg_overlay=overlay, **config["model_args"]).eval()
+    x = images(32)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+    assert_close(kit_logits(cfg, params, x), ref)

@@ -1,0 +1,79 @@
+"""Pretrained weights in and out: big_vision / AugReg .npz, timm and Hugging Face
+safetensors, read into the kit's parameter tree and written back out.
+
+    cfg, params = load("B_16-i21k-....npz")              # (ViTConfig, float32 numpy tree)
+    params, notes = fit(params, cfg, target_cfg, path)   # resample pos_embed, new head
+    save("out/", cfg, params, "hf")                      # or "timm"
+
+`load` finds the format from the file: a zip archive is a big_vision-style .npz
+(bigvision.py); a safetensors file is Hugging Face's when a transformers ViT config.json
+lies beside it (hf.py), else timm's (timm.py); a folder is read as Hugging Face's. The
+tree is `model.init_params`'s, on the host: the training scripts lay it out on their
+devices as they lay out a checkpoint (`strategy.put_state`), so it trains under every
+layout. These modules read the files with numpy alone (safetensors.py); torch, timm
+and transformers are never imported.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from vit_pure.config import ViTConfig
+from vit_pure.errors import WeightsError
+from vit_pure.weights import bigvision, hf, safetensors, timm
+from vit_pure.weights.fetch import is_url, local_path
+from vit_pure.weights.tree import Found, config_of, fit
+
+FORMATS = ("bigvision", "timm", "hf")  # what `load` reads
+EXPORTS = ("hf", "timm")  # what `save` writes
+
+__all__ = ["FORMATS", "EXPORTS", "Found", "config_of", "detect", "fit", "load", "load_found",
+           "save", "resolve"]
+
+
+def resolve(path: str, log=print) -> pathlib.Path:
+    """A local path for `path`: itself, or the cached copy of a URL (fetch.py)."""
+    return local_path(path, log) if is_url(path) else pathlib.Path(path).expanduser()
+
+
+def detect(path: str | os.PathLike) -> str:
+    """The format of `path`, one of FORMATS; WeightsError if it is none of them."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        if (path / "model.safetensors").is_file() and hf.is_hf_config(path / "config.json"):
+            return "hf"
+        raise WeightsError(f"{path}: a folder without model.safetensors and a transformers "
+                           f"ViT config.json")
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file")
+    if bigvision.is_npz(path):
+        return "bigvision"
+    safetensors.read_header(path)  # raises if it is not safetensors either
+    return "hf" if hf.is_hf_config(path.parent / "config.json") else "timm"
+
+
+def load_found(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found]:
+    """(the kit's parameter tree, `Found`: what the file says of its model). `heads`:
+    the head count, which timm's files do not hold (the other formats ignore it)."""
+    fmt = detect(path)
+    if fmt == "bigvision":
+        return bigvision.read(path)
+    if fmt == "timm":
+        return timm.read(path, heads)
+    return hf.read(path)
+
+
+def load(path: str | os.PathLike, heads: int | None = None) -> tuple[ViTConfig, dict]:
+    """(ViTConfig, params) of a weights file: the model as the file has it."""
+    params, found = load_found(path, heads)
+    return config_of(params, found, f"{found.format}:{pathlib.Path(path).name}"), params
+
+
+def save(path: str | os.PathLike, cfg: ViTConfig, params: dict, format: str) -> list:
+    """Write `params` of model `cfg` into the folder `path` as `format` (EXPORTS);
+    returns the files written."""
+    if format == "hf":
+        return hf.write(path, cfg, params)
+    if format == "timm":
+        return timm.write(path, cfg, params)
+    raise WeightsError(f"unknown export format {format!r}; choose one of {', '.join(EXPORTS)}")

@@ -1,0 +1,176 @@
+"""big_vision / vision_transformer (AugReg) checkpoints: an ``.npz`` of flat Flax paths.
+
+The keys are the Flax parameter paths joined with ``/``, under one of the prefixes ""
+(google-research/vision_transformer and the AugReg release), "opt/target/" (older Flax
+optimizer checkpoints) or "params/" / "params/img/" (big_vision, alone or as the image
+tower of a two-tower model)::
+
+    embedding/kernel (p, p, C, E)  embedding/bias (E,)      the patch embedding, HWIO
+    cls (1, 1, E)                                          (no class token: none)
+    Transformer/posembed_input/pos_embedding (1, T, E)     vision_transformer / AugReg
+    pos_embedding (1, N, E)                                big_vision's ViT
+    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_{a}/{query,key,value}/kernel
+        (E, H, D), .../bias (H, D); .../out/kernel (H, D, E), .../out/bias (E,)
+    Transformer/encoderblock_{i}/LayerNorm_{n}/{scale,bias}
+    Transformer/encoderblock_{i}/MlpBlock_{m}/Dense_0/kernel (E, M) ... Dense_1 (M, E)
+    Transformer/encoder_norm/{scale,bias}
+    head/kernel (E, K)  head/bias (K,)                     (pre_logits/...: dropped)
+
+with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in
+big_vision's. A scanned big_vision model stores one ``Transformer/encoderblock/...``
+whose arrays carry a leading layer axis. The position embedding may have the class
+token's row (T = N + 1 rows) or not (N rows: big_vision adds it before prepending the
+class token; the kit's row for the token is then zero). These models use the tanh GELU,
+LayerNorm epsilon 1e-6 and inputs scaled to [-1, 1]. Models without a class token are
+refused: big_vision's "gap" pooling averages after the final LayerNorm, the kit's "gap"
+before it.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+
+from vit_pure.errors import WeightsError
+from vit_pure.weights.tree import Found, hwio_to_rows, pos_rows, rows_to_hwio
+
+PREFIXES = ("", "opt/target/", "params/", "params/img/")
+POS_KEYS = ("Transformer/posembed_input/pos_embedding", "pos_embedding")
+_NUMBERING = {"vision_transformer": (1, 2, 3), "big_vision": (0, 1, 0)}
+
+
+def is_npz(path) -> bool:
+    return zipfile.is_zipfile(path)
+
+
+def read(path: str | os.PathLike) -> tuple[dict, Found]:
+    """(the kit's tree, what the file says) of a big_vision-style .npz."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            w = {k: np.asarray(f[k], np.float32) for k in f.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise WeightsError(f"{path}: not a readable .npz ({e})") from None
+    prefix = next((p for p in PREFIXES if f"{p}embedding/kernel" in w), None)
+    if prefix is None:
+        raise WeightsError(f"{path}: no embedding/kernel under any of the prefixes "
+                           f"{', '.join(repr(p) for p in PREFIXES)}: not a ViT checkpoint of "
+                           f"big_vision or vision_transformer")
+    w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+    if any(k.startswith("MAPHead") for k in w):
+        raise WeightsError(f"{path}: an attention-pooling head (MAPHead) is not a head the "
+                           f"kit has (its pools: cls, mean, gap)")
+    if any(k.startswith("Transformer/encoderblock/") for k in w):  # scanned: (L, ...) arrays
+        blocks = [{k.split("/", 2)[2]: v[i] for k, v in w.items()
+                   if k.startswith("Transformer/encoderblock/")}
+                  for i in range(w["Transformer/encoderblock/LayerNorm_0/scale"].shape[0])]
+    else:
+        blocks, i = [], 0
+        while f"Transformer/encoderblock_{i}/LayerNorm_0/scale" in w:
+            pre = f"Transformer/encoderblock_{i}/"
+            blocks.append({k[len(pre):]: v for k, v in w.items() if k.startswith(pre)})
+            i += 1
+    if not blocks:
+        raise WeightsError(f"{path}: no Transformer/encoderblock_0/ (nor a scanned "
+                           f"Transformer/encoderblock/) in the file")
+    numbering = ("vision_transformer" if "MultiHeadDotProductAttention_1/query/kernel"
+                 in blocks[0] else "big_vision")
+    a, n, m = _NUMBERING[numbering]
+
+    def get(tree, key, where):
+        if key not in tree:
+            raise WeightsError(f"{path}: no {where}{key} in the file ({numbering} numbering)")
+        return tree[key]
+
+    def stack(key):
+        return np.stack([get(b, key, "Transformer/encoderblock_{i}/") for b in blocks])
+
+    mha, ln2, mlp = f"MultiHeadDotProductAttention_{a}/", f"LayerNorm_{n}/", f"MlpBlock_{m}/"
+    qkv = [stack(f"{mha}{x}/kernel") for x in ("query", "key", "value")]  # (L, E, H, D)
+    if "cls" not in w:
+        raise WeightsError(f"{path}: a model without class token (big_vision's \"gap\" "
+                           f"pooling takes the mean after the final LayerNorm, the kit's "
+                           f"before it): not a model the kit has")
+    pos_key = next((k for k in POS_KEYS if k in w), None)
+    if pos_key is None:
+        raise WeightsError(f"{path}: no position embedding ({' or '.join(POS_KEYS)})")
+    kernel = get(w, "embedding/kernel", prefix)
+    params = {
+        "patch_embed": {"kernel": hwio_to_rows(kernel), "bias": get(w, "embedding/bias", "")},
+        "cls_token": w["cls"].reshape(-1),
+        "pos_embed": pos_rows(w[pos_key], True, prefix + pos_key),
+        "blocks": {
+            "ln1": {"scale": stack("LayerNorm_0/scale"), "bias": stack("LayerNorm_0/bias")},
+            "attn": {
+                "qkv": {"kernel": np.stack(qkv, axis=2),
+                        "bias": np.stack([stack(f"{mha}{x}/bias")
+                                          for x in ("query", "key", "value")], axis=1)},
+                "out": {"kernel": stack(f"{mha}out/kernel"), "bias": stack(f"{mha}out/bias")},
+            },
+            "ln2": {"scale": stack(f"{ln2}scale"), "bias": stack(f"{ln2}bias")},
+            "mlp": {"fc1": {"kernel": stack(f"{mlp}Dense_0/kernel"),
+                            "bias": stack(f"{mlp}Dense_0/bias")},
+                    "fc2": {"kernel": stack(f"{mlp}Dense_1/kernel"),
+                            "bias": stack(f"{mlp}Dense_1/bias")}},
+        },
+        "final_ln": {"scale": get(w, "Transformer/encoder_norm/scale", ""),
+                     "bias": get(w, "Transformer/encoder_norm/bias", "")},
+    }
+    notes = []
+    if "pre_logits/kernel" in w:  # vision_transformer's ImageNet-21k models: dropped
+        notes.append("pre_logits dropped (as vision_transformer does to fine-tune); its "
+                     "head then needs replacing")
+    elif "head/kernel" in w:
+        params["head"] = {"kernel": w["head/kernel"], "bias": w["head/bias"]}
+    found = Found(format="bigvision", patch_size=kernel.shape[0], channels=kernel.shape[2],
+                  heads=qkv[0].shape[2], pool="cls", gelu="tanh",
+                  ln_eps=1e-6, inputs="minus1to1", notes=tuple(notes))
+    return params, found
+
+
+def arrays(params: dict, patch: int, channels: int, *, prefix: str = "",
+           numbering: str = "vision_transformer", pos_key: str = POS_KEYS[0],
+           class_row: bool = True, scanned: bool = False) -> dict[str, np.ndarray]:
+    """The kit's tree as a big_vision-style .npz's arrays (`np.savez(path, **arrays)`), in
+    any of the layouts `read` takes: `prefix`, the block `numbering`, where the position
+    embedding goes (`pos_key`), whether it keeps the class token's row (`class_row`; the
+    row must then be zero to drop it), one `scanned` block with a leading layer axis."""
+    a, n, m = _NUMBERING[numbering]
+    b = params["blocks"]
+    layer = {
+        "LayerNorm_0/scale": b["ln1"]["scale"], "LayerNorm_0/bias": b["ln1"]["bias"],
+        f"LayerNorm_{n}/scale": b["ln2"]["scale"], f"LayerNorm_{n}/bias": b["ln2"]["bias"],
+        f"MultiHeadDotProductAttention_{a}/out/kernel": b["attn"]["out"]["kernel"],
+        f"MultiHeadDotProductAttention_{a}/out/bias": b["attn"]["out"]["bias"],
+        f"MlpBlock_{m}/Dense_0/kernel": b["mlp"]["fc1"]["kernel"],
+        f"MlpBlock_{m}/Dense_0/bias": b["mlp"]["fc1"]["bias"],
+        f"MlpBlock_{m}/Dense_1/kernel": b["mlp"]["fc2"]["kernel"],
+        f"MlpBlock_{m}/Dense_1/bias": b["mlp"]["fc2"]["bias"],
+    }
+    for j, x in enumerate(("query", "key", "value")):
+        layer[f"MultiHeadDotProductAttention_{a}/{x}/kernel"] = b["attn"]["qkv"]["kernel"][:, :, j]
+        layer[f"MultiHeadDotProductAttention_{a}/{x}/bias"] = b["attn"]["qkv"]["bias"][:, j]
+    out = {"embedding/kernel": rows_to_hwio(np.asarray(params["patch_embed"]["kernel"]), patch,
+                                            channels),
+           "embedding/bias": params["patch_embed"]["bias"],
+           "Transformer/encoder_norm/scale": params["final_ln"]["scale"],
+           "Transformer/encoder_norm/bias": params["final_ln"]["bias"]}
+    pos = np.asarray(params["pos_embed"])
+    if "cls_token" in params:
+        out["cls"] = np.asarray(params["cls_token"]).reshape(1, 1, -1)
+        if not class_row:
+            if np.any(pos[0]):
+                raise ValueError("the class token's position row is not zero: keep it")
+            pos = pos[1:]
+    out[pos_key] = pos[None]
+    if "head" in params:
+        out["head/kernel"], out["head/bias"] = params["head"]["kernel"], params["head"]["bias"]
+    for k, v in layer.items():
+        v = np.asarray(v)
+        if scanned:
+            out[f"Transformer/encoderblock/{k}"] = v
+        else:
+            for i in range(v.shape[0]):
+                out[f"Transformer/encoderblock_{i}/{k}"] = v[i]
+    return {prefix + k: np.asarray(v, np.float32) for k, v in out.items()}
