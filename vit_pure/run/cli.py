@@ -23,6 +23,7 @@ from vit_pure.policy import Policy
 from vit_pure.run import distributed
 from vit_pure.run.checks import (
     check_checkpoint_flags,
+    check_device_counts,
     check_numbers,
     check_paths,
     check_process_flags,
@@ -320,6 +321,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         parser.set_defaults(**RECIPES[recipe])
     args = parser.parse_args(argv)
     check_numbers(parser, args)
+    check_device_counts(parser, args)  # before start_runtime or the plan creates them
     check_checkpoint_flags(parser, args)
     check_profile_flags(parser, args)
     check_synthetic_flags(parser, args)
