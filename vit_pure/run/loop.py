@@ -119,17 +119,18 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
                        min_scale=host_state["loss_scale"].min_scale)
     del host_state
-    speed = Throughput()
+    speed = Throughput(rc.batch, step)
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc, strategy, train, plan, step, depth=2)
-    points = LogPoints(log, strategy, losses)
+    points = LogPoints(log, strategy, losses, speed)
     mixing = MixSchedule(rc, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
 
-    # ---- The step loop. The host never waits for the step it has just dispatched: it
-    # reads a step's metrics (log points, the NaN check) once the next step is queued
-    # behind it, and waits only where it must read the state (checkpoints, evaluation).
+    # ---- The step loop. The host waits for the step it has just dispatched only once, at
+    # the first (its time and compile apart, then the memory): it reads a step's metrics
+    # (log points, the NaN check) once the next step is queued behind it, and waits
+    # only where it must read the state (checkpoints, evaluation).
     while step < plan.total_steps and _stop_reason(stop, rc, step) is None:
         epoch = step // plan.steps_per_epoch
         if step == first_step or step % plan.steps_per_epoch == 0:
@@ -145,17 +146,18 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
             jax.block_until_ready(previous)
         step += 1
         losses.add(step, metrics)
-        speed.add(rc.batch)
         bar.update(1)
+        if step == first_step + 1:  # the first step, waited for: its time, compile apart
+            _log_first_step(log, speed, metrics, step)
+            log_memory(log, step)  # after it ran: the peak includes compiling
+            memory_step = step
 
         if step % plan.log_every == 0 or step == plan.total_steps:
-            # Read after the next step is dispatched; the learning rate is computed on the
-            # device now, between the steps, and read with them.
+            # Read after the next step is dispatched, once this one has finished (its
+            # img/s too); the learning rate is computed on the device now, between the
+            # steps, and read with them.
             points.mark(metrics, state, bar, ckpts.describe_last(), step=step, epoch=epoch,
-                        lr=schedule(step - 1), rate=speed.rate())
-            if memory_step is None:  # the first log point: the peak includes compiling
-                log_memory(log, step)
-                memory_step = step
+                        lr=schedule(step - 1))
         profiler.after_step(step, state)
         end_of_epoch = step % plan.steps_per_epoch == 0
         if end_of_epoch:
@@ -186,6 +188,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
     profiler.finish(step, state)
     if step not in (first_step, memory_step):
+        jax.block_until_ready(state)  # the figures of the steps done, not of those queued
         log_memory(log, step)
     reason = _stop_reason(stop, rc, step) if step < plan.total_steps else None
     if reason is not None:
@@ -274,8 +277,8 @@ class LogPoints:
     next step consumes (donation), so a loss-scaled run reads its log point at once.
     """
 
-    def __init__(self, log: Logger, strategy: Strategy, losses: LossWatch):
-        self.log, self.strategy, self.losses = log, strategy, losses
+    def __init__(self, log: Logger, strategy: Strategy, losses: LossWatch, speed: Throughput):
+        self.log, self.strategy, self.losses, self.speed = log, strategy, losses, speed
         self.pending: dict | None = None
         self.last: dict = {}  # the last log point read: checkpoints and the result keep it
 
@@ -287,9 +290,11 @@ class LogPoints:
     def read(self, last_checkpoint, state=None) -> None:
         if self.pending is not None:
             p, self.pending = self.pending, None
+            jax.block_until_ready(p["metrics"])  # the step has finished: now its img/s
+            rate = self.speed.rate(p["step"])
             self.last = _log_point(self.log, self.strategy, state, p.pop("metrics"),
                                    self.losses, p.pop("bar"), last_checkpoint,
-                                   **{**p, "lr": float(p["lr"])})
+                                   **{**p, "lr": float(p["lr"]), "rate": rate})
 
 
 class MixSchedule:
@@ -366,6 +371,15 @@ def _log_setup(log: Logger, rc: RunConfig, sc: StepConfig, strategy: Strategy, c
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
+
+
+def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
+    """Wait for the run's first step, and say how long it took and how much of that was
+    compiling (which no img/s figure counts)."""
+    jax.block_until_ready(metrics)
+    seconds, compiling = speed.first_step()
+    log(f"step {step} done in {seconds:.2f} s, {compiling:.2f} s of it compiling (left out "
+        f"of img/s)", event="first_step", step=step, seconds=seconds, compile_s=compiling)
 
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,
