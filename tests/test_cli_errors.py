@@ -10,10 +10,12 @@ compile), so they run in this process through the script's own `main` and
 `cli.main_guard`, on conftest's 8 fake devices (`--cpu-devices 8` matches them). A few run
 as real processes, to show the exit code and the whole of stderr end to end.
 """
+import argparse
 import errno
 import importlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -175,6 +177,11 @@ SHARDMAP = [
     (["--mesh", "foo=2"], "--mesh 'foo=2': expected data=D,model=M,pipe=S"),
     (["--mesh", "data=x"], "--mesh 'data=x': expected data=D,model=M,pipe=S"),
     (["--mesh", "data=4,data=2"], "--mesh 'data=4,data=2': expected data=D,model=M,pipe=S"),
+    (["--mesh", "foo=2,data=4"], "--mesh 'foo=2,data=4': expected data=D,model=M,pipe=S "
+                                 "with positive integers; unknown axis 'foo'"),
+    (["--mesh", "data=4,data=2"], "axis 'data' given twice"),
+    (["--mesh", "data=2,model=x"], "model='x' is not a positive integer"),
+    (["--mesh", "data"], "'data' is not AXIS=SIZE"),
     (["--mesh", "data=1,model=8"], "--mesh model=8: 4 heads do not divide by 8"),
     (["--mesh", "data=1,pipe=8"], "--mesh pipe=8: pipeline: depth 4 of tiny does not split "
                                   "into 8 equal stages"),
@@ -395,3 +402,28 @@ def test_device_limit_is_the_memory_over_the_cost(capsys):
         f"{parser.prog}: error: --plan 26,215: this machine holds at most 26,214 devices to "
         "compile the plan for (about 0.25 MiB of host memory each; 80% of its 8.0 GiB "
         "available)")
+
+
+# A statement of a default in a flag's --help text: "(default: X)", "(default X)",
+# "default: X", "Default: X".
+_DEFAULT = re.compile(r"(?i)\(default\b|\bdefault:")
+
+
+@pytest.mark.parametrize("parser", [train_shardmap.build_parser(),
+                                    cli.build_parser(train_pmap.__doc__.splitlines()[0])],
+                         ids=["train_shardmap", "train_pmap"])
+def test_help_gives_every_flag_a_text_and_its_true_default(parser):
+    """Every flag of both scripts (those added later too): a help text; a flag that takes
+    a value (or --x/--no-x) states its default exactly once, never argparse's
+    "(default: None)" (None means "decided later": the text says by what)."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help, f"{flag} has no help text"
+        text = formatter._expand_help(action)
+        assert "None" not in text, (flag, text)
+        takes_value = action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction)
+        assert len(_DEFAULT.findall(text)) == (1 if takes_value else 0), (flag, text)
+    assert "(default: None)" not in parser.format_help()
