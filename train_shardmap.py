@@ -71,7 +71,7 @@ from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import RunConfig
+from vit_pure.run.settings import PlanConfig, RunConfig
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -422,7 +422,8 @@ def build_parser():
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
+        return plan.run(PlanConfig.from_args(args), functools.partial(
+            backend.step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
