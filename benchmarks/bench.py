@@ -75,7 +75,6 @@ import re
 import resource
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -285,10 +284,8 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
     state = strategy.put_state(host_state)
     inputs = step_inputs(strategy, batch, seed)
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    lowered = strategy.train_step.lower(state, *inputs(0))
-    compiled = lowered.compile()
-    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    (lowered, compiled), compile_s, compile_cpu_s = harness.timed(
+        lambda: (lowered := strategy.train_step.lower(state, *inputs(0)), lowered.compile()))
 
     metrics = None
 

@@ -1,5 +1,5 @@
-"""What every benchmark shares: the timing loops, the child-process runner, synthetic
-batches and the Markdown table.
+"""What every benchmark shares: the timing loops and one-call timers, the child-process
+runner, synthetic batches, the kit-row grammar and the Markdown table.
 
 Standard library and NumPy only, so that a child process that must not start JAX (the
 PyTorch peer) can use it too. The pieces that build and time the kit's own training
@@ -85,6 +85,22 @@ def median_seconds(call: Callable[[], object], wait: Callable[[object], object] 
                    runs: int = 5, *, warmup: int = 1) -> float:
     """The median wall-clock seconds of `runs` calls, as time_calls times them."""
     return statistics.median(time_calls(call, wait, runs, warmup=warmup).wall)
+
+
+def timed(call: Callable[[], object]) -> tuple[object, float, float]:
+    """call() once: (its result, the wall-clock seconds, this process's CPU seconds); a
+    compile's timing (`lowered.compile`)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = call()
+    return result, time.perf_counter() - t0, time.process_time() - c0
+
+
+def first_and_median(call: Callable[[], object], wait: Callable[[object], object],
+                     runs: int) -> tuple[float, float]:
+    """(seconds of the first call, waited for: a jitted function's compile and first run;
+    the median seconds of `runs` calls after it)."""
+    _, first, _ = timed(lambda: wait(call()))
+    return first, median_seconds(call, wait, runs, warmup=0)
 
 
 # ------------------------------------------------------------------ synthetic batches
