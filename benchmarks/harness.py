@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -157,6 +158,28 @@ def child_main(run: Callable[[dict], dict], job: dict) -> int:
         return 1
     print(RESULT_TAG + json.dumps(result), flush=True)
     return 0
+
+
+# --------------------------------------------------------------------- a row of the kit
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_kit_row(text: str) -> tuple[str, dict[str, str], list[str]]:
+    """`--kit LABEL=[NAME=VALUE ...] FLAGS`, the benchmarks' one grammar for a row of the
+    kit (benchmarks.bench, .peers, .deviceless): -> (label, the row's environment
+    variables, the training script's flags). ValueError says what is wrong."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label.strip():
+        raise ValueError(f"--kit {text!r}: expected LABEL=FLAGS, e.g. 'no-scan=--no-scan'")
+    try:
+        words = shlex.split(rest)
+    except ValueError as e:
+        raise ValueError(f"--kit {text!r}: {e}") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return label.strip(), env, words
 
 
 # --------------------------------------------------------------------------- the table
