@@ -9,12 +9,14 @@ import os
 from vit_pure.run.accum import SAFETY, mem_available_bytes
 
 # What one device costs in host memory, measured on a 2-core Xeon with avx512_bf16 and
-# 23 GiB (2026-11-26; docs/testing.md, "Bad input"). A fake CPU device that runs a program:
-# one psum under shard_map on N = 1, 256, 1024 devices peaked at 368, 658, 1501 MiB of
-# RSS, 1.13-1.16 MiB a device. A device `--plan N` compiles for (and runs nothing on):
-# the tiny model's plan on 8 and 1,024 fake CPU devices peaked at 770 and 852 MiB (0.08
-# MiB a device), after creating them, 0.1 MiB a device at 2,000 and 8,000 and more (and
-# minutes) beyond; 0.25 MiB covers both with room for that growth.
+# 23 GiB (2026-11-26). A fake CPU device that runs a program: one psum under shard_map on
+# N = 1, 256, 1024 devices peaked at 368, 658, 1501 MiB of RSS, 1.11-1.14 MiB a device.
+# A device `--plan N` compiles for and runs nothing on: the tiny model's plan on 8 and
+# 1,024 fake CPU devices peaked at 770 and 852 MiB (0.08 MiB a device); creating fake
+# CPU devices costs 0.10 MiB each at 2,000 and 8,000 (the latter in 52 s) and grows past
+# that (16,000: over 2 GiB, unfinished after 5 minutes). 0.25 MiB covers both with room
+# for that growth; the deviceless GPU plan's devices cost less (8 and 8,192 of them: 900
+# and 948 MiB, the latter in 190 s), and the one bound serves both paths.
 RUN_DEVICE_BYTES = int(1.2 * 2**20)
 PLAN_DEVICE_BYTES = 2**18
 
