@@ -94,7 +94,7 @@ from vit_pure import step
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
-from vit_pure.run import backend, cli, hostmem
+from vit_pure.run import backend, checks, cli, hostmem
 from vit_pure.run.accum import StepMemory
 from vit_pure.run.settings import RunConfig
 from vit_pure.xla.flops import train_flops_per_image
@@ -422,8 +422,7 @@ def main(argv=None) -> list[dict]:
     cli.require_positive(p, args, "batch", "steps", "accum_steps")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        p.error("--cpu-devices must be >= 1")
+    checks.check_device_counts(p, args)  # --cpu-devices: what this host's memory holds
     defaults = {"scan": {None: "auto", True: "1", False: "0"}[args.scan], "remat": args.remat,
                 "accum": str(args.accum_steps), "precision": args.matmul_precision}
     jobs = []

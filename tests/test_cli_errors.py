@@ -346,6 +346,9 @@ def test_tools_give_one_line_errors(module, capsys):
 TOOL_CASES = [
     ("benchmarks.bench", ["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
     ("benchmarks.bench", ["--warmup", "-1"], "--warmup must be >= 0"),
+    ("benchmarks.bench", ["--cpu-devices", "0"], "--cpu-devices must be positive, got 0"),
+    ("benchmarks.bench", ["--cpu-devices", "100000"],
+     "--cpu-devices 100,000: this machine holds at most"),
     ("benchmarks.probes.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
     ("benchmarks.probes.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
     ("benchmarks.probes.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),

@@ -70,7 +70,7 @@ def check_device_counts(parser, args, available: int | None = None) -> None:
     for name, per_device, what in (
             ("cpu_devices", RUN_DEVICE_BYTES, "fake CPU devices that run the step"),
             ("plan", PLAN_DEVICE_BYTES, "devices to compile the plan for")):
-        n = getattr(args, name)
+        n = getattr(args, name, None)  # (a tool may have one of the two flags)
         if n is None:
             continue
         if n < 1:
