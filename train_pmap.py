@@ -11,6 +11,7 @@ device applies the same update and the replicas never drift apart.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -22,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from vit_pure import step
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, hostmem, loop
-from vit_pure.run.settings import RunConfig, pretrained_weights
+from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights
 
 AXIS = "data"
 
@@ -122,7 +123,8 @@ def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(args, lambda sc, optimizer, devices: PmapStrategy(
+        return plan.run(PlanConfig.from_args(args), functools.partial(
+            backend.step_config, args), lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install

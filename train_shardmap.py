@@ -71,7 +71,7 @@ from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import RunConfig, pretrained_weights
+from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -100,11 +100,15 @@ def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
         for item in text.split(","):
             name, sep, value = item.partition("=")
             name = name.strip()
-            if (not sep or name not in sizes or name in seen or not value.strip().isdigit()
-                    or int(value) < 1):
+            problem = (f"{item.strip()!r} is not AXIS=SIZE" if not sep else
+                       f"unknown axis {name!r}" if name not in sizes else
+                       f"axis {name!r} given twice" if name in seen else
+                       f"{name}={value.strip()!r} is not a positive integer"
+                       if not value.strip().isdigit() or int(value) < 1 else None)
+            if problem is not None:
                 raise cli.UsageError(
                     f"--mesh {text!r}: expected data=D,model=M,pipe=S with positive "
-                    f"integers")
+                    f"integers; {problem}")
             seen.add(name)
             sizes[name] = int(value)
     if sizes[DATA] is None:
@@ -410,7 +414,8 @@ def build_parser():
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="shard weight matrices and their optimizer state over 'data' "
                         "(ZeRO-3); the gathered weights are kept for the backward "
-                        "pass, add --remat block to gather them again there instead")
+                        "pass, add --remat block to gather them again there instead "
+                        "(default: off)")
     return parser
 
 
@@ -418,7 +423,8 @@ def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(args, lambda sc, optimizer, devices: ShardMapStrategy(
+        return plan.run(PlanConfig.from_args(args), functools.partial(
+            backend.step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job

@@ -15,6 +15,12 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
               fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
 Give several with repeated --config flags or separated by ';' (or both).
 
+Or a row of the training script's own flags, `--kit LABEL=FLAGS` (repeatable), the
+grammar benchmarks.peers and benchmarks.deviceless take (benchmarks/harness.py
+parse_kit_row): train_shardmap.py's step with --model, --batch and these flags, e.g.
+    python -m benchmarks.bench --model tiny --batch 32 --kit "dp=--cpu-devices 2" \
+        --kit "tp=--cpu-devices 2 --mesh data=1,model=2 --dtype bf16"
+
 What is timed is what training runs. Each configuration parses its settings with the
 training scripts' own parser (vit_pure.run.cli), so every default of the recipe is in
 (augmentation and RandAugment, label smoothing, clipping, AdamW and its schedule), builds
@@ -71,11 +77,9 @@ import dataclasses
 import json
 import math
 import os
-import re
 import resource
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -85,11 +89,12 @@ import train_pmap
 import train_shardmap
 from benchmarks import harness
 from benchmarks.harness import device_peak_bytes
+from benchmarks.rows import kit_args, kit_argv, layout_devices, parse_configs
 from vit_pure import step
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
-from vit_pure.run import backend, cli, hostmem
+from vit_pure.run import backend, checks, cli, hostmem
 from vit_pure.run.accum import StepMemory
 from vit_pure.run.settings import RunConfig
 from vit_pure.xla.flops import train_flops_per_image
@@ -106,73 +111,6 @@ PUBLISHED_PEAK_TFLOPS = {
     "H200": {"half": 989.0, "tf32": 495.0, "f32": 67.0},
     "A100": {"half": 312.0, "tf32": 156.0, "f32": 19.5},
 }
-
-
-# ---------------------------------------------------------------- configuration syntax
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    strategy: str                  # "pmap" | "shard_map"
-    layout: str                    # "" | "N" | "data=D[,model=M][,pipe=S]"
-    policy: str                    # as --policy
-    options: dict                  # scan, remat, accum, precision, fsdp, mb (after defaults)
-
-    @property
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
-        return f"{self.strategy}:{self.layout}:{self.policy}" + (f":{opts}" if opts else "")
-
-
-_OPTION_KEYS = ("scan", "remat", "accum", "precision", "fsdp", "mb")
-
-
-def parse_configs(texts: list[str]) -> list[BenchConfig]:
-    """The --config values -> BenchConfigs (options only as given; defaults come later)."""
-    out = []
-    for text in texts:
-        for item in (s.strip() for s in text.split(";")):
-            if not item:
-                continue
-            fields = item.split(":", 3)  # an option's value may hold ":" (remat=block-save:...)
-            if len(fields) not in (3, 4) or fields[0] not in ("pmap", "shard_map"):
-                raise cli.UsageError(
-                    f"--config {item!r}: expected STRATEGY:LAYOUT:POLICY[:OPTIONS] with "
-                    f"STRATEGY pmap or shard_map")
-            strategy, layout, policy = (f.strip() for f in fields[:3])
-            try:
-                Policy.parse(policy)
-            except ValueError as e:
-                raise cli.UsageError(f"--config {item!r}: {e}") from None
-            if strategy == "pmap" and layout and not layout.isdigit():
-                raise cli.UsageError(f"--config {item!r}: pmap's layout is a device count")
-            if not (re.fullmatch(r"\d*", layout) or re.fullmatch(
-                    r"(data|model|pipe)=\d+(,(data|model|pipe)=\d+)*", layout)):
-                raise cli.UsageError(f"--config {item!r}: layout is N or data=D,model=M,pipe=S")
-            options = {}
-            for pair in (fields[3].split(",") if len(fields) == 4 and fields[3] else []):
-                key, sep, value = pair.partition("=")
-                if not sep or key.strip() not in _OPTION_KEYS:
-                    raise cli.UsageError(f"--config {item!r}: options are key=value with key "
-                                         f"in {', '.join(_OPTION_KEYS)}")
-                options[key.strip()] = value.strip()
-            if strategy == "pmap" and ({"fsdp", "mb"} & options.keys()):
-                raise cli.UsageError(f"--config {item!r}: fsdp and mb are shard_map options")
-            out.append(BenchConfig(strategy, layout, policy, options))
-    if not out:
-        raise cli.UsageError("no --config given")
-    return out
-
-
-def layout_devices(layout: str, default: int | None) -> int | None:
-    """How many devices a layout names (None: every device)."""
-    if not layout:
-        return default
-    if layout.isdigit():
-        return int(layout)
-    sizes = dict(p.split("=", 1) for p in layout.split(",") if "=" in p)
-    try:
-        return math.prod(int(v) for v in sizes.values())
-    except ValueError:
-        raise cli.UsageError(f"layout {layout!r}: expected N or data=D,model=M") from None
 
 
 # ------------------------------------------------------------------ measuring, in-process
@@ -224,11 +162,13 @@ def training_setup(model: str, batch: int, policy: str, *, precision: str = "def
     return dataclasses.replace(sc, accum_steps=accum), optimizer
 
 
-def script_setup(argv: list[str], total_steps: int = 1000,
-                 parser: argparse.ArgumentParser | None = None):
+def script_setup(argv: list[str] | None = None, total_steps: int = 1000,
+                 parser: argparse.ArgumentParser | None = None, args=None):
     """(StepConfig, optimizer) as a training script builds them from `argv`, parsed by
-    `parser` (default: the flags both scripts share), with the backend's defaults."""
-    args = cli.parse_args(parser or cli.build_parser("bench"), argv)
+    `parser` (default: the flags both scripts share), or from parsed `args`, with the
+    backend's defaults."""
+    if args is None:
+        args = cli.parse_args(parser or cli.build_parser("bench"), argv)
     optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, total_steps)
     return backend.step_config(args), optimizer
 
@@ -285,10 +225,8 @@ def measure_train_step(strategy, sc: step.StepConfig, optimizer, batch: int, *,
     state = strategy.put_state(host_state)
     inputs = step_inputs(strategy, batch, seed)
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    lowered = strategy.train_step.lower(state, *inputs(0))
-    compiled = lowered.compile()
-    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    (lowered, compiled), compile_s, compile_cpu_s = harness.timed(
+        lambda: (lowered := strategy.train_step.lower(state, *inputs(0)), lowered.compile()))
 
     metrics = None
 
@@ -319,27 +257,42 @@ def xla_flops_per_image(compiled, n_devices: int, batch: int) -> float:
     return float(cost["flops"]) * n_devices / batch
 
 
-def run_config(job: dict) -> dict:
-    """Measure one configuration in this process (the devices are already set up)."""
-    cfg = get_preset(job["model"])
+def row_setup(job: dict, devices, unrolled: bool = False):
+    """(StepConfig, optimizer, strategy) of a row over `devices`: a `--config` row's, or a
+    `--kit` row's as train_shardmap.main builds them. `unrolled`: its twin without the
+    layer scan and accumulation (for XLA's flop count, which counts a loop body once)."""
+    if "kit_flags" in job:
+        extra = ["--no-scan", "--accum-steps", "1"] if unrolled else []
+        args = kit_args(kit_argv(job["model"], job["batch"], job["kit_flags"] + extra),
+                        job["label"])
+        sc, optimizer = script_setup(args=args)
+        sc = dataclasses.replace(sc, accum_steps=args.accum_steps)
+        return sc, optimizer, train_shardmap.ShardMapStrategy(
+            sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
+            microbatches=args.microbatches)
     opts = job["options"]
-    policy = Policy.parse(job["policy"], opts["precision"])
     scan = {"1": True, "true": True, "0": False, "false": False}.get(str(opts["scan"]).lower())
-    accum = int(opts["accum"])
+    sc, optimizer = training_setup(job["model"], job["batch"], job["policy"],
+                                   precision=opts["precision"],
+                                   scan=False if unrolled else scan, remat=opts["remat"],
+                                   accum=1 if unrolled else int(opts["accum"]))
+    strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices,
+                             fsdp=opts.get("fsdp", "0") in ("1", "true"),
+                             microbatches=int(opts["mb"]) if opts.get("mb") else None)
+    return sc, optimizer, strategy
+
+
+def run_config(job: dict) -> dict:
+    """Measure one row in this process (the devices are already set up)."""
+    cfg = get_preset(job["model"])
     n = job["devices"] or len(jax.devices())
     if n > len(jax.devices()):
         raise cli.UsageError(f"{job['label']}: needs {n} devices, {len(jax.devices())} visible")
     devices = jax.devices()[:n]
     platform_name = devices[0].platform
-
-    sc, optimizer = training_setup(job["model"], job["batch"], job["policy"],
-                                   precision=opts["precision"], scan=scan,
-                                   remat=opts["remat"], accum=accum)
-    fsdp = opts.get("fsdp", "0") in ("1", "true")
-    microbatches = int(opts["mb"]) if opts.get("mb") else None
-    strategy = make_strategy(job["strategy"], job["layout"], sc, optimizer, devices,
-                             fsdp=fsdp, microbatches=microbatches)
-    strategy.check_batch(job["batch"], accum_steps=sc.accum_steps)
+    sc, optimizer, strategy = row_setup(job, devices)
+    policy, accum = sc.policy, sc.accum_steps
+    strategy.check_batch(job["batch"], accum_steps=accum)
 
     # The ceiling just before and just after the timed steps (their mean): on a shared
     # machine whose load drifts, this keeps the ceiling and the step under the same load.
@@ -363,11 +316,7 @@ def run_config(job: dict) -> dict:
     if job["xla_check"]:
         if sc.execution.scan or accum != 1:
             # XLA counts a while-loop body once: count an unrolled twin (compiled, not run).
-            twin_sc, _ = training_setup(job["model"], job["batch"], job["policy"],
-                                        precision=opts["precision"], scan=False,
-                                        remat=opts["remat"])
-            twin = make_strategy(job["strategy"], job["layout"], twin_sc, optimizer, devices,
-                                 fsdp=fsdp, microbatches=microbatches)
+            _, _, twin = row_setup(job, devices, unrolled=True)
             twin_state = step.init_state(jax.random.key(0), cfg, policy, optimizer)
             args = (twin.put_state(twin_state), *step_inputs(twin, job["batch"])(0))
             xla_flops = xla_flops_per_image(twin.train_step.lower(*args).compile(), n,
@@ -440,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", action="append", default=[], metavar="STRATEGY:LAYOUT:POLICY[:OPTIONS]",
       help="a configuration to measure (repeatable; ';' separates several)")
+    a("--kit", action="append", default=[], metavar="LABEL=FLAGS",
+      help="a row of train_shardmap.py's own flags on top of --model/--batch (repeatable), "
+           "as benchmarks.peers and benchmarks.deviceless take it; NAME=VALUE words "
+           "before the flags set that row's environment")
     a("--model", default="vit-cifar", choices=sorted(PRESETS))
     a("--batch", type=int, default=128, help="global batch")
     a("--steps", type=int, default=5, help="timed steps per configuration (median reported)")
@@ -469,17 +422,31 @@ def main(argv=None) -> list[dict]:
     cli.require_positive(p, args, "batch", "steps", "accum_steps")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        p.error("--cpu-devices must be >= 1")
+    checks.check_device_counts(p, args)  # --cpu-devices: what this host's memory holds
     defaults = {"scan": {None: "auto", True: "1", False: "0"}[args.scan], "remat": args.remat,
                 "accum": str(args.accum_steps), "precision": args.matmul_precision}
     jobs = []
-    for c in parse_configs(args.config):
+    for c in parse_configs(args.config) if args.config or not args.kit else []:
         options = {**defaults, **c.options}
         jobs.append({
             "label": c.label, "strategy": c.strategy, "layout": c.layout, "policy": c.policy,
             "options": options, "devices": layout_devices(c.layout, args.cpu_devices),
             "cpu": args.cpu_devices is not None, "model": args.model, "batch": args.batch,
+            "steps": args.steps, "warmup": args.warmup, "matmul_size": args.matmul_size,
+            "xla_check": args.xla_check})
+    for text in args.kit:
+        try:
+            label, env, flags = harness.parse_kit_row(text)
+        except ValueError as e:
+            raise cli.UsageError(str(e)) from None
+        kit = kit_args(kit_argv(args.model, args.batch, flags), text)
+        if kit.accum_steps == "auto":
+            raise cli.UsageError(f"--kit {text!r}: --accum-steps auto is decided by training; "
+                                 f"give a number")
+        devices = kit.cpu_devices or args.cpu_devices
+        jobs.append({
+            "label": label, "kit_flags": flags, "env": env, "devices": devices,
+            "cpu": devices is not None, "model": args.model, "batch": args.batch,
             "steps": args.steps, "warmup": args.warmup, "matmul_size": args.matmul_size,
             "xla_check": args.xla_check})
 
@@ -489,7 +456,8 @@ def main(argv=None) -> list[dict]:
     print(f"# command: {harness.command_line('benchmarks.bench', argv)}", flush=True)
     results = []
     for job in jobs:
-        r = {"label": job["label"], **harness.run_child("benchmarks.bench", job)}
+        env = {**os.environ, **job["env"]} if job.get("env") else None
+        r = {"label": job["label"], **harness.run_child("benchmarks.bench", job, env=env)}
         results.append(r)
         if "error" in r:
             print(f"# {job['label']}: failed: {r['error']}", flush=True)

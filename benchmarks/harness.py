@@ -1,5 +1,5 @@
-"""What every benchmark shares: the timing loops, the child-process runner, synthetic
-batches and the Markdown table.
+"""What every benchmark shares: the timing loops and one-call timers, the child-process
+runner, synthetic batches, the kit-row grammar and the Markdown table.
 
 Standard library and NumPy only, so that a child process that must not start JAX (the
 PyTorch peer) can use it too. The pieces that build and time the kit's own training
@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -87,6 +88,22 @@ def median_seconds(call: Callable[[], object], wait: Callable[[object], object] 
     return statistics.median(time_calls(call, wait, runs, warmup=warmup).wall)
 
 
+def timed(call: Callable[[], object]) -> tuple[object, float, float]:
+    """call() once: (its result, the wall-clock seconds, this process's CPU seconds); a
+    compile's timing (`lowered.compile`)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = call()
+    return result, time.perf_counter() - t0, time.process_time() - c0
+
+
+def first_and_median(call: Callable[[], object], wait: Callable[[object], object],
+                     runs: int) -> tuple[float, float]:
+    """(seconds of the first call, waited for: a jitted function's compile and first run;
+    the median seconds of `runs` calls after it)."""
+    _, first, _ = timed(lambda: wait(call()))
+    return first, median_seconds(call, wait, runs, warmup=0)
+
+
 # ------------------------------------------------------------------ synthetic batches
 def host_batches(batch: int, n: int = 2, seed: int = 0, shape=(32, 32, 3), classes: int = 10):
     """n random CIFAR-shaped uint8 batches (NHWC) with int32 labels, on the host: for
@@ -141,6 +158,28 @@ def child_main(run: Callable[[dict], dict], job: dict) -> int:
         return 1
     print(RESULT_TAG + json.dumps(result), flush=True)
     return 0
+
+
+# --------------------------------------------------------------------- a row of the kit
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_kit_row(text: str) -> tuple[str, dict[str, str], list[str]]:
+    """`--kit LABEL=[NAME=VALUE ...] FLAGS`, the benchmarks' one grammar for a row of the
+    kit (benchmarks.bench, .peers, .deviceless): -> (label, the row's environment
+    variables, the training script's flags). ValueError says what is wrong."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label.strip():
+        raise ValueError(f"--kit {text!r}: expected LABEL=FLAGS, e.g. 'no-scan=--no-scan'")
+    try:
+        words = shlex.split(rest)
+    except ValueError as e:
+        raise ValueError(f"--kit {text!r}: {e}") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return label.strip(), env, words
 
 
 # --------------------------------------------------------------------------- the table

@@ -140,3 +140,21 @@ def test_study_runs_a_2x2_corner(tmp_path):
     assert by["f32", "bf16"]["converts"][0] == "u8->f32"
     assert by["f32", "bf16"]["converts"].count("f32->bf16") == 1
     assert all(r["dots_at_precision"] == r["dots"] > 0 for r in rows)
+
+
+def test_kit_rows_take_the_training_scripts_flags():
+    """`--kit LABEL=FLAGS` in bench.py: harness.parse_kit_row's grammar (the one peers and
+    deviceless take), the flags checked by train_shardmap.py's own parser at once."""
+    from benchmarks import harness, rows
+    assert harness.parse_kit_row("tp=XLA_FLAGS=--x=1 --mesh data=1,model=2") == (
+        "tp", {"XLA_FLAGS": "--x=1"}, ["--mesh", "data=1,model=2"])
+    args = rows.kit_args(rows.kit_argv("tiny", 8, ["--mesh", "data=1,model=2", "--fsdp"]),
+                         "tp=...")
+    assert (args.model, args.batch, args.mesh, args.fsdp, args.accum_steps) == (
+        "tiny", 8, "data=1,model=2", True, 1)
+    with pytest.raises(bench.cli.UsageError,
+                       match=r"--kit 'x=--lr 0': the training script refuses it: --lr must"):
+        rows.kit_args(rows.kit_argv("tiny", 8, ["--lr", "0"]), "x=--lr 0")
+    for bad in (["--kit", "no label"], ["--kit", "x=--accum-steps auto"]):
+        with pytest.raises(bench.cli.UsageError, match="--kit"):
+            bench.main(bad)

@@ -10,10 +10,12 @@ compile), so they run in this process through the script's own `main` and
 `cli.main_guard`, on conftest's 8 fake devices (`--cpu-devices 8` matches them). A few run
 as real processes, to show the exit code and the whole of stderr end to end.
 """
+import argparse
 import errno
 import importlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -22,7 +24,7 @@ import pytest
 import train_pmap
 import train_shardmap
 from vit_pure.data import download
-from vit_pure.run import checkpoint_arrays, cli
+from vit_pure.run import checkpoint_arrays, checks, cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).
@@ -49,6 +51,10 @@ SHARED = [
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     (["--cpu-devices", "0"], "--cpu-devices must be positive"),
     (["--cpu-devices", "-2"], "--cpu-devices must be positive"),
+    # device counts past what this machine's memory holds: refused before any device exists
+    (["--cpu-devices", "100000"], "--cpu-devices 100,000: this machine holds at most"),
+    (["--plan", "100000"], "--plan 100,000: this machine holds at most"),
+    (["--plan", "0"], "--plan must be positive"),
     (["--accum-steps", "0"], "argument --accum-steps: expected a positive integer or 'auto'"),
     (["--accum-steps", "-1"], "argument --accum-steps"),
     (["--accum-steps", "two"], "argument --accum-steps"),
@@ -171,6 +177,11 @@ SHARDMAP = [
     (["--mesh", "foo=2"], "--mesh 'foo=2': expected data=D,model=M,pipe=S"),
     (["--mesh", "data=x"], "--mesh 'data=x': expected data=D,model=M,pipe=S"),
     (["--mesh", "data=4,data=2"], "--mesh 'data=4,data=2': expected data=D,model=M,pipe=S"),
+    (["--mesh", "foo=2,data=4"], "--mesh 'foo=2,data=4': expected data=D,model=M,pipe=S "
+                                 "with positive integers; unknown axis 'foo'"),
+    (["--mesh", "data=4,data=2"], "axis 'data' given twice"),
+    (["--mesh", "data=2,model=x"], "model='x' is not a positive integer"),
+    (["--mesh", "data"], "'data' is not AXIS=SIZE"),
     (["--mesh", "data=1,model=8"], "--mesh model=8: 4 heads do not divide by 8"),
     (["--mesh", "data=1,pipe=8"], "--mesh pipe=8: pipeline: depth 4 of tiny does not split "
                                   "into 8 equal stages"),
@@ -289,6 +300,11 @@ PROCESS_CASES = [
     ("train_pmap.py", ["--fsdp"], "train_pmap.py: error: unrecognized arguments: --fsdp"),
     ("train_pmap.py", ["--cpu-devices", "3"],
      "error: --batch 16 is not divisible by the 3 data-parallel devices"),
+    # Device counts past the machine's memory: one line, before XLA creates the devices
+    # (which would take minutes, then the machine: the timeout below catches that).
+    ("train_shardmap.py", ["--plan", "100000"], "--plan 100,000: this machine holds at most"),
+    ("train_pmap.py", ["--cpu-devices", "100000"],
+     "--cpu-devices 100,000: this machine holds at most"),
     # Outside SLURM / Open MPI / Cloud TPU, jax's cluster detection finds nothing.
     ("train_shardmap.py", ["--distributed"], "error: --distributed: coordinator_address "
                                              "should be defined"),
@@ -300,7 +316,7 @@ PROCESS_CASES = [
 def test_bad_flag_in_a_real_process(script, flags, message):
     argv = BASE[:BASE.index("--cpu-devices")] + BASE[BASE.index("--cpu-devices") + 2:] + flags
     proc = subprocess.run([sys.executable, script, *argv], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=90)
     _assert_one_line(proc.returncode, proc.stderr, message)
     assert "Traceback" not in proc.stdout
 
@@ -330,6 +346,9 @@ def test_tools_give_one_line_errors(module, capsys):
 TOOL_CASES = [
     ("benchmarks.bench", ["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
     ("benchmarks.bench", ["--warmup", "-1"], "--warmup must be >= 0"),
+    ("benchmarks.bench", ["--cpu-devices", "0"], "--cpu-devices must be positive, got 0"),
+    ("benchmarks.bench", ["--cpu-devices", "100000"],
+     "--cpu-devices 100,000: this machine holds at most"),
     ("benchmarks.probes.bench_data", ["--runs", "0"], "--runs must be positive, got 0"),
     ("benchmarks.probes.bench_randaugment", ["--batch", "0"], "--batch must be positive, got 0"),
     ("benchmarks.probes.bench_randaugment", ["--magnitude", "11"], "--magnitude in [0, 10]"),
@@ -364,3 +383,50 @@ def test_tool_help_is_its_docstring(capsys):
     head, _, rest = gemm_epilogues.__doc__.strip().partition("\n\n")
     assert exit_info.value.code == 0
     assert head in out and out.rstrip().endswith(rest.rstrip())
+
+
+def test_device_limit_is_the_memory_over_the_cost(capsys):
+    """The bound: SAFETY of the available RAM over the measured cost of one device, for
+    fake devices that run (--cpu-devices) and devices the plan compiles for (--plan)."""
+    parser = train_shardmap.build_parser()
+    gib8 = 8 * 2**30
+    assert checks.device_limit(checks.RUN_DEVICE_BYTES, gib8) == 5461  # 0.8 * 8 GiB / 1.2 MiB
+    assert checks.device_limit(checks.PLAN_DEVICE_BYTES, gib8) == 26214  # / 0.25 MiB
+    for flags, ok in ((["--cpu-devices", "5461"], True), (["--cpu-devices", "5462"], False),
+                      (["--plan", "26214"], True), (["--plan", "26215"], False)):
+        args = parser.parse_args(flags)
+        try:
+            checks.check_device_counts(parser, args, available=gib8)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        assert code == (0 if ok else 2), flags
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{parser.prog}: error: --plan 26,215: this machine holds at most 26,214 devices to "
+        "compile the plan for (about 0.25 MiB of host memory each; 80% of its 8.0 GiB "
+        "available)")
+
+
+# A statement of a default in a flag's --help text: "(default: X)", "(default X)",
+# "default: X", "Default: X".
+_DEFAULT = re.compile(r"(?i)\(default\b|\bdefault:")
+
+
+@pytest.mark.parametrize("parser", [train_shardmap.build_parser(),
+                                    cli.build_parser(train_pmap.__doc__.splitlines()[0])],
+                         ids=["train_shardmap", "train_pmap"])
+def test_help_gives_every_flag_a_text_and_its_true_default(parser):
+    """Every flag of both scripts (those added later too): a help text; a flag that takes
+    a value (or --x/--no-x) states its default exactly once, never argparse's
+    "(default: None)" (None means "decided later": the text says by what)."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help, f"{flag} has no help text"
+        text = formatter._expand_help(action)
+        assert "None" not in text, (flag, text)
+        takes_value = action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction)
+        assert len(_DEFAULT.findall(text)) == (1 if takes_value else 0), (flag, text)
+    assert "(default: None)" not in parser.format_help()

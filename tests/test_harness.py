@@ -2,6 +2,7 @@
 time (on a fake clock, so nothing here depends on the machine's speed), the child
 process's result and failure lines, the Markdown table."""
 import json
+import time
 
 import pytest
 
@@ -98,3 +99,15 @@ def test_markdown_table_pads_short_rows_and_escapes_bars():
 def test_command_line_can_be_typed_again():
     assert harness.command_line("benchmarks.peers", ["--kit", "no drop=--dropout 0"]) == (
         "python -m benchmarks.peers --kit 'no drop=--dropout 0'")
+
+
+def test_one_call_timers():
+    """harness.timed: the result and the call's own seconds; first_and_median: the first
+    call apart (a compile: here a longer sleep), then the median of the runs after it,
+    each waited for."""
+    result, wall, cpu = harness.timed(lambda: time.sleep(0.02) or 7)
+    assert result == 7 and 0.02 <= wall < 1 and 0 <= cpu < wall
+    sleeps, waited = iter([0.06, 0.01, 0.01, 0.01]), []
+    first, median = harness.first_and_median(lambda: time.sleep(next(sleeps)), waited.append,
+                                             runs=3)
+    assert len(waited) == 4 and 0.06 <= first < 1 and 0.01 <= median < 0.06

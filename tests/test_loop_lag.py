@@ -63,8 +63,8 @@ class _Wrapped:
 def log_every_as_given(monkeypatch):
     """loop.plan_steps without its rule that runs of <= 100 steps log every step."""
     plan_steps = loop.plan_steps
-    monkeypatch.setattr(loop, "plan_steps", lambda rc, n: dataclasses.replace(
-        plan_steps(rc, n), log_every=rc.log_every))
+    monkeypatch.setattr(loop, "plan_steps", lambda schedule, logging, n: dataclasses.replace(
+        plan_steps(schedule, logging, n), log_every=logging.log_every))
 
 
 def _run(argv, make_strategy=_strategy):
@@ -104,7 +104,7 @@ def _reference_losses(argv) -> dict[int, dict]:
     args = cli.parse_args(train_shardmap.build_parser(), argv)
     sc, rc = backend.step_config(args), RunConfig.from_args(args)
     train = data_lib.load_dataset(rc.dataset, rc.data_dir, **rc.dataset_sizes)["train"]
-    plan = loop.plan_steps(rc, len(train))
+    plan = loop.plan_steps(rc.schedule, rc.logging, len(train))
     optimizer, schedule = step_lib.make_optimizer(rc.optim, plan.total_steps)
     strategy = _strategy(sc, optimizer)
     state = strategy.put_state(step_lib.init_state(jax.random.key(args.seed), sc.cfg,
@@ -198,7 +198,7 @@ def test_inputs_placed_ahead_are_the_steps_batches(depth):
     plan = loop.StepPlan(steps_per_epoch=5, total_steps=12, epochs=3, log_every=1)
     strategy = _strategy(backend.step_config(args),
                          step_lib.make_optimizer(rc.optim, 12)[0])
-    got = list(loop._device_inputs(rc, strategy, train, plan, start=3, depth=depth))
+    got = list(loop._device_inputs(rc.data, strategy, train, plan, start=3, depth=depth))
     assert len(got) == 9
     for s, (images, labels, _, key) in enumerate(got, start=3):
         epoch, index = divmod(s, 5)

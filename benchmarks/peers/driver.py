@@ -83,8 +83,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
-import shlex
 import statistics
 import sys
 
@@ -106,24 +104,13 @@ CHILD = {"ceiling": "benchmarks.peers.kit", "kit": "benchmarks.peers.kit",
 
 
 # ============================================================================ the parent
-_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-
-
 def parse_kit_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     """`LABEL=[NAME=VALUE ...] FLAGS` -> (label, the row's environment variables, the
-    training script's flags)."""
-    label, sep, rest = text.partition("=")
-    if not sep or not label.strip():
-        raise UsageError(f"--kit {text!r}: expected LABEL=FLAGS, e.g. 'no-scan=--no-scan'")
+    training script's flags): harness.parse_kit_row, as a UsageError."""
     try:
-        words = shlex.split(rest)
+        return harness.parse_kit_row(text)
     except ValueError as e:
-        raise UsageError(f"--kit {text!r}: {e}") from None
-    env = {}
-    while words and _ENV_WORD.match(words[0]):
-        name, _, value = words.pop(0).partition("=")
-        env[name] = value
-    return label.strip(), env, words
+        raise UsageError(str(e)) from None
 
 
 def check_kit_flags(flags: list[str], text: str) -> None:

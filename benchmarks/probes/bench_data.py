@@ -20,11 +20,6 @@ from vit_pure.data import cifar10 as D
 from vit_pure.run import cli
 
 
-def median_seconds(fn, runs: int) -> float:
-    """Median seconds of `runs` calls of fn(), each waited for, after one that compiles."""
-    return harness.median_seconds(fn, jax.block_until_ready, runs)
-
-
 def main(argv=None):
     ap = cli.doc_parser(__doc__)
     ap.add_argument("--batch", type=int, default=4096, help="global batch (images)")
@@ -44,8 +39,9 @@ def main(argv=None):
     aug = jax.jit(A.augment)
     x_f32 = jax.block_until_ready(jax.jit(
         lambda x: S.prepare_images(x, key, ids, train=False, image_size=32))(x_u8))
-    t_norm_aug = median_seconds(lambda: norm_aug(key, x_u8, ids), args.runs)
-    t_aug = median_seconds(lambda: aug(key, x_f32, ids), args.runs)
+    wait = jax.block_until_ready
+    t_norm_aug = harness.median_seconds(lambda: norm_aug(key, x_u8, ids), wait, args.runs)
+    t_aug = harness.median_seconds(lambda: aug(key, x_f32, ids), wait, args.runs)
 
     if args.data_dir:
         splits = D.load_cifar10(args.data_dir, download=False, log=lambda s: None)
@@ -65,8 +61,9 @@ def main(argv=None):
         for _ in D.eval_batches(test, b):
             pass
 
-    t_train = median_seconds(one_train_epoch, max(1, args.runs // 2)) / (steps * b)
-    t_eval = median_seconds(one_eval_pass, max(1, args.runs // 2)) / len(test)
+    runs = max(1, args.runs // 2)
+    t_train = harness.median_seconds(one_train_epoch, wait, runs) / (steps * b)
+    t_eval = harness.median_seconds(one_eval_pass, wait, runs) / len(test)
 
     dev = jax.devices()[0]
     print(harness.markdown_table(

@@ -7,8 +7,6 @@ layer should cost about the sum of the single-op times; the printout shows both,
 rand_augment with one warp per op slot (its default) against a warp per geometric op.
 Prints timings only; asserts nothing.
 """
-import time
-
 import jax
 import jax.numpy as jnp
 
@@ -20,11 +18,7 @@ from vit_pure.run import cli
 
 def time_jitted(fn, *args, repeats):
     """(compile + first run seconds, median seconds per later run)."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    return first, harness.median_seconds(lambda: fn(*args), jax.block_until_ready, repeats,
-                                         warmup=0)
+    return harness.first_and_median(lambda: fn(*args), jax.block_until_ready, repeats)
 
 
 def main(argv=None):

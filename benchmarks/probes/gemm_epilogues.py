@@ -31,30 +31,39 @@ from benchmarks.peers import kit
 from vit_pure import step
 from vit_pure.config import PRESETS
 from vit_pure.run import cli
+from vit_pure.xla import hlo
 
-# custom_call_target="__cublas$lt$matmul", backend_config={... "epilogue":"BIAS_GELU" ...}
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_EPILOGUE = re.compile(r'"epilogue":"([A-Z_0-9]+)"')
-_FUSION_KIND = re.compile(r'"kind":"(__triton_gemm|__cudnn\$fusion|__triton_nested_gemm_fusion)"')
+# The libraries a GEMM runs in on a GPU: cuBLAS custom-call targets, and XLA's own GEMM
+# fusions (their fusion kind).
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_GEMM_FUSIONS = ("__triton_gemm", "__cudnn$fusion", "__triton_nested_gemm_fusion")
+
+
+def _attr(instr: hlo.Instr, key: str) -> str | None:
+    """A string field of an instruction's attributes, `key="v"` or `"key":"v"` (its
+    backend_config JSON)."""
+    found = re.search(rf'\b{re.escape(key)}"?[=:]"([^"]+)"', instr.attrs)
+    return found.group(1) if found else None
 
 
 def count_gemms(hlo_text: str) -> collections.Counter:
-    """(library, epilogue) -> how many, over the instructions of an optimized HLO module.
-    Library: a cuBLAS custom-call target or a GEMM fusion kind; where there are none (a
-    CPU), "dot" for XLA's dot instructions. (On a GPU the dots left in the text are the
-    insides of the GEMM fusions, already counted as their fusion.)"""
+    """(library, epilogue) -> how many, over the instructions of an optimized HLO module
+    (read with vit_pure/xla/hlo.py; instruction lines without their computation are read
+    as one). Library: a cuBLAS custom-call target or a GEMM fusion kind; where there are
+    none (a CPU), "dot" for XLA's dot instructions. (On a GPU the dots left in the text
+    are the insides of the GEMM fusions, already counted as their fusion.)"""
+    if not any(line.startswith("ENTRY") for line in hlo_text.splitlines()):
+        hlo_text = "ENTRY %fragment {\n" + hlo_text + "\n}"
+    module = hlo.parse_module(hlo_text)
     counts, dots = collections.Counter(), 0
-    for line in hlo_text.splitlines():
-        target = _TARGET.search(line)
-        if target and target.group(1) in _GEMM_TARGETS:
-            epilogue = _EPILOGUE.search(line)
-            counts[(target.group(1), epilogue.group(1) if epilogue else "DEFAULT")] += 1
-            continue
-        kind = _FUSION_KIND.search(line)
-        if kind and " fusion(" in line:
-            counts[(kind.group(1), "-")] += 1
-        elif re.search(r"= \S+ dot\(", line):
+    for instr in (i for comp in module.computations.values() for i in comp):
+        target = _attr(instr, "custom_call_target") if instr.opcode == "custom-call" else None
+        kind = _attr(instr, "kind") if instr.opcode == "fusion" else None
+        if target in _GEMM_TARGETS:
+            counts[(target, _attr(instr, "epilogue") or "DEFAULT")] += 1
+        elif kind in _GEMM_FUSIONS:
+            counts[(kind, "-")] += 1
+        elif instr.opcode == "dot":
             dots += 1
     if not counts and dots:
         counts[("dot", "-")] = dots

@@ -73,9 +73,9 @@ from vit_pure.plan.collectives import (
 )
 from vit_pure.plan.overlap import classify_overlap
 from vit_pure.plan.report import Plan
-from vit_pure.run import backend, cli
+from vit_pure.run import cli
 from vit_pure.run.accum import StepMemory
-from vit_pure.run.settings import RunConfig
+from vit_pure.run.settings import PlanConfig
 from vit_pure.xla import kernels
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
 from vit_pure.xla.hlo import dot_flops, parse_module
@@ -86,34 +86,33 @@ DATASET_IMAGE_SHAPE = (32, 32, 3)
 
 
 # ------------------------------------------------------------------------------ target
-def target_hardware(args) -> ic.Hardware:
+def target_hardware(pc: PlanConfig) -> ic.Hardware:
     """The --hardware entry with the flags' overrides; UsageError for bad values."""
-    name = args.hardware.strip().lower()
+    name = pc.hardware.strip().lower()
     if name not in ic.HARDWARE:
-        raise cli.UsageError(f"--hardware {args.hardware!r}: unknown; choose one of "
+        raise cli.UsageError(f"--hardware {pc.hardware!r}: unknown; choose one of "
                          f"{', '.join(ic.HARDWARE)}")
     for flag in ("plan", "gpus_per_node"):
-        value = getattr(args, flag)
+        value = getattr(pc, flag)
         if value is not None and value < 1:
             raise cli.UsageError(f"{cli.flag_name(flag)} must be >= 1, got {value}")
     for flag in ("peak_tflops", "intra_gbps", "inter_gbps"):
-        value = getattr(args, flag)
+        value = getattr(pc, flag)
         if value is not None and not value > 0:
             raise cli.UsageError(f"{cli.flag_name(flag)} must be positive, got {value}")
-    if args.latency_us is not None and args.latency_us < 0:
-        raise cli.UsageError(f"--latency-us must be >= 0, got {args.latency_us}")
-    if not 0 < args.efficiency <= 1:
-        raise cli.UsageError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-    fabric = getattr(args, "fabric", None)
-    if fabric is not None and fabric not in fabrics.FABRICS:
-        raise cli.UsageError(f"--fabric {fabric!r}: unknown; choose one of "
+    if pc.latency_us is not None and pc.latency_us < 0:
+        raise cli.UsageError(f"--latency-us must be >= 0, got {pc.latency_us}")
+    if not 0 < pc.efficiency <= 1:
+        raise cli.UsageError(f"--efficiency must be in (0, 1], got {pc.efficiency}")
+    if pc.fabric is not None and pc.fabric not in fabrics.FABRICS:
+        raise cli.UsageError(f"--fabric {pc.fabric!r}: unknown; choose one of "
                              f"{', '.join(fabrics.FABRICS)}")
-    if fabric is not None and ic.HARDWARE[name].platform != "gpu":
+    if pc.fabric is not None and ic.HARDWARE[name].platform != "gpu":
         raise cli.UsageError(f"--fabric: {name} is not a GPU; its network is the table's")
-    return ic.with_overrides(ic.HARDWARE[name], peak_tflops=args.peak_tflops,
-                             intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
-                             devices_per_node=args.gpus_per_node, latency_us=args.latency_us,
-                             fabric=fabric)
+    return ic.with_overrides(ic.HARDWARE[name], peak_tflops=pc.peak_tflops,
+                             intra_gbps=pc.intra_gbps, inter_gbps=pc.inter_gbps,
+                             devices_per_node=pc.gpus_per_node, latency_us=pc.latency_us,
+                             fabric=pc.fabric)
 
 
 # ------------------------------------------------------------------- building it
@@ -227,13 +226,15 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                 algorithm=algorithm)
 
 
-def run(args, make_strategy, script: str) -> dict:
+def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     """`--plan N` for a training script: fake CPU devices, the step built with the
     target's defaults, compiled, planned, printed (and written to --plan-json).
-    `make_strategy(sc, optimizer, devices)` is the script's strategy factory."""
-    hw = target_hardware(args)
-    n = args.plan
-    if args.distributed or args.coordinator is not None:
+    `pc` is the plan's frozen settings (run/settings.py); `step_config(platform,
+    device)` the step's settings for the target (backend.step_config of the flags, bound
+    at the entry); `make_strategy(sc, optimizer, devices)` the script's strategy factory."""
+    hw = target_hardware(pc)
+    n = pc.plan
+    if pc.multi_process:
         raise cli.UsageError("--plan compiles on this machine alone: drop the multi-process flags")
     # The GPU's own compiler where the kit has the GPU's description and JAX's CUDA plugin
     # is installed (deviceless: no GPU needed); else XLA:CPU on fake CPU devices.
@@ -248,26 +249,26 @@ def run(args, make_strategy, script: str) -> dict:
                "; for the GPU's own program: pip install -r requirements-gpu.txt"
                if hw.name in targets.GPU_TARGETS else f"; the kit has no {hw.name} description")
         compiled_for = f"XLA:CPU on {n} fake CPU devices{why}"
-    sc = backend.step_config(args, platform=hw.platform, device=devices[0])
+    sc = step_config(platform=hw.platform, device=devices[0])
     notes = [f"target defaults ({hw.platform}): " + "; ".join(sc.notes)] if sc.notes else []
-    k = args.accum_steps
+    k = pc.accum_steps
     if k == "auto":
         k = 1
         notes.append("--accum-steps auto is decided on the device; planned with 1 (give "
                      "--accum-steps K to plan another)")
     sc = dataclasses.replace(sc, accum_steps=k)
-    optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, 1000)
+    optimizer, _ = step.make_optimizer(pc.optim, 1000)
     strategy = make_strategy(sc, optimizer, devices)
-    strategy.check_batch(args.batch, accum_steps=k)
+    strategy.check_batch(pc.batch, accum_steps=k)
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
                  f"remat {sc.execution.remat}, accumulation {k}")
-    plan = build_plan(strategy, sc, optimizer, args.batch, hw, script=script,
-                      efficiency=args.efficiency, notes=tuple(notes), compiled_for=compiled_for,
-                      algorithm=getattr(args, "algo", None) or nccl.AUTO)
+    plan = build_plan(strategy, sc, optimizer, pc.batch, hw, script=script,
+                      efficiency=pc.efficiency, notes=tuple(notes), compiled_for=compiled_for,
+                      algorithm=pc.algo or nccl.AUTO)
     print(plan.report(), flush=True)
     record = plan.record()
-    if args.plan_json:
-        with open(args.plan_json, "w") as f:
+    if pc.plan_json:
+        with open(pc.plan_json, "w") as f:
             json.dump(record, f, indent=1)
     return record
 

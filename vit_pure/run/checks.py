@@ -6,6 +6,20 @@ from __future__ import annotations
 import math
 import os
 
+from vit_pure.run.accum import SAFETY, mem_available_bytes
+
+# What one device costs in host memory, measured on a 2-core Xeon with avx512_bf16 and
+# 23 GiB (2026-11-26). A fake CPU device that runs a program: one psum under shard_map on
+# N = 1, 256, 1024 devices peaked at 368, 658, 1501 MiB of RSS, 1.11-1.14 MiB a device.
+# A device `--plan N` compiles for and runs nothing on: the tiny model's plan on 8 and
+# 1,024 fake CPU devices peaked at 770 and 852 MiB (0.08 MiB a device); creating fake
+# CPU devices costs 0.10 MiB each at 2,000 and 8,000 (the latter in 52 s) and grows past
+# that (16,000: over 2 GiB, unfinished after 5 minutes). 0.25 MiB covers both with room
+# for that growth; the deviceless GPU plan's devices cost less (8 and 8,192 of them: 900
+# and 948 MiB, the latter in 190 s), and the one bound serves both paths.
+RUN_DEVICE_BYTES = int(1.2 * 2**20)
+PLAN_DEVICE_BYTES = 2**18
+
 
 def flag_name(name: str) -> str:
     """The flag an argparse attribute comes from: "drop_path" -> "--drop-path"."""
@@ -19,8 +33,7 @@ def check_numbers(parser, args) -> None:
         if value is not None and not (math.isfinite(value) and value >= low):
             parser.error(f"{flag_name(name)} must be {what}, got {value}")
 
-    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "cpu_devices",
-                 "stop_after"):
+    for name in ("batch", "epochs", "log_every", "steps", "eval_batch", "stop_after"):
         at_least(name, 1, "positive")
     for name in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "mixup", "cutmix",
                  "ckpt_every"):
@@ -39,6 +52,37 @@ def check_numbers(parser, args) -> None:
         if args.accum_steps != "auto":
             parser.error(f"--memory-budget is the budget of --accum-steps auto; with "
                          f"--accum-steps {args.accum_steps} nothing reads it")
+
+
+def device_limit(per_device: int, available: int | None = None) -> int:
+    """How many devices of `per_device` bytes this host's memory holds: SAFETY of the
+    available RAM (MemAvailable), the share --accum-steps auto plans with."""
+    if available is None:
+        available = mem_available_bytes()
+    return max(1, int(SAFETY * available // per_device))
+
+
+def check_device_counts(parser, args, available: int | None = None) -> None:
+    """--cpu-devices N and --plan N against what this host's memory holds, before any
+    device exists: XLA creates the N devices at JAX's first device query, and a count
+    past the memory would take minutes and then the machine (RUN_DEVICE_BYTES,
+    PLAN_DEVICE_BYTES above)."""
+    for name, per_device, what in (
+            ("cpu_devices", RUN_DEVICE_BYTES, "fake CPU devices that run the step"),
+            ("plan", PLAN_DEVICE_BYTES, "devices to compile the plan for")):
+        n = getattr(args, name, None)  # (a tool may have one of the two flags)
+        if n is None:
+            continue
+        if n < 1:
+            parser.error(f"{flag_name(name)} must be positive, got {n}")
+        if available is None:
+            available = mem_available_bytes()
+        limit = device_limit(per_device, available)
+        if n > limit:
+            parser.error(
+                f"{flag_name(name)} {n:,}: this machine holds at most {limit:,} {what} "
+                f"(about {per_device / 2**20:.2g} MiB of host memory each; "
+                f"{SAFETY:.0%} of its {available / 2**30:.1f} GiB available)")
 
 
 def check_levers(parser, args) -> None:

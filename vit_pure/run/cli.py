@@ -24,6 +24,7 @@ from vit_pure.policy import Policy
 from vit_pure.run import distributed
 from vit_pure.run.checks import (
     check_checkpoint_flags,
+    check_device_counts,
     check_numbers,
     check_paths,
     check_process_flags,
@@ -74,8 +75,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     """Both scripts' flags, grouped as `--help` shows them (one function a group)."""
-    p = OneLineErrorParser(description=description,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
     _add_model_flags(p)
     _add_pretrained_flags(p)
     _add_optimization_flags(p)
@@ -105,17 +105,20 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None,
                    help="full dtype policy, e.g. p=f32,c=bf16,o=f32,m=bf16 (wins over --dtype); m="
                         " is what matmuls return, chosen per backend when left out "
-                        "(vit_pure/policy.py)")
-    g.add_argument("--matmul-precision", default="default", choices=["default", "high", "highest"])
+                        "(vit_pure/policy.py) (default: --dtype's)")
+    g.add_argument("--matmul-precision", default="default", choices=["default", "high", "highest"],
+                   help="jax.lax.Precision of the float32 matmuls: 'default' is the backend's "
+                        "fastest (float32 on CPUs, TF32 on NVIDIA GPUs since Ampere, one bf16 "
+                        "pass on TPUs), 'highest' full float32 everywhere (default: 'default')")
     g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                    help="lax.scan over the encoder layers (faster compile) instead of a Python "
                         "loop (default: per backend, vit_pure/run/backend.py: unrolled on CPU and "
-                        "GPU)")
+                        "GPU, scanned elsewhere)")
     g.add_argument("--remat", default="none", type=_remat,
                    help="recompute in the backward pass: each whole encoder block (block), all "
                         "but its matmul outputs (block-save-dots), or all but the values named "
                         f"(block-save:NAMES, NAMES from {'+'.join(REMAT_SAVE_NAMES)}, e.g. "
-                        "block-save:dot+mask); same results, less memory")
+                        "block-save:dot+mask), or nothing (none); same results, less memory")
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
@@ -170,30 +173,38 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
                    help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
-                        "explicitly override it")
+                        "explicitly override it (default: none)")
     g.add_argument("--batch", type=int, default=128,
                    help="global batch (divisible by the device count)")
-    g.add_argument("--epochs", type=int, default=200)
-    g.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps")
+    g.add_argument("--epochs", type=int, default=200,
+                   help="passes over the training split; the learning-rate schedule spans them")
+    g.add_argument("--steps", type=int, default=None,
+                   help="stop after this many optimizer steps (default: the --epochs' steps); "
+                        "the schedule spans the steps run")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="AdamW (b1 0.9, b2 0.999), or SGD with momentum 0.9 (the fine-tuning "
                         "recipe's; --weight-decay then adds decay to the gradient)")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW or SGD)")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (default: 5%% of the run)")
     g.add_argument("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="global-norm gradient clipping (0: off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights, the data order, the augmentation and the "
+                        "dropout masks")
 
 
 def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     """The flags of augmentation and regularisation (the recipe's)."""
     g = p.add_argument_group("recipe: augmentation and regularisation "
                              "(the defaults are the full CIFAR-10 recipe; docs/training.md)")
-    g.add_argument("--label-smoothing", type=float, default=0.1)
+    g.add_argument("--label-smoothing", type=float, default=0.1,
+                   help="cross-entropy against targets with this much probability spread over "
+                        "all classes (0: off)")
     g.add_argument("--randaugment", type=_randaugment, default=(2, 9), metavar="N,M",
-                   help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off")
+                   help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off "
+                        "(default: 2,9)")
     g.add_argument("--dropout", type=float, default=None, metavar="RATE",
                    help="dropout rate (default: the model preset's; vit-cifar 0.1)")
     g.add_argument("--drop-path", type=float, default=None, metavar="RATE",
@@ -216,7 +227,7 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
                         "(0: off)")
     g.add_argument("--eval-flip", action=argparse.BooleanOptionalAction, default=False,
                    help="evaluate on the mean of each image's logits and its mirror image's "
-                        "(test-time augmentation; training is unchanged)")
+                        "(test-time augmentation; training is unchanged) (default: off)")
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
@@ -235,14 +246,18 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the dataset and its sizes."""
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", choices=["cifar10", "synthetic"])
-    g.add_argument("--data-dir", default="./data")
+    g.add_argument("--dataset", default="cifar10", choices=["cifar10", "synthetic"],
+                   help="CIFAR-10 (45,000 train, 5,000 val and the 10,000 test images), or "
+                        "random images of the same shapes (no download; for timing and tests)")
+    g.add_argument("--data-dir", default="./data", metavar="DIR",
+                   help="where CIFAR-10 is, or is downloaded to when missing (its "
+                        "cifar-10-batches-py folder, or the folder holding it)")
     g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
-                   help="--dataset synthetic: training images (default 45000)")
+                   help="--dataset synthetic: training images (default: 45000)")
     g.add_argument("--synthetic-val", type=int, default=None, metavar="N",
-                   help="--dataset synthetic: validation images (default 5000)")
+                   help="--dataset synthetic: validation images (default: 5000)")
     g.add_argument("--synthetic-test", type=int, default=None, metavar="N",
-                   help="--dataset synthetic: test images (default 10000)")
+                   help="--dataset synthetic: test images (default: 10000)")
 
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -252,16 +267,18 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
                    help="evaluate on the validation split every N epochs (0: never)")
     g.add_argument("--eval-batch", type=int, default=None,
                    help="evaluation batch (default: --batch)")
-    g.add_argument("--log-json", default=None,
-                   help="append one JSON object per log line to this file")
+    g.add_argument("--log-json", default=None, metavar="FILE",
+                   help="append one JSON object per log line to this file (default: none)")
     g.add_argument("--log-every", type=int, default=50,
                    help="log every N steps (every step if the run has <= 100)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     g.add_argument("--no-final-eval", action="store_true",
                    help="skip the final validation and test evaluation (runs that only time the "
                         "steps)")
-    g.add_argument("--cpu-devices", type=int, default=None,
-                   help="on a CPU-only machine, run on N fake devices")
+    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="run on N fake CPU devices (default: JAX's devices; one on a CPU); at "
+                        "most what 80%% of the available RAM holds at about 1.2 MiB a device "
+                        "(vit_pure/run/checks.py)")
 
 
 def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -269,7 +286,8 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and preemption")
     g.add_argument("--ckpt-dir", default=None, metavar="DIR",
                    help="write checkpoints here: at the end of each epoch, every --ckpt-every "
-                        "steps, at the end of the run, and on SIGTERM/SIGINT")
+                        "steps, at the end of the run, and on SIGTERM/SIGINT (default: none "
+                        "written)")
     g.add_argument("--ckpt-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N steps (0: only at the times above)")
     g.add_argument("--ckpt-keep", type=int, default=3, metavar="K",
@@ -281,7 +299,8 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="evaluate the newest checkpoint in --ckpt-dir on the test split, and exit")
     g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="stop (with a checkpoint) once global step STEP is done, keeping the "
-                        "learning-rate schedule of the full run; continue with --resume")
+                        "learning-rate schedule of the full run; continue with --resume "
+                        "(default: run to the end)")
 
 
 def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
@@ -289,9 +308,9 @@ def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("profiling")
     g.add_argument("--profile", default=None, metavar="DIR",
                    help="write a jax.profiler trace of --profile-steps here "
-                        "(TensorBoard's profile plugin, or ui.perfetto.dev)")
+                        "(TensorBoard's profile plugin, or ui.perfetto.dev) (default: no trace)")
     g.add_argument("--profile-steps", default=None, metavar="A:B",
-                   help="the steps to trace, inclusive, counted as in the log (default 3:5)")
+                   help="the steps to trace, inclusive, counted as in the log (default: 3:5)")
 
 
 def _add_process_flags(p: argparse.ArgumentParser) -> None:
@@ -303,26 +322,27 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
         "Cloud TPU). Each process loads its share of every batch; process 0 logs and "
         "writes the checkpoints (--ckpt-dir: a directory all processes see).")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="address of process 0, where JAX's coordinator listens")
+                   help="address of process 0, where JAX's coordinator listens (default: "
+                        "one process)")
     g.add_argument("--num-processes", type=int, default=None, metavar="P",
-                   help="how many processes the job has")
+                   help="how many processes the job has (default: one)")
     g.add_argument("--process-id", type=int, default=None, metavar="I",
-                   help="this process's number, 0..P-1")
+                   help="this process's number, 0..P-1 (default: 0 with one process)")
     g.add_argument("--init-timeout", type=float, default=60.0, metavar="S",
                    help="seconds for every process to join the job before each stops in "
-                        "one line (default 60)")
+                        "one line")
     g.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S",
                    help="seconds of silence after which a process counts as gone and "
-                        "the others stop in one line (default 20)")
+                        "the others stop in one line")
     g.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds JAX's end-of-job barrier waits (default 60)")
+                   help="seconds JAX's end-of-job barrier waits")
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process job, letting jax.distributed.initialize detect "
                         "what the three flags above leave out")
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    """The planning flags (both scripts; vit_pure/plan/build.py reads them)."""
+    """The planning flags (both scripts; settings.PlanConfig carries them to plan/build.py)."""
     g = parser.add_argument_group(
         "planning a run at scale (docs/planning.md)",
         "--plan N compiles the training step for N devices (for the GPU itself where JAX's "
@@ -330,12 +350,14 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "collectives, their cost on --hardware, the compute, the memory, the predicted step "
         "and a verdict.")
     g.add_argument("--plan", type=int, default=None, metavar="N",
-                   help="plan the step for N devices instead of training")
+                   help="plan the step for N devices instead of training (default: train); at "
+                        "most what 80%% of the available RAM holds at about 0.25 MiB a device "
+                        "(vit_pure/run/checks.py)")
     g.add_argument("--hardware", default="h100", metavar="NAME",
                    help="target of the plan (vit_pure/plan/interconnect.py HARDWARE; an unknown "
                         "name lists them)")
     g.add_argument("--plan-json", default=None, metavar="FILE",
-                   help="also write the plan as JSON")
+                   help="also write the plan as JSON (default: print it only)")
     g.add_argument("--gpus-per-node", type=int, default=None, metavar="P",
                    help="devices per node (fast links inside; default: the hardware's, 8 "
                         "for GPUs)")
@@ -343,10 +365,12 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                    help="fraction of the peak the step's matmuls reach (measure it with "
                         "bench.py on one device: its 'MFU (datasheet)'); the plan is also "
                         "shown at the hardware's measured MFU where the kit has one")
-    g.add_argument("--peak-tflops", type=float, default=None, help="override the peak")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="override the peak matmul TFLOP/s (default: the hardware's)")
     g.add_argument("--intra-gbps", type=float, default=None, metavar="GB/S",
                    help="override the peak of the bus-bandwidth curve inside a node "
-                        "(smaller messages get less of it; docs/planning.md)")
+                        "(smaller messages get less of it; docs/planning.md; default: the "
+                        "hardware's)")
     g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
                    help="override the NIC bandwidth per GPU across nodes (GPUs: the "
                         "fabric's; the H100's default fabric, ib-400, has 46; docs/planning.md)")
@@ -369,6 +393,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         parser.set_defaults(**RECIPES[recipe])
     args = parser.parse_args(argv)
     check_numbers(parser, args)
+    check_device_counts(parser, args)  # before start_runtime or the plan creates them
     check_checkpoint_flags(parser, args)
     check_profile_flags(parser, args)
     check_synthetic_flags(parser, args)
@@ -449,6 +474,20 @@ def _accum_steps(text: str):
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
     return int(text)
 
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's true default: argparse's "(default: X)" is added only where
+    the flag takes a value, has one by default, and its text does not state the default
+    itself. A default of None means "decided later" (by the preset, the backend, the
+    run's length): the flag's text says what decides it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is argparse.SUPPRESS
+                or action.nargs == 0 or "default" in text.lower()):
+            return text
+        return text + " (default: %(default)s)"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -45,7 +45,13 @@ from vit_pure.run.monitor import (
     progress_bar,
 )
 from vit_pure.run.resume import Checkpoints, first_difference
-from vit_pure.run.settings import RunConfig
+from vit_pure.run.settings import (
+    CheckpointSettings,
+    DataSettings,
+    LogSettings,
+    RunConfig,
+    ScheduleSettings,
+)
 from vit_pure.run.signals import StopRequest
 from vit_pure.run.strategy import Strategy
 from vit_pure.step import StepConfig, init_state, make_optimizer, step_key
@@ -74,8 +80,8 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
     """
     if is_main is None:
         is_main = jax.process_index() == 0
-    log = Logger(rc.log_json, enabled=is_main)
-    profiler = Profiler(rc.profile, rc.profile_range, log)
+    log = Logger(rc.logging.log_json, enabled=is_main)
+    profiler = Profiler(rc.logging.profile, rc.logging.profile_range, log)
     stop = StopRequest()
     try:
         with stop.handling_signals():
@@ -102,7 +108,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
     splits = data_lib.load_dataset(rc.dataset, rc.data_dir, log=log, **rc.dataset_sizes)
     train = splits["train"]
-    plan = plan_steps(rc, len(train))
+    plan = plan_steps(rc.schedule, rc.logging, len(train))
     # The schedule depends on total_steps, so a resumed run must have the same total (the
     # checkpoint's trajectory check sees to it); --stop-after leaves it alone.
     optimizer, schedule = make_optimizer(rc.optim, plan.total_steps)
@@ -117,26 +123,28 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=train.images.shape[1:], log=log)
     eval_batch = rc.eval_batch
-    host_state, step = _start_state(rc, sc, optimizer, ckpts, resume_from, init_params)
+    host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
+                                    init_params)
     del init_params
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
-        _log_setup(log, rc, sc, strategy, ckpts, plan, host_state, step)
+        _log_setup(log, rc.data, sc, strategy, ckpts, plan, host_state, step)
     state = strategy.put_state(host_state)
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
                        min_scale=host_state["loss_scale"].min_scale)
     del host_state
-    speed = Throughput()
+    speed = Throughput(rc.batch, step)
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
-    inputs = _device_inputs(rc, strategy, train, plan, step, depth=2)
-    points = LogPoints(log, strategy, losses)
-    mixing = MixSchedule(rc, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
+    inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
+    points = LogPoints(log, strategy, losses, speed)
+    mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
 
-    # ---- The step loop. The host never waits for the step it has just dispatched: it
-    # reads a step's metrics (log points, the NaN check) once the next step is queued
-    # behind it, and waits only where it must read the state (checkpoints, evaluation).
-    while step < plan.total_steps and _stop_reason(stop, rc, step) is None:
+    # ---- The step loop. The host waits for the step it has just dispatched only once, at
+    # the first (its time and compile apart, then the memory): it reads a step's metrics
+    # (log points, the NaN check) once the next step is queued behind it, and waits
+    # only where it must read the state (checkpoints, evaluation).
+    while step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None:
         epoch = step // plan.steps_per_epoch
         if step == first_step or step % plan.steps_per_epoch == 0:
             bar = plan.progress_bar(step, epoch, is_main and rc.progress)
@@ -151,22 +159,23 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
             jax.block_until_ready(previous)
         step += 1
         losses.add(step, metrics)
-        speed.add(rc.batch)
         bar.update(1)
+        if step == first_step + 1:  # the first step, waited for: its time, compile apart
+            _log_first_step(log, speed, metrics, step)
+            log_memory(log, step)  # after it ran: the peak includes compiling
+            memory_step = step
 
         if step % plan.log_every == 0 or step == plan.total_steps:
-            # Read after the next step is dispatched; the learning rate is computed on the
-            # device now, between the steps, and read with them.
+            # Read after the next step is dispatched, once this one has finished (its
+            # img/s too); the learning rate is computed on the device now, between the
+            # steps, and read with them.
             points.mark(metrics, state, bar, ckpts.describe_last(), step=step, epoch=epoch,
-                        lr=schedule(step - 1), rate=speed.rate())
-            if memory_step is None:  # the first log point: the peak includes compiling
-                log_memory(log, step)
-                memory_step = step
+                        lr=schedule(step - 1))
         profiler.after_step(step, state)
         end_of_epoch = step % plan.steps_per_epoch == 0
         if end_of_epoch:
             bar.close()
-        why = _checkpoint_reason(rc, plan, step, end_of_epoch) if ckpts.dir else None
+        why = _checkpoint_reason(rc.checkpoints, plan, step, end_of_epoch) if ckpts.dir else None
         if why:
             with speed.paused(metrics):  # the logged img/s counts training steps only
                 points.read(ckpts.describe_last())
@@ -179,7 +188,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
                     log(f"checkpoint of step {step} not written: its loss is not finite",
                         event="checkpoint_skipped", step=step)
         if (end_of_epoch and rc.eval_every and (epoch + 1) % rc.eval_every == 0
-                and step < plan.total_steps and _stop_reason(stop, rc, step) is None):
+                and step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None):
             with speed.paused(metrics):
                 points.read(ckpts.describe_last())
                 evaluate_split(strategy, state, splits, "val", eval_batch, log,
@@ -192,11 +201,12 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
     profiler.finish(step, state)
     if step not in (first_step, memory_step):
+        jax.block_until_ready(state)  # the figures of the steps done, not of those queued
         log_memory(log, step)
-    reason = _stop_reason(stop, rc, step) if step < plan.total_steps else None
+    reason = _stop_reason(stop, rc.schedule, step) if step < plan.total_steps else None
     if reason is not None:
         return _stopped(strategy, state, step, reason, ckpts, log, points.last)
-    return _final(rc, strategy, state, splits, eval_batch, log, step, points.last)
+    return _final(rc.logging, strategy, state, splits, eval_batch, log, step, points.last)
 
 
 # --------------------------------------------------------------------------- the helpers
@@ -214,28 +224,29 @@ class StepPlan:
         return progress_bar(todo, f"epoch {epoch + 1}/{self.epochs}", enabled)
 
 
-def plan_steps(rc: RunConfig, n_train: int) -> StepPlan:
+def plan_steps(schedule: ScheduleSettings, logging: LogSettings, n_train: int) -> StepPlan:
     """--epochs, capped by --steps; every step is a full batch (the remainder is dropped)."""
-    steps_per_epoch = data_lib.steps_per_epoch(n_train, rc.batch)
+    s = schedule
+    steps_per_epoch = data_lib.steps_per_epoch(n_train, s.batch)
     if steps_per_epoch == 0:
         raise DataError(
-            f"--batch {rc.batch} is larger than the {n_train} training images")
-    total_steps = rc.epochs * steps_per_epoch
-    if rc.steps is not None:
-        total_steps = min(total_steps, rc.steps)
+            f"--batch {s.batch} is larger than the {n_train} training images")
+    total_steps = s.epochs * steps_per_epoch
+    if s.steps is not None:
+        total_steps = min(total_steps, s.steps)
     # cli checks these against --steps; the length that --epochs gives is known only here.
     ends = (f"the run ends sooner, at step {total_steps:,} "
-            f"({rc.epochs} epoch{'s' * (rc.epochs != 1)} x {steps_per_epoch:,} steps)")
-    if rc.stop_after is not None and rc.stop_after > total_steps:
-        raise UsageError(f"--stop-after {rc.stop_after}: {ends}")
-    if rc.profile_range is not None and rc.profile_range[0] > total_steps:
-        first, last = rc.profile_range
+            f"({s.epochs} epoch{'s' * (s.epochs != 1)} x {steps_per_epoch:,} steps)")
+    if s.stop_after is not None and s.stop_after > total_steps:
+        raise UsageError(f"--stop-after {s.stop_after}: {ends}")
+    if logging.profile_range is not None and logging.profile_range[0] > total_steps:
+        first, last = logging.profile_range
         raise UsageError(f"--profile-steps {first}:{last}: {ends}")
     return StepPlan(steps_per_epoch, total_steps, epochs=-(-total_steps // steps_per_epoch),
-                    log_every=1 if total_steps <= 100 else rc.log_every)
+                    log_every=1 if total_steps <= 100 else logging.log_every)
 
 
-def _device_inputs(rc: RunConfig, strategy: Strategy, train: data_lib.Split, plan: StepPlan,
+def _device_inputs(data: DataSettings, strategy: Strategy, train: data_lib.Split, plan: StepPlan,
                    start: int, depth: int):
     """The inputs of every step from `start` on, placed on the devices `depth` steps ahead.
 
@@ -245,20 +256,20 @@ def _device_inputs(rc: RunConfig, strategy: Strategy, train: data_lib.Split, pla
     same global batch and feeds only its own rows. Placing a batch while the steps before
     it run keeps the host-to-device copy off the device's critical path.
     """
-    example_ids = np.arange(rc.batch, dtype=np.int32)
+    example_ids = np.arange(data.batch, dtype=np.int32)
 
     def placed():
         step = start
         while step < plan.total_steps:
             epoch, index = divmod(step, plan.steps_per_epoch)
             for images, labels in data_lib.train_batches(
-                    train, rc.batch, seed=rc.seed, epoch=epoch, start=index,
-                    repeat=rc.repeat_aug):
+                    train, data.batch, seed=data.seed, epoch=epoch, start=index,
+                    repeat=data.repeat_aug):
                 if step == plan.total_steps:
                     return
                 local = distributed.local_rows(images, labels, example_ids)
                 yield (*strategy.put_batch(*local),
-                       strategy.put_replicated(step_key(rc.seed, epoch, step)))
+                       strategy.put_replicated(step_key(data.seed, epoch, step)))
                 step += 1
 
     steps = placed()
@@ -280,8 +291,8 @@ class LogPoints:
     next step consumes (donation), so a loss-scaled run reads its log point at once.
     """
 
-    def __init__(self, log: Logger, strategy: Strategy, losses: LossWatch):
-        self.log, self.strategy, self.losses = log, strategy, losses
+    def __init__(self, log: Logger, strategy: Strategy, losses: LossWatch, speed: Throughput):
+        self.log, self.strategy, self.losses, self.speed = log, strategy, losses, speed
         self.pending: dict | None = None
         self.last: dict = {}  # the last log point read: checkpoints and the result keep it
 
@@ -293,9 +304,11 @@ class LogPoints:
     def read(self, last_checkpoint, state=None) -> None:
         if self.pending is not None:
             p, self.pending = self.pending, None
+            jax.block_until_ready(p["metrics"])  # the step has finished: now its img/s
+            rate = self.speed.rate(p["step"])
             self.last = _log_point(self.log, self.strategy, state, p.pop("metrics"),
                                    self.losses, p.pop("bar"), last_checkpoint,
-                                   **{**p, "lr": float(p["lr"])})
+                                   **{**p, "lr": float(p["lr"]), "rate": rate})
 
 
 class MixSchedule:
@@ -311,8 +324,9 @@ class MixSchedule:
     epoch, so a resumed run switches at the same step.
     """
 
-    def __init__(self, rc: RunConfig, sc: StepConfig, plan: StepPlan, make_strategy, log: Logger):
-        n = rc.mix_off_epochs
+    def __init__(self, schedule: ScheduleSettings, sc: StepConfig, plan: StepPlan, make_strategy,
+                 log: Logger):
+        n = schedule.mix_off_epochs
         mixes = sc.augment and (sc.mixup_alpha > 0 or sc.cutmix_alpha > 0)
         self.off_from = (max(plan.epochs - n, 0) * plan.steps_per_epoch if n and mixes
                          else None)
@@ -335,19 +349,19 @@ class MixSchedule:
         return self.unmixed.train_step
 
 
-def _start_state(rc: RunConfig, sc: StepConfig, optimizer, ckpts: Checkpoints,
+def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoints,
                  resume_from: pathlib.Path | None,
                  init_params: dict | None = None) -> tuple[dict, int]:
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
-        host_state = init_state(jax.random.key(rc.seed), sc.cfg, sc.policy, optimizer,
+        host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
                                 ema=sc.ema_decay > 0, params=init_params)
         step = 0
     else:
         # Only shapes and dtypes are needed to read the checkpoint back: no initialisation.
         template = jax.eval_shape(
-            lambda: init_state(jax.random.key(rc.seed), sc.cfg, sc.policy, optimizer,
+            lambda: init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
                                ema=sc.ema_decay > 0))
         host_state, step = ckpts.load(resume_from, template)
     # Several processes must start from the same step: the same checkpoint, read by each.
@@ -358,8 +372,8 @@ def _start_state(rc: RunConfig, sc: StepConfig, optimizer, ckpts: Checkpoints,
     return host_state, step
 
 
-def _log_setup(log: Logger, rc: RunConfig, sc: StepConfig, strategy: Strategy, ckpts: Checkpoints,
-               plan: StepPlan, host_state: dict, step: int) -> None:
+def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strategy,
+               ckpts: Checkpoints, plan: StepPlan, host_state: dict, step: int) -> None:
     """The strategy's layout and the run's configuration, at the top of the log."""
     layout = strategy.describe()
     ckpts.set_writer(strategy.name, layout.split("\n")[0])  # the checkpoints' meta says it
@@ -367,13 +381,22 @@ def _log_setup(log: Logger, rc: RunConfig, sc: StepConfig, strategy: Strategy, c
     policy = sc.policy
     pool = "" if sc.cfg.pool == "cls" else f" (pool {sc.cfg.pool}: {sc.cfg.seq_len} tokens)"
     log(f"model {sc.cfg.name}{pool}: {count_params(host_state['params']):,} params, policy "
-        f"{policy} (matmul precision {policy.matmul_precision}), global batch {rc.batch}, "
+        f"{policy} (matmul precision {policy.matmul_precision}), global batch {data.batch}, "
         f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch, {plan.epochs} epochs)",
         event="config", model=sc.cfg.name, pool=sc.cfg.pool, policy=str(policy),
-        batch=rc.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
+        batch=data.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
+
+
+def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
+    """Wait for the run's first step, and say how long it took and how much of that was
+    compiling (which no img/s figure counts)."""
+    jax.block_until_ready(metrics)
+    seconds, compiling = speed.first_step()
+    log(f"step {step} done in {seconds:.2f} s, {compiling:.2f} s of it compiling (left out "
+        f"of img/s)", event="first_step", step=step, seconds=seconds, compile_s=compiling)
 
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,
@@ -418,34 +441,35 @@ def _loss_scale(strategy: Strategy, state, losses: LossWatch) -> float | None:
     return strategy.metrics_to_host({"s": state["loss_scale"].scale})["s"]
 
 
-def _checkpoint_reason(rc: RunConfig, plan: StepPlan, step: int, end_of_epoch: bool) -> str | None:
+def _checkpoint_reason(ckpt: CheckpointSettings, plan: StepPlan, step: int,
+                       end_of_epoch: bool) -> str | None:
     """Why to save after `step` (None: don't)."""
     if end_of_epoch:
         return "end of epoch"
     if step == plan.total_steps:
         return "end of run"
-    if rc.ckpt_every and step % rc.ckpt_every == 0:
-        return f"every {rc.ckpt_every} steps"
+    if ckpt.ckpt_every and step % ckpt.ckpt_every == 0:
+        return f"every {ckpt.ckpt_every} steps"
     return None
 
 
-def _stop_reason(stop: StopRequest, rc: RunConfig, step: int) -> str | None:
+def _stop_reason(stop: StopRequest, schedule: ScheduleSettings, step: int) -> str | None:
     """Why to stop before the next step (None: go on). Every process calls it at the same
     points (a signal is agreed between them: see StopRequest.agreed)."""
     signum = stop.agreed(step)
     if signum is not None:
         return signal.Signals(signum).name
-    if rc.stop_after is not None and step >= rc.stop_after:
+    if schedule.stop_after is not None and step >= schedule.stop_after:
         return "--stop-after"
     return None
 
 
-def _final(rc: RunConfig, strategy: Strategy, state, splits: dict, eval_batch: int, log: Logger,
-           step: int, last: dict) -> dict:
+def _final(logging: LogSettings, strategy: Strategy, state, splits: dict, eval_batch: int,
+           log: Logger, step: int, last: dict) -> dict:
     """The run's result: the last train metrics, val and test, the host state."""
     final = {"train": last}
     # --no-final-eval skips the val / test passes (runs that only measure the steps).
-    for split in ("val", "test") if rc.final_eval else ():
+    for split in ("val", "test") if logging.final_eval else ():
         res = evaluate_split(strategy, state, splits, split, eval_batch, log, "final ",
                              step=step)
         if res is not None:

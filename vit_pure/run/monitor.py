@@ -6,8 +6,8 @@
   host syncs, without adding one.
 * `Profiler`: a `jax.profiler` trace of the steps `--profile-steps` names.
 * `log_memory`: device memory (where the backend reports it) and the host's peak RSS.
-* `Throughput` and `progress_bar`: training images per second between log points, and
-  the bar.
+* `Throughput` and `progress_bar`: training images per second between log points, each
+  figure taken once its step has finished, compile time left out; and the bar.
 
 Nothing here decides what the run does, except that `LossWatch` stops it on a bad loss.
 """
@@ -181,15 +181,51 @@ def log_memory(log: Logger, step: int) -> None:
 
 
 # --------------------------------------------------------------------------- progress
+# The seconds JAX spends compiling (tracing, lowering, XLA's compile), summed over the
+# process: one listener for the whole run of the interpreter (jax.monitoring's events).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[0] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compile_seconds() -> float:
+    """The seconds this process has spent compiling so far (JAX's own events)."""
+    return _compile_seconds[0]
+
+
 class Throughput:
-    """Images per second of training between two log points: the time spent `paused`
-    (evaluation, checkpoints) is left out, so the figure is the training steps' own."""
+    """Images per second of the training steps between two log points.
 
-    def __init__(self):
-        self.since, self.images = time.perf_counter(), 0
+    Each figure is taken once the log point's step has finished (the caller blocks on its
+    result first: `rate` is read then), over the wall-clock time since the previous
+    figure, less the time spent `paused` (evaluation, checkpoints) and compiling (JAX's
+    compile events: the first step's compile, a second variant's), so it is the rate the
+    steps achieved. `first_step` says the first step's time and its compile apart.
+    """
 
-    def add(self, images: int) -> None:
-        self.images += images
+    def __init__(self, images_per_step: int, step: int):
+        self.images_per_step, self.step = images_per_step, step
+        self.since, self.compiled = time.perf_counter(), compile_seconds()
+        self.excluded = 0.0  # paused seconds since `since`
+        self._pause: tuple[float, float] | None = None  # (start, compile seconds then)
+
+    def _now(self) -> tuple[float, float]:
+        return self._pause or (time.perf_counter(), compile_seconds())
+
+    def first_step(self) -> tuple[float, float]:
+        """(seconds, of which compiling) since the start: call once the first step has
+        finished (the rate of its log point leaves the compiling out)."""
+        now, compiled = self._now()
+        return now - self.since - self.excluded, compiled - self.compiled
 
     @contextlib.contextmanager
     def paused(self, in_flight=None):
@@ -197,18 +233,23 @@ class Throughput:
         `in_flight` (the step the device runs) is done: that step's time still counts."""
         if in_flight is not None:
             jax.block_until_ready(in_flight)
-        start = time.perf_counter()
+        self._pause = start, compiled = time.perf_counter(), compile_seconds()
         try:
             yield
         finally:
-            self.since += time.perf_counter() - start
+            self._pause = None
+            # A `rate` inside the block restarted the count at `start`.
+            self.excluded += time.perf_counter() - max(start, self.since)
+            self.compiled += compile_seconds() - max(compiled, self.compiled)
 
-    def rate(self) -> float:
-        """Images per second since the last call (or the start), and start counting anew."""
-        now = time.perf_counter()
-        rate = self.images / (now - self.since)
-        self.since, self.images = now, 0
-        return rate
+    def rate(self, step: int) -> float:
+        """Images per second of the steps after the last figure up to `step`, which has
+        finished; start counting anew."""
+        now, compiled = self._now()
+        seconds = now - self.since - self.excluded - (compiled - self.compiled)
+        images = (step - self.step) * self.images_per_step
+        self.step, self.since, self.compiled, self.excluded = step, now, compiled, 0.0
+        return images / max(seconds, 1e-9)
 
 
 class NoBar:

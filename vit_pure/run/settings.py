@@ -2,9 +2,11 @@
 
 The scripts parse the flags (run/cli.py), then build two frozen values from them and hand
 those down: `step.StepConfig` (what the compiled step computes; run/backend.py builds it)
-and `RunConfig` (everything around the step: data, schedule, checkpoints, logging). No
-module below the scripts reads the argparse Namespace, so what a function can depend on
-is what its signature shows.
+and `RunConfig` (everything around the step: data, schedule, checkpoints, logging; the
+loop's helpers each take one slice of it: `rc.data`, `rc.schedule`, `rc.logging`,
+`rc.checkpoints`). `--plan N` takes a `PlanConfig` instead of a RunConfig. No module
+below the scripts reads the argparse Namespace, so what a function can depend on is
+what its signature shows.
 """
 from __future__ import annotations
 
@@ -85,6 +87,108 @@ class RunConfig:
     def dataset_sizes(self) -> dict[str, int]:
         """The synthetic set's sizes as `data.cifar10.load_dataset` takes them."""
         return dict(self.synthetic_sizes)
+
+    # ---- the slices the loop's helpers take (each sees only its own knobs)
+    @property
+    def data(self) -> DataSettings:
+        return _slice(DataSettings, self)
+
+    @property
+    def schedule(self) -> ScheduleSettings:
+        return _slice(ScheduleSettings, self)
+
+    @property
+    def logging(self) -> LogSettings:
+        return _slice(LogSettings, self)
+
+    @property
+    def checkpoints(self) -> CheckpointSettings:
+        return _slice(CheckpointSettings, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """What feeds the steps: the data, the batches, their order."""
+    dataset: str
+    data_dir: str
+    synthetic_sizes: tuple[tuple[str, int], ...]
+    batch: int
+    eval_batch: int
+    repeat_aug: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSettings:
+    """How long the run is, where it stops, and what each step of it applies."""
+    batch: int
+    epochs: int
+    steps: int | None
+    stop_after: int | None
+    optim: OptimConfig
+    accum_steps: int | str
+    memory_budget: float | None
+    mix_off_epochs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    """What the run reports: log lines, evaluations, profiles."""
+    eval_every: int
+    final_eval: bool
+    eval_only: bool
+    log_json: str | None
+    log_every: int
+    progress: bool
+    profile: str | None
+    profile_range: tuple[int, int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how often the run saves, and whether it resumes."""
+    ckpt_dir: str | None
+    ckpt_every: int
+    ckpt_keep: int
+    resume: bool
+
+
+def _slice(kind, rc: RunConfig):
+    """The `kind` slice of `rc`: its fields of the same names."""
+    return kind(**{f.name: getattr(rc, f.name) for f in dataclasses.fields(kind)})
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What `--plan N` (vit_pure/plan/build.py) takes from the flags: the target, its
+    overrides, and the step's batch and accumulation. `from_args` builds it."""
+    plan: int                       # devices to plan for
+    hardware: str                   # --hardware, as given
+    gpus_per_node: int | None
+    efficiency: float
+    peak_tflops: float | None
+    intra_gbps: float | None
+    inter_gbps: float | None
+    latency_us: float | None
+    fabric: str | None              # the network between GPU nodes (plan/fabrics.py)
+    algo: str                       # NCCL algorithm to price with, or "auto"
+    plan_json: str | None
+    batch: int
+    accum_steps: int | str
+    optim: OptimConfig
+    multi_process: bool             # --distributed or --coordinator given
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlanConfig:
+        """The plan's settings of a command line that `cli.parse_args` has checked."""
+        return cls(
+            plan=args.plan, hardware=args.hardware, gpus_per_node=args.gpus_per_node,
+            efficiency=args.efficiency, peak_tflops=args.peak_tflops,
+            intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+            latency_us=args.latency_us, fabric=args.fabric, algo=args.algo,
+            plan_json=args.plan_json, batch=args.batch,
+            accum_steps=args.accum_steps, optim=RunConfig.from_args(args).optim,
+            multi_process=bool(args.distributed or args.coordinator is not None))
 
 
 def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:

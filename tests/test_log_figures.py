@@ -1,0 +1,75 @@
+"""The figures the training log prints are the ones the run achieved.
+
+A real run of train_shardmap.py as a child process, watched from outside: this process
+stamps each line of the child's (unbuffered) stdout with its own clock as it arrives, and
+reads the child's peak RSS from the operating system (`os.wait4`, the child's own rusage,
+which is what `/usr/bin/time -v` prints as its maximum resident set size). The log's
+img/s of steps 2..N must match the time between their lines, its first-step line the time
+from the setup line to it, with the compile it states left out of step 1's img/s, and its
+last "host peak RSS" the operating system's figure, each within 20%.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BATCH, STEPS = 1024, 3
+
+
+def _env():
+    """This environment, minus conftest's 8-device XLA_FLAGS: one CPU device."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.slow
+def test_logged_rate_and_memory_agree_with_the_clock_and_the_os(tmp_path):
+    log = tmp_path / "log.jsonl"
+    argv = [sys.executable, "train_shardmap.py", "--model", "tiny", "--batch", str(BATCH),
+            "--dataset", "synthetic", "--synthetic-train", str(BATCH * (STEPS + 1)),
+            "--synthetic-val", "8", "--synthetic-test", "8", "--steps", str(STEPS),
+            "--eval-every", "0", "--no-final-eval", "--no-progress", "--randaugment", "0",
+            "--log-json", str(log)]
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    arrived = {}  # "setup", "first", or a step number -> this process's clock
+    for line in proc.stdout:
+        now = time.perf_counter()
+        if line.startswith("model tiny:"):
+            arrived["setup"] = now
+        elif re.match(r"step 1 done in ", line):
+            arrived["first"] = now
+        elif m := re.match(r"step +(\d+) +loss ", line):
+            arrived[int(m[1])] = now
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+
+    # Steps 2..N: the seconds their img/s figures stand for, and the clock between lines.
+    rates = {r["step"]: r["images_per_s"] for r in records if "images_per_s" in r}
+    assert sorted(rates) == list(range(1, STEPS + 1))
+    logged = sum(BATCH / rates[s] for s in range(2, STEPS + 1))
+    outside = arrived[STEPS] - arrived[1]
+    assert abs(logged - outside) <= 0.2 * outside, (logged, outside)
+
+    # Step 1: its time as logged (compile included) against the clock; its img/s leaves
+    # the compile it states out.
+    first = next(r for r in records if r.get("event") == "first_step")
+    outside = arrived["first"] - arrived["setup"]
+    assert abs(first["seconds"] - outside) <= 0.2 * outside, (first, outside)
+    assert 0 <= first["compile_s"] < first["seconds"]
+    assert BATCH / rates[1] == pytest.approx(first["seconds"] - first["compile_s"], rel=0.05)
+
+    # The last memory line against the operating system's peak of the whole process.
+    memory = [r for r in records if r.get("event") == "memory"]
+    assert [r["step"] for r in memory] == [1, STEPS]
+    os_peak = usage.ru_maxrss * 1024  # KiB on Linux
+    assert abs(memory[-1]["host_peak_rss_bytes"] - os_peak) <= 0.2 * os_peak
