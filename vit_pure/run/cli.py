@@ -160,7 +160,7 @@ def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
                         "head count is taken from --model); the file sets the GELU, LayerNorm "
                         "epsilon, input scaling and (unless given) --image-size and --pool; a "
                         "new zero head replaces one of another class count. Ignored when "
-                        "--resume finds a checkpoint")
+                        "--resume finds a checkpoint (default: a random initialisation)")
     g.add_argument("--image-size", type=int, default=None, metavar="PX",
                    help="the model's input resolution: CIFAR-10 is resized to it on the "
                         "device; with --init-from the position embedding is resampled "
@@ -372,11 +372,12 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                         "(smaller messages get less of it; docs/planning.md; default: the "
                         "hardware's)")
     g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
-                   help="override the NIC bandwidth per GPU across nodes (GPUs: the "
-                        "fabric's; the H100's default fabric, ib-400, has 46; docs/planning.md)")
+                   help="override the NIC bandwidth per GPU across nodes (default: the "
+                        "fabric's, 46 for ib-400, the H100's; docs/planning.md)")
     g.add_argument("--latency-us", type=float, default=None, metavar="US",
-                   help="override the latency per call, in microseconds (GPUs across "
-                        "nodes: a two-node call's, the fabric's per-step latencies scaled)")
+                   help="override the latency per call, in microseconds (default: the "
+                        "hardware's; GPUs across nodes: a two-node call's, the fabric's "
+                        "per-step latencies scaled)")
     g.add_argument("--fabric", default=None, metavar="NAME",
                    help="the network between GPU nodes: ib-400, roce-400, ib-200, roce-200, "
                         "efa-p5 or tcpxo (vit_pure/plan/fabrics.py; default: the hardware's, "
