@@ -19,7 +19,7 @@ The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device coun
   holds depth/S contiguous blocks; the embedding runs on the first stage, the final
   norm, head and loss on the last. Each device's batch slice runs as K micro-batches; the
   schedule and its collectives (a `lax.ppermute` of activations per tick, psums over
-  'pipe') are in vit_pure/pipeline.py. The pipe-replicated embedding and head get their
+  'pipe') are in vit_pure/pipeline/. The pipe-replicated embedding and head get their
   gradient on one stage only; `pipeline.pipeline_grads` sums it over 'pipe' explicitly.
   With `--fsdp` each stage gathers its own layers once per step, before the tick loop
   (so `--remat block` does not gather them again in the backward pass).
@@ -36,7 +36,7 @@ the weights are gathered a second time there and only one layer's whole weights 
 at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map`
 the step sees only its device's block of every array, and nothing moves between devices
 unless a collective says so: the data-parallel and FSDP ones are in this file, the two
-tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline.py.
+tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline/.
 
 THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
 vary across each mesh axis. Parameters enter replicated (P() over 'data'): *invariant*.
@@ -325,7 +325,7 @@ class ShardMapStrategy:
             params = jax.tree.map(
                 lambda x, s: x if over_data(s) else lax.pcast(x, DATA, to="varying"),
                 state["params"], specs)
-            if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline.py)
+            if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline/)
                 grads, metrics = pipeline.pipeline_grads(
                     sc, params, state["loss_scale"], images, labels, example_ids, key,
                     pipe_axis=PIPE, microbatches=self.microbatches, tp_axis=tp, gather=gather,

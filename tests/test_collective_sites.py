@@ -2,7 +2,7 @@
 
 The layout rule of the kit: collectives are written in exactly three kinds of place, the
 two training scripts, the model's two tensor-parallel operators (`_copy_to_tp`,
-`_reduce_from_tp`) and the pipeline schedule (vit_pure/pipeline.py). Nothing else (the
+`_reduce_from_tp`) and the pipeline schedules (vit_pure/pipeline/program.py). Nothing else
 dtype policy, the step math, accumulation, data) may emit one, not even implicitly: an
 implicit broadcast of a replicated value to "varying" inside shard_map is free in the
 forward pass but its transpose is a psum in the backward pass, the gradient pitfall.
@@ -100,7 +100,7 @@ def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, p
     files = {site[1] for site in sites}
     assert "train_shardmap.py" in files and "model.py" in files  # the pmean, TP's f/g
     if "pipe" in mesh:
-        assert "pipeline.py" in files
+        assert "program.py" in files
 
 
 def test_pmap_step_collectives_are_in_train_pmap():

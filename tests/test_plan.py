@@ -186,7 +186,7 @@ def test_pipeline_one_permute_per_tick_each_way(pipe):
     # K + S - 1 ticks, a send after each but the last: forward, and back in the backward pass.
     assert sum(c.count for c in permutes) == 2 * (K + S - 2)
     assert {c.source.split(" ")[0] for c in permutes} == {
-        _line("vit_pure/pipeline.py", "received = lax.ppermute(y, pipe_axis")}
+        _line("vit_pure/pipeline/program.py", "received = lax.ppermute(y, pipe_axis")}
 
 
 def test_scan_and_accumulation_multiply_by_trip_counts(loops):
