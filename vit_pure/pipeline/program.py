@@ -192,10 +192,24 @@ def _on_last_stage(x, pipe_axis):
 
 
 # ------------------------------------------------------ the table-driven schedules
-def _zeros_ring(x, slots: int):
+def _zeros_ring(x, slots: int, axis: str | None = None):
     """A ring of `slots` zero copies of x's type (zeros_like keeps the type under
-    shard_map, e.g. "varying over 'pipe'", which the scan's carry must keep)."""
-    return jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape)))
+    shard_map, e.g. "varying over 'data'", which the scan's carry must keep), made
+    varying over `axis` too."""
+    return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
+
+
+def _varying(x) -> frozenset:
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _vary_like(x, axes):
+    """x made varying over `axes` (a mesh axis name, or another array's varying axes)
+    where it is not yet: the type a lax.cond branch or the scan's carry must match."""
+    axes = frozenset([axes] if isinstance(axes, str) else
+                     () if axes is None else _varying(axes))
+    missing = tuple(sorted(axes - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids, drop_key,
@@ -284,9 +298,11 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         own = {id(a): k for k, a in enumerate(jax.tree.leaves((cp, top)))}
         return out, [a for a in res if id(a) not in own], (tree, [own.get(id(a)) for a in res])
 
-    # One trace outside the ticks for the ring's shapes and types (XLA drops its compute).
-    (y0, loss0, _), res0, layout = forward(0, 0, xs[0])
-    rings0 = [_zeros_ring(a, ring) for a in res0]
+    # One trace outside the ticks for the ring's shapes and types (XLA drops its compute),
+    # its micro-batch and chunk varying over the pipe axis as the table's entries are.
+    zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
+    (y0, loss0, _), res0, layout = forward(zero, zero, xs[0])
+    rings0 = [_zeros_ring(a, ring, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
@@ -314,7 +330,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             first = (stage == 0) & (f_v == 0)
             x = jnp.where(first, xs[f_mb], recv_f)
             (y, loss, acc), res, _ = forward(f_v, f_mb, x)
-            rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
+            rings = [r.at[slot(f_mb, f_v)].set(_vary_like(a, r)) for r, a in zip(rings, res)]
             return y, rings, (sums[0] + loss, sums[1] + acc)
 
         y, rings, sums = lax.cond(f_mb >= 0, do_f, lambda r, s: (jnp.zeros_like(y0), r, s),

@@ -223,19 +223,22 @@ def in_flight(s: Schedule) -> np.ndarray:
     return out
 
 
-def tick_times(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0) -> np.ndarray:
+def tick_times(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
+               t_i: float | None = None) -> np.ndarray:
     """(ticks,) each tick's length in lockstep: its busiest stage's F + B (+ W) work.
-    t_b is a whole backward; a split one costs t_b - t_w (I) plus t_w (W)."""
-    t_back = t_b - t_w if s.split_backward else t_b
+    t_b is a whole backward; a split one costs t_i (default t_b - t_w) plus t_w."""
+    t_back = (t_b - t_w if t_i is None else t_i) if s.split_backward else t_b
     work = (s.fwd != IDLE) * t_f + (s.bwd != IDLE) * t_back + (s.wgt != IDLE) * t_w
     return work.max(axis=1)
 
 
-def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0) -> float:
+def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
+                  t_i: float | None = None) -> float:
     """The step's modelled time: the sum over ticks of the busiest stage's work. With
-    virtual stages, t_f / t_b are a whole stage's and each chunk costs 1/V of them."""
+    virtual stages, the costs are a whole stage's and each chunk costs 1/V of them."""
     v = s.virtual
-    return float(tick_times(s, t_f / v, t_b / v, t_w / v).sum())
+    return float(tick_times(s, t_f / v, t_b / v, t_w / v,
+                            None if t_i is None else t_i / v).sum())
 
 
 def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0) -> float:
@@ -306,3 +309,13 @@ def ring_size(s: Schedule) -> int:
         if ok:
             return R
     return s.microbatches * V
+
+
+def summary(name: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """What --plan reports of a schedule, from its table (t_B = 2 t_F, t_W = t_F): ticks,
+    bubble, residual sets the busiest stage holds, and what 1F1B would hold instead."""
+    s = build(name, stages, microbatches, virtual)
+    return {"schedule": name, "stages": stages, "microbatches": microbatches,
+            "virtual": virtual, "ticks": s.ticks, "bubble": bubble(s),
+            "held": int(in_flight(s).max()),
+            "held_1f1b": int(in_flight(build("1f1b", stages, microbatches)).max())}

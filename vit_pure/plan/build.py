@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from vit_pure import step
 from vit_pure.model import init_params
+from vit_pure.pipeline import schedules
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.plan.collectives import (
@@ -214,7 +215,17 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                 sc.cfg.seq_len, params_per_device(strategy, sc), found,
                 calls, corrections, program_flops,
                 model_flops_per_device(sc.cfg, global_batch, devices), memory, compile_s, notes,
-                compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program)
+                compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program,
+                pipeline=pipeline_summary(strategy))
+
+
+def pipeline_summary(strategy) -> dict | None:
+    """The strategy's pipeline schedule, read off its table (None without a pipeline)."""
+    stages = getattr(strategy, "stages", 1)
+    if stages <= 1:
+        return None
+    return schedules.summary(strategy.schedule, stages, strategy.microbatches,
+                             strategy.virtual_stages)
 
 
 def run(args, make_strategy, script: str) -> dict:
