@@ -22,6 +22,9 @@ GPU). Columns, per device:
     bubble      idle share of the stages' time in lockstep, from the table and the costs
     step / GPipe  the modelled lockstep step time (`schedules.lockstep_time`: each tick
                 as long as its busiest stage) over GPipe's at the same K
+    W = B - I   zb-h1 only: the same with W costing only the weights' matmuls (B - I),
+                what a split that keeps each matmul's output cotangent would give; the
+                program's W re-runs the stage's cotangent chain (W about B)
 
 The F / B / I / W costs of the model come from one compiled stage (depth/P blocks at the
 micro-batch's size, XLA:CPU `cost_analysis()` FLOPs): F its forward; B, I, W its
@@ -113,7 +116,7 @@ def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, 
 # ============================================================================ the parent
 def table(rows: list[dict]) -> str:
     head = ["P", "K", "schedule", "peak GiB", "temp GiB", "compile s", "p2p (count, MiB)",
-            "held", "bubble", "step / GPipe"]
+            "held", "bubble", "step / GPipe", "W = B - I"]
     out = []
     for r in rows:
         fixed = [r["stages"], r["microbatches"], r["label"]]
@@ -124,8 +127,9 @@ def table(rows: list[dict]) -> str:
         out.append(fixed + [f"{m['total'] / GIB:.2f}", f"{m['temp'] / GIB:.2f}",
                             f"{r['compile_s']:.1f}",
                             f"{r['p2p_count']}, {r['p2p_bytes'] / 2**20:.0f}",
-                            r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}"])
-    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9))
+                            r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}",
+                            f"{r['relative_ideal']:.3f}" if "relative_ideal" in r else ""])
+    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9, 10))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +181,9 @@ def main(argv=None) -> dict:
                     row = {**job, **row}
                 row.update(label=name + (f" V={V}" if V > 1 else ""), held=held,
                            bubble=bub, relative=t / base)
+                if name == "zb-h1":  # W as the weights' matmuls alone: B - I
+                    ideal = dict(costs, W=costs["B"] - costs["I"])
+                    row["relative_ideal"] = modelled(name, P, M, V, ideal)[0] / base
                 if "memory" not in row and "error" not in row:
                     row["memory"] = {"total": float("nan"), "temp": float("nan")}
                     row.update(compile_s=float("nan"), p2p_count=0, p2p_bytes=0)

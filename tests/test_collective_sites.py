@@ -83,15 +83,20 @@ def _step_jaxpr(strategy, sc, optimizer):
     return jax.make_jaxpr(strategy.train_step)(*args)
 
 
-@pytest.mark.parametrize("mesh, fsdp, policy, scan", [
-    ("data=4,model=2", True, "bf16", False),      # TP + FSDP, m=f32 custom VJPs
-    ("data=2,model=4", False, "c=bf16,m=bf16", True),  # TP in a layer scan, bf16 outputs
-    ("data=2,model=2,pipe=2", True, "bf16", False),  # pipeline + TP + FSDP, m=f32
+@pytest.mark.parametrize("mesh, fsdp, policy, scan, schedule", [
+    ("data=4,model=2", True, "bf16", False, "gpipe"),      # TP + FSDP, m=f32 custom VJPs
+    ("data=2,model=4", False, "c=bf16,m=bf16", True, "gpipe"),  # TP in a layer scan
+    ("data=2,model=2,pipe=2", True, "bf16", False, "gpipe"),  # pipeline + TP + FSDP, m=f32
+    # the table-driven program (vit_pure/pipeline/program.py): explicit vjps in lax.cond
+    # branches, ppermutes outside them; interleaved adds the blocks' all-gather over 'pipe'
+    ("data=2,model=2,pipe=2", True, "bf16", False, "interleaved"),
 ])
-def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan):
+def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan,
+                                                                   schedule):
     sc = step.StepConfig(CFG, Policy.parse(policy), execution=Execution(scan=scan))
     optimizer = _optimizer()
-    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
+    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp, schedule=schedule,
+                                   virtual_stages=2 if schedule == "interleaved" else 1)
     sites = collective_sites(_step_jaxpr(strategy, sc, optimizer))
     print("\n".join(f"{n:3d} x {prim:15s} {f}:{line} ({fn})"
                     for (prim, f, fn, line), n in sorted(sites.items())))
