@@ -165,7 +165,7 @@ SLOW = [  # (policy, accum, mesh, K, schedule, V, fsdp, training steps)
     ("bf16", 1, "data=2,model=2,pipe=2", 4, "zb-h1", 1, True, 0),
     ("fp32", 2, "data=2,model=2,pipe=2", 2, "interleaved", 2, False, 0),
     ("bf16", 1, "data=4,pipe=2", 4, "interleaved", 2, True, 3),
-    ("p=f32,c=f16,o=f32", 1, "data=4,pipe=2", 2, "1f1b", 1, False, 0),
+    ("p=f32,c=f16,o=f32", 1, "data=4,pipe=2", 4, "zb-h1", 1, False, 2),  # loss scaling
 ]
 
 

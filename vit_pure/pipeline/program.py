@@ -302,7 +302,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     # its micro-batch and chunk varying over the pipe axis as the table's entries are.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
     (y0, loss0, _), res0, layout = forward(zero, zero, xs[0])
-    rings0 = [_zeros_ring(a, ring, pipe_axis) for a in res0]
+    rings0 = [_zeros_ring(a, ring + 1, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
@@ -319,52 +319,57 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         g_chunks = jax.tree.map(lambda a, g: a.at[v].add(g.astype(a.dtype)), g_chunks, g_cp)
         return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
 
-    def slot(mb, v):
-        return (mb * V + v) % ring
+    def slot(mb, v):  # idle (mb = -1): the spare last slot
+        return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
 
     def tick(carry, row):
         recv_f, recv_b, rings, cots, grads, dx_all, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage] for r in row)
 
-        def do_f(rings, sums):
-            first = (stage == 0) & (f_v == 0)
-            x = jnp.where(first, xs[f_mb], recv_f)
+        # F: the chunk's forward and its residuals (zeros on an idle tick). The ring is
+        # written outside the branch, in place: an idle tick writes into the spare slot.
+        def do_f(x):
             (y, loss, acc), res, _ = forward(f_v, f_mb, x)
-            rings = [r.at[slot(f_mb, f_v)].set(_vary_like(a, r)) for r, a in zip(rings, res)]
-            return y, rings, (sums[0] + loss, sums[1] + acc)
+            return y, [_vary_like(a, r[0]) for a, r in zip(res, rings)], loss, acc
 
-        y, rings, sums = lax.cond(f_mb >= 0, do_f, lambda r, s: (jnp.zeros_like(y0), r, s),
-                                  rings, sums)
+        def no_f(x):
+            zero = jnp.zeros_like(loss0)
+            return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
 
-        def cotangent(mb, v, dy):
+        x = jnp.where((stage == 0) & (f_v == 0), xs[jnp.maximum(f_mb, 0)], recv_f)
+        y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
+        rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
+        sums = (sums[0] + loss, sums[1] + acc)
+
+        def cotangent(v, dy):
             last = (stage == P_ - 1) & (v == V - 1)
             return (jnp.where(last, jnp.zeros_like(dy), dy),
                     jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0),
                     jnp.zeros_like(loss0))
 
-        def do_b(cots, grads, dx_all):
-            res = [r[slot(b_mb, b_v)] for r in rings]
-            cot = cotangent(b_mb, b_v, recv_b)
+        # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
+        def do_b(grads, res, dy):
+            cot = cotangent(b_v, dy)
             g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
-            if schedule.split_backward:  # zb-h1: I only; W pulls back cot[0] later
-                cots = cots.at[slot(b_mb, b_v)].set(cot[0])
-            else:
+            if not schedule.split_backward:  # zb-h1 leaves the weights to W
                 grads = add_grads(grads, b_v, g_cp, g_top)
-            first = (stage == 0) & (b_v == 0)
-            dx_all = dx_all.at[b_mb].add(jnp.where(first, dx, jnp.zeros_like(dx)))
-            return dx, cots, grads, dx_all
+            return grads, dx, cot[0]
 
-        dx, cots, grads, dx_all = lax.cond(
-            b_mb >= 0, do_b, lambda c, g, d: (jnp.zeros_like(recv_b), c, g, d),
-            cots, grads, dx_all)
+        grads, dx, dy = lax.cond(
+            b_mb >= 0, do_b, lambda g, r, d: (g, jnp.zeros_like(d), jnp.zeros_like(d)),
+            grads, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        first = (stage == 0) & (b_v == 0) & (b_mb >= 0)  # stage 0's input: the embedding's
+        dx_all = dx_all.at[jnp.maximum(b_mb, 0)].add(jnp.where(first, dx, jnp.zeros_like(dx)))
 
-        if schedule.split_backward:
-            def do_w(grads):
-                res = [r[slot(w_mb, w_v)] for r in rings]
-                cot = cotangent(w_mb, w_v, cots[slot(w_mb, w_v)])
-                g_cp, g_top, _ = pullback(w_v, w_mb, res, cot)
+        if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
+            cots = cots.at[slot(b_mb, b_v)].set(dy)
+
+            def do_w(grads, res, dy):
+                g_cp, g_top, _ = pullback(w_v, w_mb, res, cotangent(w_v, dy))
                 return add_grads(grads, w_v, g_cp, g_top)
-            grads = lax.cond(w_mb >= 0, do_w, lambda g: g, grads)
+
+            grads = lax.cond(w_mb >= 0, do_w, lambda g, r, d: g, grads,
+                             [r[slot(w_mb, w_v)] for r in rings], cots[slot(w_mb, w_v)])
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
         # forward's output to the next stage, the input cotangent to the previous one
@@ -375,7 +380,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
         return (recv_f, recv_b, rings, cots, grads, dx_all, sums), None
 
-    cots0 = _zeros_ring(y0, ring) if schedule.split_backward else jnp.zeros((), y0.dtype)
+    cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
     carry = (jnp.zeros_like(y0), jnp.zeros_like(xs[0]), rings0, cots0, zeros,
              jnp.zeros_like(xs), (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     carry, _ = lax.scan(tick, carry, table)
