@@ -1,4 +1,6 @@
-"""Pipeline parallelism (GPipe) for the ViT, inside `jax.shard_map`.
+"""Pipeline parallelism for the ViT, inside `jax.shard_map`: GPipe (below) and the
+table-driven schedules 1f1b, interleaved and zb-h1 (`schedule_grads`; their tables are
+pipeline/schedules.py).
 
 The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
 over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
@@ -36,7 +38,9 @@ single-device reference's numbers, up to float summation order (tests/test_pipel
 
 Collectives written here (and nowhere else in the pipeline):
   * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
-    tensor parallelism every 'model' rank holds and sends its own copy of them);
+    tensor parallelism every 'model' rank holds and sends its own copy of them); the
+    table-driven schedules also send cotangents s+1 -> s, and with virtual stages they
+    all-gather the blocks over the pipe axis once per step (`schedule_grads`);
   * `lax.psum` over the pipe axis of the loss and metrics (they exist on the last stage
     only) and of the gradients of the pipe-replicated parameters (see `pipeline_grads`).
 Everything about the 'data' axis (and FSDP) stays in the script, as with `step.local_grads`.
