@@ -107,7 +107,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str) -> dict:
 
 def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, int]:
     """(lockstep time in FLOPs, bubble, residual sets the busiest stage holds)."""
-    s = schedules.build(name, P, M, V, costs=(c["F"], c["I"], c["W"]))
+    s = schedules.build(name, P, M, V)  # the table the program runs
     t = schedules.lockstep_time(s, c["F"], c["B"], c["W"], c["I"])
     useful = M * (c["F"] + c["I"] + c["W"]) if s.split_backward else M * (c["F"] + c["B"])
     return t, 1.0 - useful / t, int(schedules.in_flight(s).max())

@@ -31,9 +31,10 @@ The schedules (P stages, M micro-batches, V chunks per stage; one letter per tic
                  virtual stage vP + s; micro-batches go round the devices V times, in
                  groups of P (Megatron's order). The ramp shrinks to about (P-1)/V of a
                  full stage's work, at V times the point-to-point messages.
-    zb-h1        1F1B's F and I; each W runs in the first tick where its stage has room
-                 below the tick's busiest stage (the bubbles), or at the latest when the
-                 stage would otherwise hold more residual sets than 1F1B does.
+    zb-h1        1F1B's F and I; each W runs in the first tick where it lengthens the tick
+                 by at most a quarter of a W (where other stages are busier: the bubbles),
+                 or at the latest when the stage would otherwise hold more residual sets
+                 than 1F1B's stage 0 does.
 """
 from __future__ import annotations
 
@@ -148,19 +149,20 @@ def _zb_h1(P: int, M: int, costs) -> tuple:
     busiest = load.max(axis=1)
     cap = 2 * P - 1  # 1F1B's peak (stage 0's): no stage holds more residual sets
     wgt = np.full((T, P), IDLE)
-    extra = []  # W ticks after the table's last tick: (stage, micro-batch)
-    for s in range(P):
-        pending, held = [], 0
-        for t in range(T):
-            held += fwd[t, s] != IDLE
+    pending, held = [[] for _ in range(P)], [0] * P
+    for t in range(T):
+        for s in range(P):
+            held[s] += fwd[t, s] != IDLE
             if bwd[t, s] != IDLE:
-                pending.append(bwd[t, s])
-            # Run the oldest pending W here if the stage has room below the busiest one
-            # (free time), or if waiting would hold more residual sets than 1F1B.
-            if pending and (load[t, s] + t_w <= busiest[t] or held >= cap):
-                wgt[t, s] = pending.pop(0)
-                held -= 1
-        extra.append(pending)
+                pending[s].append(bwd[t, s])
+            # Run the oldest pending W here if it lengthens the tick by at most a quarter
+            # of a W (the bubbles: the busiest stage is busy anyway), or if waiting would
+            # hold more residual sets than 1F1B does.
+            if pending[s] and (load[t, s] + t_w <= busiest[t] + t_w / 4 or held[s] >= cap):
+                wgt[t, s] = pending[s].pop(0)
+                held[s] -= 1
+                busiest[t] = max(busiest[t], load[t, s] + t_w)
+    extra = pending  # W ticks after the table's last tick
     n_extra = max(len(p) for p in extra)
     if n_extra:
         pad = np.full((n_extra, P), IDLE)
