@@ -150,11 +150,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the table's model (no plan compiles)")
     p.add_argument("--row-timeout", type=float, default=1200.0)
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="print the table of saved --json runs (the model recomputed)")
     return p
+
+
+def model_columns(row: dict, costs: dict) -> dict:
+    """The table's columns of one row: held, bubble, step / GPipe (and zb-h1's ideal)."""
+    P, M, V = row["stages"], row["microbatches"], row["virtual"]
+    base = modelled("gpipe", P, M, 1, costs)[0]
+    t, bub, held = modelled(row["schedule"], P, M, V, costs)
+    out = {"label": row["schedule"] + (f" V={V}" if V > 1 else ""), "held": held,
+           "bubble": bub, "relative": t / base}
+    if row["schedule"] == "zb-h1":  # W as the weights' matmuls alone: B - I
+        ideal = dict(costs, W=costs["B"] - costs["I"])
+        out["relative_ideal"] = modelled("zb-h1", P, M, V, ideal)[0] / base
+    return out
+
+
+def from_json(paths: list[str]) -> None:
+    """Print the table of saved runs (their rows in order), the model recomputed."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        print(f"# {saved['command']}\n# {saved['machine']}")
+        for row in saved["rows"]:
+            rows.append({**row, **model_columns(row, saved["stage_costs"][str(row["stages"])])})
+    rows.sort(key=lambda r: (r["stages"], r["microbatches"],
+                             schedules.SCHEDULES.index(r["schedule"])))
+    print(table(rows))
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        from_json(args.from_json)
+        return {}
     record = {"command": harness.command_line("benchmarks.pipeline_schedules", argv),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": harness.machine_line(), "rows": []}
@@ -166,10 +198,8 @@ def main(argv=None) -> dict:
               + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in costs.items()), flush=True)
         for mult in args.mult:
             M = mult * P
-            base, _, _ = modelled("gpipe", P, M, 1, costs)
             for name in args.schedules:
                 V = args.virtual if name == "interleaved" else 1
-                t, bub, held = modelled(name, P, M, V, costs)
                 job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
                        "hardware": args.hardware, "stages": P, "microbatches": M,
                        "schedule": name, "virtual": V}
@@ -179,11 +209,7 @@ def main(argv=None) -> dict:
                                             timeout=args.row_timeout,
                                             env={**os.environ, **CHILD_ENV})
                     row = {**job, **row}
-                row.update(label=name + (f" V={V}" if V > 1 else ""), held=held,
-                           bubble=bub, relative=t / base)
-                if name == "zb-h1":  # W as the weights' matmuls alone: B - I
-                    ideal = dict(costs, W=costs["B"] - costs["I"])
-                    row["relative_ideal"] = modelled(name, P, M, V, ideal)[0] / base
+                row.update(model_columns(row, costs))
                 if "memory" not in row and "error" not in row:
                     row["memory"] = {"total": float("nan"), "temp": float("nan")}
                     row.update(compile_s=float("nan"), p2p_count=0, p2p_bytes=0)

@@ -145,10 +145,16 @@ def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0):
     tol_metrics, tol_params = tolerances(Policy.parse(policy))
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
     assert float(metrics["accuracy"]) == pytest.approx(float(ref_metrics["accuracy"]))
-    flat, ref = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
-    norm = np.sqrt(sum(np.sum(np.square(np.asarray(r, np.float32))) for r in ref))
-    dist = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float32) - np.asarray(r, np.float32)))
-                       for g, r in zip(flat, ref)))
+    flat = [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+    ref = [np.asarray(r, np.float32) for r in jax.tree.leaves(ref_grads)]
+    # fp16's first scale (2^15) may overflow: the same leaves must, so that the loss
+    # scale's non-finite check skips the same steps (the losses below show it did).
+    finite = [bool(np.isfinite(r).all()) for r in ref]
+    assert [bool(np.isfinite(g).all()) for g in flat] == finite
+    pairs = [(g, r) for g, r, f in zip(flat, ref, finite) if f]
+    assert pairs or policy != "fp32"
+    norm = np.sqrt(sum(np.sum(np.square(r)) for _, r in pairs))
+    dist = np.sqrt(sum(np.sum(np.square(g - r)) for g, r in pairs))
     assert dist <= tol_params * norm, f"gradient distance {dist / norm:.2e} of the norm"
     # Every piece has a gradient: embedding (stage 0), every layer, head (last stage).
     for g in (grads["patch_embed"]["kernel"], grads["head"]["kernel"],
