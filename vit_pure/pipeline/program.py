@@ -283,6 +283,11 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     xs, ys_lab, ys_tgt = _micro(x_all, M), _micro(labels, M), _micro(targets, M)
     keys = None if ex_keys is None else _micro(ex_keys, M)
 
+    def layers_of(v):
+        """Chunk v's layers, one params dict each: sliced outside the pull-backs, so the
+        weights a pull-back keeps as residuals are these very arrays (see `forward`)."""
+        return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
+
     def chunk_fn(cp, t, x, v, mb):
         """Chunk v on this stage over micro-batch mb: (output, loss (0 but on the last
         virtual stage), accuracy)."""
@@ -294,7 +299,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
 
     def forward(v, mb, x):
-        cp = jax.tree.map(lambda a: a[v], chunks)
+        cp = layers_of(v)
         out, pull = jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), cp, top, x)
         # The pull-back's residuals; those that are the chunk's own weights are not copied
         # into the ring (they are read again from `chunks` at the backward).
@@ -312,7 +317,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
 
     def pullback(v, mb, res, cot):
         tree, where = layout
-        cp = jax.tree.map(lambda a: a[v], chunks)
+        cp = layers_of(v)
         mine = jax.tree.leaves((cp, top))
         it = iter(res)
         pull = jax.tree.unflatten(tree, [next(it) if k is None else mine[k] for k in where])
@@ -320,7 +325,9 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
 
     def add_grads(acc, v, g_cp, g_top):
         g_chunks, g_tops = acc
-        g_chunks = jax.tree.map(lambda a, g: a.at[v].add(g.astype(a.dtype)), g_chunks, g_cp)
+        for i, g_layer in enumerate(g_cp):
+            g_chunks = jax.tree.map(lambda a, g, i=i: a.at[v, i].add(g.astype(a.dtype)),
+                                    g_chunks, g_layer)
         return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
 
     def slot(mb, v):  # idle (mb = -1): the spare last slot
