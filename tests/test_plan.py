@@ -208,6 +208,7 @@ def test_pipeline_schedule_in_the_plan(pipe):
     gib = (est + many.memory_bytes) / 2 / 2**30
     small = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=gib))
     assert "or --pipeline-schedule 1f1b: it holds 7 of 32" in small.verdict()[0]
+    assert f"give {est / 2**30:.1f} GiB, which fits" in small.verdict()[0]
     tiny = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=1e-6))
     assert "does not fit" in tiny.verdict()[0] and "1f1b" not in tiny.verdict()[0]
 

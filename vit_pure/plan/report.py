@@ -137,8 +137,8 @@ class Plan:
         if est is None or est > self.hardware.memory_bytes:
             return ""
         return (f", or --pipeline-schedule 1f1b: it holds {self.pipeline['held_1f1b']} of "
-                f"{self.pipeline['held']} micro-batches' activations, about "
-                f"{est / 2**30:.1f} GiB, which fits")
+                f"{self.pipeline['held']} micro-batches' activations, so the temporaries "
+                f"scaled give {est / 2**30:.1f} GiB, which fits; plan it to see its own")
 
     def _pipeline_lines(self) -> list[str]:
         p = self.pipeline
