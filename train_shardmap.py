@@ -19,7 +19,7 @@ The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device coun
   holds depth/S contiguous blocks; the embedding runs on the first stage, the final
   norm, head and loss on the last. Each device's batch slice runs as K micro-batches; the
   schedule and its collectives (a `lax.ppermute` of activations per tick, psums over
-  'pipe') are in vit_pure/pipeline.py. The pipe-replicated embedding and head get their
+  'pipe') are in vit_pure/pipeline/. The pipe-replicated embedding and head get their
   gradient on one stage only; `pipeline.pipeline_grads` sums it over 'pipe' explicitly.
   With `--fsdp` each stage gathers its own layers once per step, before the tick loop
   (so `--remat block` does not gather them again in the backward pass).
@@ -36,7 +36,7 @@ the weights are gathered a second time there and only one layer's whole weights 
 at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map`
 the step sees only its device's block of every array, and nothing moves between devices
 unless a collective says so: the data-parallel and FSDP ones are in this file, the two
-tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline.py.
+tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline/.
 
 THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
 vary across each mesh axis. Parameters enter replicated (P() over 'data'): *invariant*.
@@ -227,7 +227,8 @@ class ShardMapStrategy:
     name = "shard_map"
 
     def __init__(self, sc: step.StepConfig, optimizer, mesh_text: str | None = None,
-                 devices=None, fsdp: bool = False, microbatches: int | None = None):
+                 devices=None, fsdp: bool = False, microbatches: int | None = None,
+                 schedule: str = "gpipe", virtual_stages: int = 1):
         devices = jax.devices() if devices is None else devices
         sizes = parse_mesh(mesh_text, len(devices))
         # 'model' innermost: neighbouring devices (the fastest links) carry tensor
@@ -241,6 +242,22 @@ class ShardMapStrategy:
         self.microbatches = self.stages if microbatches is None else microbatches
         if self.microbatches < 1:
             raise cli.UsageError(f"--microbatches must be >= 1, got {self.microbatches}")
+        # The schedule's table (vit_pure/pipeline/schedules.py): which stage runs which
+        # micro-batch's forward and backward at each tick.
+        self.schedule, self.virtual_stages = schedule, virtual_stages
+        if self.stages == 1 and (schedule != "gpipe" or virtual_stages != 1):
+            raise cli.UsageError("--pipeline-schedule / --virtual-stages need a pipeline: "
+                                 "add pipe=S to --mesh")
+        try:
+            pipeline.schedules.check_schedule(schedule, self.stages, self.microbatches,
+                                              virtual_stages)
+            if (sc.cfg.depth // self.stages) % virtual_stages:
+                raise ValueError(f"--virtual-stages {virtual_stages}: the "
+                                 f"{sc.cfg.depth // self.stages} blocks per stage do not "
+                                 f"split into {virtual_stages} chunks")
+        except ValueError as e:
+            if self.stages > 1:
+                raise cli.UsageError(str(e)) from None
         self.batch_divisor = sizes[DATA]
         self.sc = sc
         self.fsdp = fsdp
@@ -266,8 +283,9 @@ class ShardMapStrategy:
     def describe(self) -> str:
         fsdp = "on" if any(DATA in mesh_axes(s) for s in
                            jax.tree.leaves(self.param_specs, is_leaf=_is_spec)) else "off"
-        schedule = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches)
-                if self.stages > 1 else "")
+        schedule = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches,
+                                              self.schedule, self.virtual_stages)
+                    if self.stages > 1 else "")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
                 f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
@@ -311,10 +329,11 @@ class ShardMapStrategy:
             params = jax.tree.map(
                 lambda x, s: x if over_data(s) else lax.pcast(x, DATA, to="varying"),
                 state["params"], specs)
-            if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline.py)
+            if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline/)
                 grads, metrics = pipeline.pipeline_grads(
                     sc, params, state["loss_scale"], images, labels, example_ids, key,
-                    pipe_axis=PIPE, microbatches=self.microbatches, tp_axis=tp, gather=gather)
+                    pipe_axis=PIPE, microbatches=self.microbatches, tp_axis=tp, gather=gather,
+                    schedule=self.schedule, virtual=self.virtual_stages)
             else:
                 grads, metrics = step.local_grads(
                     sc, params, state["loss_scale"], images, labels, example_ids, key,
@@ -411,6 +430,13 @@ def build_parser():
     g.add_argument("--microbatches", type=int, default=None, metavar="K",
                    help="pipeline (pipe=S > 1): each device's batch slice runs as K "
                         "micro-batches; bubble fraction (S-1)/(K+S-1) (default: S)")
+    g.add_argument("--pipeline-schedule", default="gpipe", choices=pipeline.SCHEDULES,
+                   help="pipeline schedule (vit_pure/pipeline/schedules.py): gpipe (all "
+                        "forwards, then all backwards), 1f1b (each stage holds at most "
+                        "2S-1 micro-batches, not K), interleaved (with --virtual-stages), "
+                        "zb-h1 (weight gradients fill the bubble)")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved schedule: V chunks of layers per stage (default 1)")
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="shard weight matrices and their optimizer state over 'data' "
                         "(ZeRO-3); the gathered weights are kept for the backward "
@@ -426,7 +452,8 @@ def main(argv=None) -> dict:
         return plan.run(PlanConfig.from_args(args), functools.partial(
             backend.step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
-            microbatches=args.microbatches), "train_shardmap.py")
+            microbatches=args.microbatches, schedule=args.pipeline_schedule,
+            virtual_stages=args.virtual_stages), "train_shardmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
     # --init-from: the file's weights fitted to the model (which it may change), or None.
@@ -436,7 +463,9 @@ def main(argv=None) -> dict:
 
     def make_strategy(sc, optimizer):
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,
-                                microbatches=args.microbatches)
+                                microbatches=args.microbatches,
+                                schedule=args.pipeline_schedule,
+                                virtual_stages=args.virtual_stages)
 
     return loop.run(rc, sc, make_strategy, init_params=pretrained)
 

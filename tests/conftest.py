@@ -104,6 +104,7 @@ LONGEST_FIRST = [
 LONGEST_FIRST_SLOW = [
     "test_multiprocess.py", "test_pipeline.py", "test_faults.py", "test_layout_matrix.py",
     "test_peers.py", "test_deviceless.py", "test_train.py", "test_plan_cost.py",
+    "test_pipeline_schedules.py",
 ]
 
 

@@ -191,6 +191,17 @@ SHARDMAP = [
     (["--mesh", "data=4,pipe=2", "--microbatches", "3"],
      "--batch 16: the per-device batch 4 (over data=4) does not divide into --microbatches 3"),
     (["--microbatches", "x"], "argument --microbatches: invalid int value"),
+    (["--pipeline-schedule", "1f1b"],
+     "--pipeline-schedule / --virtual-stages need a pipeline: add pipe=S to --mesh"),
+    (["--mesh", "data=4,pipe=2", "--virtual-stages", "2"],
+     "--virtual-stages 2 needs --pipeline-schedule interleaved"),
+    (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "interleaved", "--virtual-stages", "4"],
+     "--virtual-stages 4: the 2 blocks per stage do not split into 4 chunks"),
+    (["--mesh", "data=2,pipe=4", "--pipeline-schedule", "interleaved", "--virtual-stages",
+      "1", "--microbatches", "2"],
+     "interleaved schedule: --microbatches 2 must be a multiple of the 4 stages"),
+    (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "zb"],
+     "argument --pipeline-schedule: invalid choice: 'zb'"),
 ]
 
 # Flags of train_shardmap.py that train_pmap.py does not have.

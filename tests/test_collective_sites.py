@@ -2,7 +2,7 @@
 
 The layout rule of the kit: collectives are written in exactly three kinds of place, the
 two training scripts, the model's two tensor-parallel operators (`_copy_to_tp`,
-`_reduce_from_tp`) and the pipeline schedule (vit_pure/pipeline.py). Nothing else (the
+`_reduce_from_tp`) and the pipeline schedules (vit_pure/pipeline/program.py). Nothing else
 dtype policy, the step math, accumulation, data) may emit one, not even implicitly: an
 implicit broadcast of a replicated value to "varying" inside shard_map is free in the
 forward pass but its transpose is a psum in the backward pass, the gradient pitfall.
@@ -39,7 +39,7 @@ COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gath
 ALLOWED = {
     "train_pmap.py": None,  # any function
     "train_shardmap.py": None,
-    "pipeline.py": None,
+    "program.py": None,  # vit_pure/pipeline/program.py: the schedules' program
     "model.py": {"_copy_to_tp", "_reduce_from_tp"},
 }
 CFG = PRESETS["tiny"]
@@ -83,15 +83,20 @@ def _step_jaxpr(strategy, sc, optimizer):
     return jax.make_jaxpr(strategy.train_step)(*args)
 
 
-@pytest.mark.parametrize("mesh, fsdp, policy, scan", [
-    ("data=4,model=2", True, "bf16", False),      # TP + FSDP, m=f32 custom VJPs
-    ("data=2,model=4", False, "c=bf16,m=bf16", True),  # TP in a layer scan, bf16 outputs
-    ("data=2,model=2,pipe=2", True, "bf16", False),  # pipeline + TP + FSDP, m=f32
+@pytest.mark.parametrize("mesh, fsdp, policy, scan, schedule", [
+    ("data=4,model=2", True, "bf16", False, "gpipe"),      # TP + FSDP, m=f32 custom VJPs
+    ("data=2,model=4", False, "c=bf16,m=bf16", True, "gpipe"),  # TP in a layer scan
+    ("data=2,model=2,pipe=2", True, "bf16", False, "gpipe"),  # pipeline + TP + FSDP, m=f32
+    # the table-driven program (vit_pure/pipeline/program.py): explicit vjps in lax.cond
+    # branches, ppermutes outside them; interleaved adds the blocks' all-gather over 'pipe'
+    ("data=2,model=2,pipe=2", True, "bf16", False, "interleaved"),
 ])
-def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan):
+def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan,
+                                                                   schedule):
     sc = step.StepConfig(CFG, Policy.parse(policy), execution=Execution(scan=scan))
     optimizer = _optimizer()
-    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
+    strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp, schedule=schedule,
+                                   virtual_stages=2 if schedule == "interleaved" else 1)
     sites = collective_sites(_step_jaxpr(strategy, sc, optimizer))
     print("\n".join(f"{n:3d} x {prim:15s} {f}:{line} ({fn})"
                     for (prim, f, fn, line), n in sorted(sites.items())))
@@ -100,7 +105,7 @@ def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, p
     files = {site[1] for site in sites}
     assert "train_shardmap.py" in files and "model.py" in files  # the pmean, TP's f/g
     if "pipe" in mesh:
-        assert "pipeline.py" in files
+        assert "program.py" in files
 
 
 def test_pmap_step_collectives_are_in_train_pmap():

@@ -213,7 +213,8 @@ def test_layout_and_start_message():
     text = strategy.describe()
     assert "stage 0: patch+class+position embedding, blocks 0..1" in text
     assert "stage 1: blocks 2..3, final LayerNorm, head, loss" in text
-    assert "bubble fraction 0.200 = (S-1)/(K+S-1)" in text
+    assert "gpipe schedule, 4 micro-batches, 10 ticks, bubble 0.200" in text
+    assert "    stage 1: .  F0 F1 F2 F3 B3 B2 B1 B0 ." in text  # the table's picture
     # Measured on the placed arrays, per device: 21,448 B of pipe-replicated embedding
     # and head, plus 18,496 B of blocks (half the layers, heads and MLP split over
     # 'model'), against 93,128 B for the whole model under pure data parallelism.

@@ -37,6 +37,7 @@ from benchmarks import bench
 from vit_pure import layout, step
 from vit_pure.config import PRESETS
 from vit_pure.model import count_params, init_params
+from vit_pure.pipeline import schedules
 from vit_pure.plan import build as plan
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
@@ -186,7 +187,30 @@ def test_pipeline_one_permute_per_tick_each_way(pipe):
     # K + S - 1 ticks, a send after each but the last: forward, and back in the backward pass.
     assert sum(c.count for c in permutes) == 2 * (K + S - 2)
     assert {c.source.split(" ")[0] for c in permutes} == {
-        _line("vit_pure/pipeline.py", "received = lax.ppermute(y, pipe_axis")}
+        _line("vit_pure/pipeline/program.py", "received = lax.ppermute(y, pipe_axis")}
+
+
+def test_pipeline_schedule_in_the_plan(pipe):
+    """The plan reports the schedule's table (bubble, activations held) and the compiled
+    program's sends; the memory verdict names 1F1B where GPipe does not fit and it would."""
+    p, _ = pipe
+    table = schedules.build("gpipe", 4, 4)
+    assert p.pipeline["bubble"] == pytest.approx(schedules.bubble(table))
+    sends = sum(c.count for c in p.collectives if c.kind == "collective-permute")
+    assert (f"pipeline: gpipe, 4 stages x 4 micro-batches, {table.ticks} ticks; bubble "
+            f"{schedules.bubble(table):.3f}") in p.report()
+    assert f"point-to-point: {sends} sends" in p.report()
+    assert p.record()["pipeline"]["held"] == 4
+    # K = 32: 1F1B holds 7 of 32 micro-batches; a card between its estimate and GPipe's.
+    many = dataclasses.replace(p, pipeline=schedules.summary("gpipe", 4, 32))
+    est = many._one_f_one_b_bytes()
+    assert est < many.memory_bytes
+    gib = (est + many.memory_bytes) / 2 / 2**30
+    small = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=gib))
+    assert "or --pipeline-schedule 1f1b: it holds 7 of 32" in small.verdict()[0]
+    assert f"give {est / 2**30:.1f} GiB, which fits" in small.verdict()[0]
+    tiny = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=1e-6))
+    assert "does not fit" in tiny.verdict()[0] and "1f1b" not in tiny.verdict()[0]
 
 
 def test_scan_and_accumulation_multiply_by_trip_counts(loops):

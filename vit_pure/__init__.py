@@ -7,7 +7,7 @@ The reading path is the top of this folder, in this order:
                  operators (_copy_to_tp, _reduce_from_tp)
     policy.py    the dtype policy: which dtype is stored, computed in and returned
     step.py      loss, per-device gradients, accumulation, optimizer update: no collectives
-    pipeline.py  the GPipe schedule over the 'pipe' mesh axis (one ppermute a tick)
+    pipeline/    the schedules over the 'pipe' mesh axis: tables, one program
     layout.py    where a layout puts the bytes
 
 with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.

@@ -288,7 +288,11 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     masks: see `config.Execution`.
     """
     saved = remat_saved_names(execution.remat)
-    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    # `blocks` may also be a list of per-layer params (no layer axis): the pipeline's
+    # table-driven schedules pass its layers so, to find the weights among a pull-back's
+    # residuals (pipeline/program.py).
+    layered = isinstance(blocks, (list, tuple))
+    num_layers = len(blocks) if layered else jax.tree.leaves(blocks)[0].shape[0]
 
     def body(x, p_and_layer):
         p, layer = p_and_layer
@@ -305,10 +309,12 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
         raise ValueError(f"{cfg.name}: the encoder takes {cfg.seq_len} tokens, got {T}")
     x = x.reshape(B * T, E)
     if execution.scan:
-        x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (blocks, layers))
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *blocks) if layered else blocks
+        x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (stacked, layers))
     else:
         for i in range(num_layers):
-            x = body(x, (jax.tree.map(lambda a: a[i], blocks), layers[i]))
+            p = blocks[i] if layered else jax.tree.map(lambda a: a[i], blocks)
+            x = body(x, (p, layers[i]))
     return x.reshape(B, T, E)
 
 

@@ -260,7 +260,7 @@ def train_metrics(sc: StepConfig, logits, labels, targets) -> dict:
 
 
 def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: LossScale,
-               images_u8, labels, example_ids, key):
+               images_u8, labels, example_ids, key, grads_fn: Callable | None = None):
     """The one gradient path of the kit (`local_grads` and `pipeline.pipeline_grads`):
     prepare this device's slice, differentiate its mean loss, over `sc.accum_steps`
     micro-batches. Returns (grads, unscaled, in the params' dtypes; mean metrics).
@@ -288,10 +288,20 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
     A pipeline's micro-batches are another thing, and nest inside these: each
     accumulation micro-batch is itself split into the pipeline's micro-batches, which
     fill the stages; accumulation repeats the whole pipelined forward/backward K times.
+
+    `grads_fn(p, images, labels, targets, example_ids, drop_key, seed) -> (grads, metrics)`,
+    if given, replaces `jax.grad` of `micro_metrics`: it returns the gradients of `seed` x
+    the loss itself (the table-driven pipeline schedules, which pull back stage by stage).
     """
     images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
 
     def micro_grads(images, labels, targets, example_ids):
+        if grads_fn is not None:
+            seed = loss_scale.scale_loss(jnp.ones((), F32))
+            grads, metrics = grads_fn(params, images, labels, targets, example_ids, drop_key,
+                                      seed)
+            return loss_scale.unscale(grads), metrics
+
         def scaled_loss(p):
             metrics = micro_metrics(p, images, labels, targets, example_ids, drop_key)
             return loss_scale.scale_loss(metrics["loss"]), metrics

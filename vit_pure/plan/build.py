@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from vit_pure import step
 from vit_pure.model import init_params
+from vit_pure.pipeline import schedules
 from vit_pure.plan import fabrics, nccl, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan.collectives import (
@@ -223,7 +224,16 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                 calls, corrections, program_flops,
                 model_flops_per_device(sc.cfg, global_batch, devices), memory, compile_s, notes,
                 compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program,
-                algorithm=algorithm)
+                algorithm=algorithm, pipeline=pipeline_summary(strategy))
+
+
+def pipeline_summary(strategy) -> dict | None:
+    """The strategy's pipeline schedule, read off its table (None without a pipeline)."""
+    stages = getattr(strategy, "stages", 1)
+    if stages <= 1:
+        return None
+    return schedules.summary(strategy.schedule, stages, strategy.microbatches,
+                             strategy.virtual_stages)
 
 
 def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:

@@ -43,6 +43,7 @@ class Plan:
     platform: str = "cpu"  # what it was compiled for: "gpu" (a deviceless target) or "cpu"
     gpu_program: dict | None = None  # kernels and HBM traffic (xla/kernels.py), GPU only
     algorithm: str = nccl.AUTO  # NCCL's algorithm: auto (its tuner's pick) or one forced
+    pipeline: dict | None = None  # the pipeline schedule's table (pipeline.schedules.summary)
 
     # -- time
     def priced(self, c: Collective) -> tuple[float, str]:
@@ -121,7 +122,7 @@ class Plan:
         memory = ("" if fits else
                   f"; does not fit: {self.memory_bytes / 2**30:.1f} GiB per device > "
                   f"{self.hardware.memory_bytes / 2**30:.0f} GiB (--accum-steps K or "
-                  f"--remat block)")
+                  f"--remat block{self._pipeline_advice()})")
         ratio = comm / compute if compute else math.inf
         if ratio <= 1 or not axes:
             return (f"compute-bound: communication is {ratio:.2f}x the compute "
@@ -131,6 +132,38 @@ class Plan:
         advice = self._advice(axis, row, compute)
         return (f"communication-bound {ratio:.2f}x; '{axis}' alone {share:.1f}x the compute "
                 f"({row['seconds'] * 1e3:.2f} vs {compute * 1e3:.2f} ms): {advice}{memory}", rule)
+
+    # -- the pipeline schedule (its table: vit_pure/pipeline/schedules.py)
+    def _one_f_one_b_bytes(self) -> int | None:
+        """GPipe's memory with its temporaries (where the activations live) scaled from
+        the K residual sets it holds to the ones 1F1B holds: an estimate."""
+        p = self.pipeline
+        if not p or p["schedule"] != "gpipe" or p["held_1f1b"] >= p["held"]:
+            return None
+        temp = self.memory["temp"]
+        return int(self.memory_bytes - temp + temp * p["held_1f1b"] / p["held"])
+
+    def _pipeline_advice(self) -> str:
+        est = self._one_f_one_b_bytes()
+        if est is None or est > self.hardware.memory_bytes:
+            return ""
+        return (f", or --pipeline-schedule 1f1b: it holds {self.pipeline['held_1f1b']} of "
+                f"{self.pipeline['held']} micro-batches' activations, so the temporaries "
+                f"scaled give {est / 2**30:.1f} GiB, which fits; plan it to see its own")
+
+    def _pipeline_lines(self) -> list[str]:
+        p = self.pipeline
+        if not p:
+            return []
+        sends = [c for c in self.collectives if c.kind == "collective-permute"]
+        return [f"pipeline: {p['schedule']}" + (f" (V={p['virtual']})" if p["virtual"] > 1
+                                                  else "")
+                + f", {p['stages']} stages x {p['microbatches']} micro-batches, {p['ticks']} "
+                f"ticks; bubble {p['bubble']:.3f} (from the table, lockstep, t_B = 2 t_F); "
+                f"the busiest stage holds {p['held']} micro-batches' activations (1F1B: "
+                f"{p['held_1f1b']}); point-to-point: {sum(c.count for c in sends)} sends, "
+                f"{sum(c.count * c.nbytes for c in sends) / 1e6:.1f} MB per device per step "
+                f"(compiled program)"]
 
     def _advice(self, axis: str, row: dict, compute_s: float) -> str:
         b, per_node = self.per_device_batch, self.hardware.devices_per_node
@@ -175,6 +208,7 @@ class Plan:
                 "at_measured_efficiency": self.steps(measured) if measured else None},
             "verdict": verdict, "rule": rule, "compile_s": self.compile_s, "notes": self.notes,
             "compiled_for": self.platform, "gpu_program": self.gpu_program,
+            "pipeline": self.pipeline,
         }
 
     def _efficiencies(self) -> list[tuple[str, float]]:
@@ -258,6 +292,7 @@ class Plan:
                      f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
                      f"{_size(m['temp'])}) of {hw.memory_bytes / 2**30:.0f} GiB; params "
                      f"{self.params_per_device:,} per device")
+        lines += self._pipeline_lines()
         lines.append(f"communication {self.comm_s * 1e3:.2f} ms, of it critical-path "
                      f"{self.critical_s * 1e3:.2f} ms (never hidden) and overlappable "
                      f"{(self.comm_s - self.critical_s) * 1e3:.2f} ms (hidden up to the compute)")

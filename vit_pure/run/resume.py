@@ -40,7 +40,7 @@ from vit_pure.step import StepConfig
 # ignored there too (`first_difference`).
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
-    "attention",
+    "attention", "pipeline_schedule", "virtual_stages",
     "eval_only", "eval_flip",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",

@@ -1,4 +1,6 @@
-"""Pipeline parallelism (GPipe) for the ViT, inside `jax.shard_map`.
+"""Pipeline parallelism for the ViT, inside `jax.shard_map`: GPipe (below) and the
+table-driven schedules 1f1b, interleaved and zb-h1 (`schedule_grads`; their tables are
+pipeline/schedules.py).
 
 The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
 over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
@@ -36,7 +38,9 @@ single-device reference's numbers, up to float summation order (tests/test_pipel
 
 Collectives written here (and nowhere else in the pipeline):
   * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
-    tensor parallelism every 'model' rank holds and sends its own copy of them);
+    tensor parallelism every 'model' rank holds and sends its own copy of them); the
+    table-driven schedules also send cotangents s+1 -> s, and with virtual stages they
+    all-gather the blocks over the pipe axis once per step (`schedule_grads`);
   * `lax.psum` over the pipe axis of the loss and metrics (they exist on the last stage
     only) and of the gradients of the pipe-replicated parameters (see `pipeline_grads`).
 Everything about the 'data' axis (and FSDP) stays in the script, as with `step.local_grads`.
@@ -51,6 +55,7 @@ from jax import lax
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
+from vit_pure.pipeline import schedules
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -75,18 +80,26 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def describe(cfg: ViTConfig, stages: int, microbatches: int) -> str:
-    """The stage assignment and the schedule, for the log at start."""
+def describe(cfg: ViTConfig, stages: int, microbatches: int, schedule: str = "gpipe",
+             virtual: int = 1) -> str:
+    """The stage assignment and the schedule's table as a picture, for the log at start."""
     per = cfg.depth // stages
-    lines = [f"pipeline: {stages} stages x {per} blocks, GPipe schedule, {microbatches} "
-             f"micro-batches, {microbatches + stages - 1} ticks, bubble fraction "
-             f"{bubble_fraction(stages, microbatches):.3f} = (S-1)/(K+S-1)"]
+    table = schedules.build(schedule, stages, microbatches, virtual)
+    held = schedules.in_flight(table)
+    lines = [f"pipeline: {stages} stages x {per} blocks, {schedule} schedule"
+             + (f" ({virtual} chunks per stage)" if virtual > 1 else "")
+             + f", {microbatches} micro-batches, {table.ticks} ticks, bubble "
+             f"{schedules.bubble(table):.3f} (t_B = 2 t_F), residual sets held per stage "
+             f"{'/'.join(str(int(h)) for h in held)}"]
     for s in range(stages):
         parts = ["patch+class+position embedding"] if s == 0 else []
         parts.append(f"blocks {s * per}..{(s + 1) * per - 1}")
         if s == stages - 1:
             parts.append("final LayerNorm, head, loss")
         lines.append(f"    stage {s}: " + ", ".join(parts))
+    lines.append("  schedule, tick by stage (F forward, B backward, I input and W weight "
+                 "gradient, . idle):")
+    lines.append(schedules.picture(table))
     return "\n".join(lines)
 
 
@@ -182,10 +195,219 @@ def _on_last_stage(x, pipe_axis):
     return jax.tree.map(lambda v: jnp.where(last, v, jnp.zeros_like(v)), x)
 
 
+# ------------------------------------------------------ the table-driven schedules
+def _zeros_ring(x, slots: int, axis: str | None = None):
+    """A ring of `slots` zero copies of x's type (zeros_like keeps the type under
+    shard_map, e.g. "varying over 'data'", which the scan's carry must keep), made
+    varying over `axis` too."""
+    return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
+
+
+def _varying(x) -> frozenset:
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _vary_like(x, axes):
+    """x made varying over `axes` (a mesh axis name, or another array's varying axes)
+    where it is not yet: the type a lax.cond branch or the scan's carry must match."""
+    axes = frozenset([axes] if isinstance(axes, str) else
+                     () if axes is None else _varying(axes))
+    missing = tuple(sorted(axes - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids, drop_key,
+                   seed, *, schedule, pipe_axis: str, tp_axis: str | None = None,
+                   gather=None):
+    """One pipelined forward and backward pass run from `schedule`'s table (1f1b,
+    interleaved, zb-h1): the gradients of `seed` x the mean loss (seed: the loss scale),
+    laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
+
+    The program, per stage (every device runs it, reading its own column of the table):
+      before the ticks: the FSDP gather and the cast of the params (one `jax.vjp`, pulled
+        back once after the ticks: the reduce-scatter); with virtual stages, each stage
+        gathers the blocks over the pipe axis and keeps its V chunks (that pull-back is a
+        reduce-scatter over 'pipe'); every stage embeds all micro-batches (cheap; only
+        stage 0's are read, and its input cotangents are pulled back through the embedding
+        once, after the ticks);
+      one `lax.scan` over the ticks; each tick, in this order:
+        F  `lax.cond` on the table's forward entry: `jax.vjp` of the chunk (its blocks, then
+           the head and loss, masked to zero but on the last virtual stage), its residuals
+           written into a ring of slots, the output kept to send;
+        B  `lax.cond` on the backward entry: the residuals read back, the pull-back of the
+           received cotangent (the loss's seed on the last virtual stage), the chunk's
+           gradients added (zb-h1: only the input cotangent; the output cotangent is kept
+           for W);
+        W  zb-h1: `lax.cond` on the weight-gradient entry: the pull-back of the kept
+           cotangent for the weights only (XLA drops the input-gradient half);
+        then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
+           output to the next stage, the input cotangent to the previous one.
+    The parameters used on one stage only (embedding, head) are varying over the pipe
+    axis before the ticks (the caller's pcast): a replicated one would get an implicit
+    psum over 'pipe' from the pull-back inside the B branch, which only the devices on that
+    branch would join (a deadlock). Their gradients are summed over 'pipe' once, after.
+    """
+    cfg, policy, execution = sc.cfg, sc.policy, sc.execution
+    P_, M, V = schedule.stages, schedule.microbatches, schedule.virtual
+    stage = lax.axis_index(pipe_axis)
+    per = jax.tree.leaves(params["blocks"])[0].shape[0]  # layers this stage holds
+    if per * P_ != cfg.depth or per % V:
+        raise ValueError(f"pipeline: {per} layers per stage do not split into {V} chunks")
+    chunk = per // V
+    table = jnp.asarray(schedule.rows())  # (ticks, 6, P)
+    ring = schedules.ring_size(schedule)
+
+    def prepare(p):
+        top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
+        blocks = p["blocks"]
+        if gather is not None:
+            layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
+                                     gather, "blocks") for i in range(per)]
+            blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+        blocks = policy.cast_to_compute(blocks)
+        if V == 1:
+            return top, jax.tree.map(lambda a: a[None], blocks)
+        # All-gather over 'pipe' of the blocks, then this stage's chunks: virtual stage
+        # v P + s (layers (vP + s) c ...) runs on stage s. (Its transpose, after the
+        # ticks, reduce-scatters the gradients back to the stages that hold the layers.)
+        whole = lax.all_gather(blocks, pipe_axis, axis=0, tiled=True)  # (L, ...)
+        starts = (jnp.arange(V) * P_ + stage) * chunk
+        return top, jax.tree.map(lambda a: jnp.stack(
+            [lax.dynamic_slice_in_dim(a, starts[v], chunk) for v in range(V)]), whole)
+
+    (top, chunks), prepare_vjp = jax.vjp(prepare, params)
+    ex_keys = dropout_keys(cfg, True, drop_key, example_ids, labels.shape[0])
+    images = lax.pcast(images, pipe_axis, to="varying")  # as in `pipelined_logits`
+    x_all, embed_vjp = jax.vjp(
+        lambda t: embed(t, images, cfg, policy, ex_keys, execution), top)
+    xs, ys_lab, ys_tgt = _micro(x_all, M), _micro(labels, M), _micro(targets, M)
+    keys = None if ex_keys is None else _micro(ex_keys, M)
+
+    def layers_of(v):
+        """Chunk v's layers, one params dict each: sliced outside the pull-backs, so the
+        weights a pull-back keeps as residuals are these very arrays (see `forward`)."""
+        return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
+
+    def chunk_fn(cp, t, x, v, mb):
+        """Chunk v on this stage over micro-batch mb: (output, loss (0 but on the last
+        virtual stage), accuracy)."""
+        y = encoder(cp, x, cfg, policy, None if keys is None else keys[mb],
+                    execution=execution, tp_axis=tp_axis,
+                    layer_offset=(v * P_ + stage) * chunk)
+        m = train_metrics(sc, head(t, y, cfg, policy), ys_lab[mb], ys_tgt[mb])
+        last = (stage == P_ - 1) & (v == V - 1)
+        return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
+
+    def forward(v, mb, x):
+        cp = layers_of(v)
+        out, pull = jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), cp, top, x)
+        # The pull-back's residuals; those that are the chunk's own weights are not copied
+        # into the ring (they are read again from `chunks` at the backward).
+        res, tree = jax.tree.flatten(pull)
+        own = {id(a): k for k, a in enumerate(jax.tree.leaves((cp, top)))}
+        return out, [a for a in res if id(a) not in own], (tree, [own.get(id(a)) for a in res])
+
+    # One trace outside the ticks for the ring's shapes and types (XLA drops its compute),
+    # its micro-batch and chunk varying over the pipe axis as the table's entries are.
+    zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
+    (y0, loss0, _), res0, layout = forward(zero, zero, xs[0])
+    rings0 = [_zeros_ring(a, ring + 1, pipe_axis) for a in res0]
+    # The gradients add up in float32 over the micro-batches, cast once at the end.
+    zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
+
+    def pullback(v, mb, res, cot):
+        tree, where = layout
+        cp = layers_of(v)
+        mine = jax.tree.leaves((cp, top))
+        it = iter(res)
+        pull = jax.tree.unflatten(tree, [next(it) if k is None else mine[k] for k in where])
+        return pull(cot)  # (d chunk params, d top, d x)
+
+    def add_grads(acc, v, g_cp, g_top):
+        g_chunks, g_tops = acc
+        for i, g_layer in enumerate(g_cp):
+            g_chunks = jax.tree.map(lambda a, g, i=i: a.at[v, i].add(g.astype(a.dtype)),
+                                    g_chunks, g_layer)
+        return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
+
+    def slot(mb, v):  # idle (mb = -1): the spare last slot
+        return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
+
+    def tick(carry, row):
+        recv_f, recv_b, rings, cots, grads, dx_all, sums = carry
+        f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage] for r in row)
+
+        # F: the chunk's forward and its residuals (zeros on an idle tick). The ring is
+        # written outside the branch, in place: an idle tick writes into the spare slot.
+        def do_f(x):
+            (y, loss, acc), res, _ = forward(f_v, f_mb, x)
+            return y, [_vary_like(a, r[0]) for a, r in zip(res, rings)], loss, acc
+
+        def no_f(x):
+            zero = jnp.zeros_like(loss0)
+            return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
+
+        x = jnp.where((stage == 0) & (f_v == 0), xs[jnp.maximum(f_mb, 0)], recv_f)
+        y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
+        rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
+        sums = (sums[0] + loss, sums[1] + acc)
+
+        def cotangent(v, dy):
+            last = (stage == P_ - 1) & (v == V - 1)
+            return (jnp.where(last, jnp.zeros_like(dy), dy),
+                    jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0),
+                    jnp.zeros_like(loss0))
+
+        # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
+        def do_b(grads, res, dy):
+            cot = cotangent(b_v, dy)
+            g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
+            if not schedule.split_backward:  # zb-h1 leaves the weights to W
+                grads = add_grads(grads, b_v, g_cp, g_top)
+            return grads, dx, cot[0]
+
+        grads, dx, dy = lax.cond(
+            b_mb >= 0, do_b, lambda g, r, d: (g, jnp.zeros_like(d), jnp.zeros_like(d)),
+            grads, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        first = (stage == 0) & (b_v == 0) & (b_mb >= 0)  # stage 0's input: the embedding's
+        dx_all = dx_all.at[jnp.maximum(b_mb, 0)].add(jnp.where(first, dx, jnp.zeros_like(dx)))
+
+        if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
+            cots = cots.at[slot(b_mb, b_v)].set(dy)
+
+            def do_w(grads, res, dy):
+                g_cp, g_top, _ = pullback(w_v, w_mb, res, cotangent(w_v, dy))
+                return add_grads(grads, w_v, g_cp, g_top)
+
+            grads = lax.cond(w_mb >= 0, do_w, lambda g, r, d: g, grads,
+                             [r[slot(w_mb, w_v)] for r in rings], cots[slot(w_mb, w_v)])
+
+        # Collective-permutes over the pipe axis, joined by every stage every tick: the
+        # forward's output to the next stage, the input cotangent to the previous one
+        # (with virtual stages round the ring: the last stage feeds stage 0's next chunk).
+        fwd_perm = [(s, (s + 1) % P_) for s in range(P_ if V > 1 else P_ - 1)]
+        bwd_perm = [((s + 1) % P_, s) for s in range(P_ if V > 1 else P_ - 1)]
+        recv_f = lax.ppermute(y, pipe_axis, perm=fwd_perm)
+        recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
+        return (recv_f, recv_b, rings, cots, grads, dx_all, sums), None
+
+    cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
+    carry = (jnp.zeros_like(y0), jnp.zeros_like(xs[0]), rings0, cots0, zeros,
+             jnp.zeros_like(xs), (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
+    carry, _ = lax.scan(tick, carry, table)
+    _, _, _, _, (g_chunks, g_top), dx_all, (loss, acc) = carry
+    # The embedding's gradient: stage 0's input cotangents pulled back through it, once.
+    g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
+    g_top = jax.tree.map(jnp.add, g_top, embed_vjp(dx_all.reshape(x_all.shape))[0])
+    g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
+    (grads,) = prepare_vjp((g_top, g_chunks))
+    return grads, {"loss": loss / M, "accuracy": acc / M}
+
+
 # ---------------------------------------------------------------------- training / eval
 def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, example_ids, key,
                    *, pipe_axis: str, microbatches: int, tp_axis: str | None = None,
-                   gather=None):
+                   gather=None, schedule: str = "gpipe", virtual: int = 1):
     """`step.local_grads` for a pipeline stage: the loss and gradients of this device's
     slice of the batch, with the encoder pipelined over `pipe_axis`.
 
@@ -224,8 +446,18 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     # step.accumulate: the batch preparation (augmentation, mixup / cutmix over the whole
     # local slice), the gradient and the accumulation of every step, so every stage sees
     # exactly the images, targets and micro-batches an unpipelined step sees.
+    table = None if schedule == "gpipe" else schedules.build(
+        schedule, lax.axis_size(pipe_axis), microbatches, virtual)
+
+    def micro_grads(p, images, labels, targets, example_ids, drop_key, seed):
+        grads, sums = schedule_grads(sc, p, images, labels, targets, example_ids, drop_key,
+                                     seed, schedule=table, pipe_axis=pipe_axis,
+                                     tp_axis=tp_axis, gather=gather)
+        # All-reduce (sum) over the pipe axis: the metrics exist on the last stage only.
+        return grads, lax.psum(sums, pipe_axis)
+
     grads, metrics = accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels,
-                                example_ids, key)
+                                example_ids, key, grads_fn=None if table is None else micro_grads)
 
     # All-reduce (sum) over the pipe axis of the gradients of the pipe-replicated params:
     # the embedding's gradient is nonzero on stage 0 only, the final norm's and head's on

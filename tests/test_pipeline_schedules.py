@@ -1,0 +1,194 @@
+"""The pipeline schedules' tables are sound, and the table-driven program (1f1b,
+interleaved, zb-h1: `--pipeline-schedule`) equals the single-device reference.
+
+The tables (vit_pure/pipeline/schedules.py) are checked as data: every micro-batch runs
+forward and backward once through every virtual stage, in dependency order, each send
+consumed the tick after it is made; 1F1B holds fewer residual sets than GPipe; the
+modelled lockstep time of 1F1B equals GPipe's and zb-h1 and interleaved beat it. The
+program is checked through the training script's own strategy (tiny model, fake CPU
+devices) against `jax.grad` of the mean loss on one device, within the tolerances of
+tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`.
+"""
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import grads_step
+from test_layout_matrix import tolerances
+
+import train_shardmap
+from vit_pure import PRESETS, Policy, step
+from vit_pure.pipeline import schedules
+from vit_pure.pipeline.schedules import IDLE
+
+CFG = PRESETS["tiny"]
+BATCH = 16
+CASES = [(P, M, name, V) for P in (2, 4, 8) for M in (P, 2 * P, 4 * P)
+         for name, V in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))]
+
+
+# ------------------------------------------------------------------------- the tables
+@pytest.mark.parametrize("P,M,name,V", CASES)
+def test_every_micro_batch_runs_once_in_dependency_order(P, M, name, V):
+    s = schedules.build(name, P, M, V)
+    f_at, b_at, w_at = {}, {}, {}
+    for t in range(s.ticks):
+        for st in range(P):
+            for arr, chunk, at in ((s.fwd, s.fwd_chunk, f_at), (s.bwd, s.bwd_chunk, b_at),
+                                   (s.wgt, s.wgt_chunk, w_at)):
+                if arr[t, st] != IDLE:
+                    key = (int(arr[t, st]), int(chunk[t, st]) * P + st)
+                    assert key not in at, f"{name}: {key} twice"
+                    at[key] = t
+    every = {(i, j) for i in range(M) for j in range(P * V)}
+    assert set(f_at) == set(b_at) == every
+    assert set(w_at) == (every if name == "zb-h1" else set())
+    for (i, j), t in f_at.items():
+        assert j == 0 or f_at[(i, j - 1)] < t          # input computed before
+        assert b_at[(i, j)] >= t                        # backward after its forward
+        if j < P * V - 1:
+            assert b_at[(i, j)] > b_at[(i, j + 1)]      # cotangent computed before
+        if name == "zb-h1":
+            assert w_at[(i, j)] >= b_at[(i, j)]
+    if name != "gpipe":
+        schedules.check_lockstep(s)  # each send consumed the next tick
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_memory_and_time_from_the_tables(P):
+    M = 8 * P
+    gpipe, one_f = schedules.build("gpipe", P, M), schedules.build("1f1b", P, M)
+    zb, inter = schedules.build("zb-h1", P, M), schedules.build("interleaved", P, M, 2)
+    assert list(schedules.in_flight(gpipe)) == [M] * P
+    assert list(schedules.in_flight(one_f)) == [2 * (P - s) - 1 for s in range(P)]
+    assert schedules.in_flight(one_f).max() <= M / 4
+    assert schedules.in_flight(zb).max() == schedules.in_flight(one_f).max()
+    # GPipe's bubble is the textbook (P-1)/(M+P-1), whatever F and B cost.
+    for t_f, t_b in ((1.0, 2.0), (1.0, 3.0)):
+        assert schedules.bubble(gpipe, t_f, t_b) == pytest.approx((P - 1) / (M + P - 1))
+    base = schedules.lockstep_time(gpipe, 1.0, 2.0)
+    assert schedules.lockstep_time(one_f, 1.0, 2.0) == pytest.approx(base)
+    assert schedules.lockstep_time(zb, 1.0, 2.0, 1.0) < base
+    assert schedules.lockstep_time(inter, 1.0, 2.0) < base
+    assert schedules.ring_size(one_f) == schedules.in_flight(one_f).max()
+
+
+def test_picture_reads_the_table():
+    pic = schedules.picture(schedules.build("1f1b", 2, 3))
+    assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",
+                                "    stage 1: .    F0B0 F1B1 F2B2 ."]
+
+
+@pytest.mark.parametrize("name,P,M,V,message", [
+    ("zb", 2, 2, 1, "expected one of gpipe, 1f1b, interleaved, zb-h1"),
+    ("1f1b", 2, 2, 2, "--virtual-stages 2 needs --pipeline-schedule interleaved"),
+    ("interleaved", 4, 6, 2, "--microbatches 6 must be a multiple of the 4 stages"),
+])
+def test_bad_schedules_are_one_line_errors(name, P, M, V, message):
+    with pytest.raises(ValueError, match=message):
+        schedules.build(name, P, M, V)
+
+
+# ------------------------------------------------------------------------ the program
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 256, (BATCH, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, CFG.num_classes, (BATCH,), dtype=np.int32),
+            np.arange(BATCH, dtype=np.int32))
+
+
+OPT = optax.adamw(1e-3, weight_decay=0.05, mask=step.decay_mask)
+
+
+def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0):
+    """(grads, metrics) of one step and the losses of `steps` training steps, through
+    the script's strategy; the single-device reference when mesh is None."""
+    host = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, OPT))
+    key = step.step_key(0, 0, 0)
+    images, labels, ids = _batch()
+    if mesh is None:
+        grads, metrics = jax.jit(lambda p: step.local_grads(
+            sc, p, host["loss_scale"], images, labels, ids, key))(host["params"])
+        strategy = train_shardmap.ShardMapStrategy(sc, OPT, "data=1", devices=jax.devices()[:1])
+    else:
+        strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, fsdp=fsdp, microbatches=k,
+                                                   schedule=schedule, virtual_stages=v)
+        state = strategy.put_state(host)
+        inputs = (*strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
+        grads, metrics = grads_step(strategy)(state, *inputs)
+    losses = []
+    state = strategy.put_state(host)
+    for i in range(steps):
+        state, m = strategy.train_step(state, *strategy.put_batch(*_batch(i)),
+                                       strategy.put_replicated(step.step_key(0, 0, i)))
+        losses.append(float(m["loss"]))
+    return jax.device_get(grads), jax.device_get(metrics), losses
+
+
+_REFERENCES = {}
+
+
+def _reference(policy, accum, steps):
+    key = (policy, accum, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _run(_sc(policy, accum), steps=steps)
+    return _REFERENCES[key]
+
+
+def _sc(policy, accum):
+    return step.StepConfig(CFG, Policy.parse(policy), grad_clip=0.0, accum_steps=accum)
+
+
+def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0):
+    if Policy.parse(policy).needs_loss_scaling:
+        # fp16: the scaled per-device loss overflows or not depending on the per-device
+        # batch, so the reference is GPipe on the same mesh (tests/test_pipeline.py ties
+        # GPipe to the single-device step), as tests/test_layout_matrix.py compares fp16
+        # layouts with data parallelism over the same devices.
+        ref_grads, ref_metrics, ref_losses = _run(_sc(policy, accum), mesh, k, "gpipe",
+                                                  steps=steps)
+    else:
+        ref_grads, ref_metrics, ref_losses = _reference(policy, accum, steps)
+    grads, metrics, losses = _run(_sc(policy, accum), mesh, k, schedule, v, fsdp, steps)
+    tol_metrics, tol_params = tolerances(Policy.parse(policy))
+    assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
+    assert float(metrics["accuracy"]) == pytest.approx(float(ref_metrics["accuracy"]))
+    flat = [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+    ref = [np.asarray(r, np.float32) for r in jax.tree.leaves(ref_grads)]
+    # fp16's first scale (2^15) may overflow: the same leaves must, so that the loss
+    # scale's non-finite check skips the same steps (the losses below show it did).
+    finite = [bool(np.isfinite(r).all()) for r in ref]
+    assert [bool(np.isfinite(g).all()) for g in flat] == finite
+    pairs = [(g, r) for g, r, f in zip(flat, ref, finite) if f]
+    assert pairs or policy != "fp32"
+    norm = np.sqrt(sum(np.sum(np.square(r)) for _, r in pairs))
+    dist = np.sqrt(sum(np.sum(np.square(g - r)) for g, r in pairs))
+    assert dist <= tol_params * norm, f"gradient distance {dist / norm:.2e} of the norm"
+    # Every piece has a gradient: embedding (stage 0), every layer, head (last stage).
+    for g in (grads["patch_embed"]["kernel"], grads["head"]["kernel"],
+              *grads["blocks"]["mlp"]["fc1"]["kernel"]):
+        assert np.abs(np.asarray(g, np.float32)).max() > 0
+    assert losses == pytest.approx(ref_losses, rel=tol_metrics)
+
+
+SLOW = [  # (policy, accum, mesh, K, schedule, V, fsdp, training steps)
+    ("fp32", 1, "data=2,pipe=4", 4, "1f1b", 1, False, 3),
+    ("bf16", 2, "data=2,model=2,pipe=2", 2, "1f1b", 1, True, 0),
+    ("fp32", 1, "data=2,pipe=4", 8, "zb-h1", 1, False, 0),  # the default tier runs K=4
+    ("bf16", 1, "data=2,model=2,pipe=2", 4, "zb-h1", 1, True, 0),
+    ("fp32", 2, "data=2,model=2,pipe=2", 2, "interleaved", 2, False, 0),
+    ("bf16", 1, "data=4,pipe=2", 4, "interleaved", 2, True, 0),
+    ("p=f32,c=f16,o=f32", 1, "data=4,pipe=2", 4, "zb-h1", 1, False, 2),  # loss scaling
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,accum,mesh,k,schedule,v,fsdp,steps", SLOW)
+def test_schedules_equal_the_reference(policy, accum, mesh, k, schedule, v, fsdp, steps):
+    _check(policy, accum, mesh, k, schedule, v, fsdp, steps)
+
+
+def test_zb_h1_equals_the_reference():
+    """The default tier's one program check (~5 s here): zb-h1, whose table has every
+    kind of entry (F, I, W, idle), on 4 stages."""
+    _check("fp32", 1, "data=2,pipe=4", 4, "zb-h1")

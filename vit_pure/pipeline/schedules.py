@@ -1,0 +1,323 @@
+"""Pipeline schedules as data: one table per schedule, read by everything else.
+
+A schedule says, for every *tick* t and every pipeline stage s (a device on the 'pipe'
+axis), which micro-batch that stage runs forward, which backward and, for a zero-bubble
+schedule, which weight-gradient pass; with virtual stages, through which chunk of its
+layers. The same `Schedule` value drives the compiled program (pipeline/program.py reads
+it row by row inside a `lax.scan` over ticks), the picture in the start-up log
+(`picture`), the plan's bubble and memory (`bubble`, `in_flight`, `lockstep_time`) and
+the tests. Nothing here imports jax.
+
+Ticks are *lockstep* ticks: in one SPMD program every device meets the others at the
+point-to-point sends that end a tick, so a tick lasts as long as its busiest stage. A
+stage may do one forward (F) and one backward (B) in the same tick, of different
+micro-batches; zero-bubble splits B into I (the input gradient, sent upstream at once)
+and W (the weight gradient, which nobody waits for, so it fills idle time). What a stage
+sends follows from the table: the output of its F to the next stage (with virtual stages
+the last device sends chunk v to device 0's chunk v + 1), the input cotangent of its B
+(or I) to the previous one; it arrives at the start of the next tick.
+
+The schedules (P stages, M micro-batches, V chunks per stage; one letter per tick):
+
+    gpipe        all M forwards, then all M backwards (autodiff of the forward loop):
+                 2 (M + P - 1) ticks; every micro-batch's activations live until its
+                 backward: M residual sets per stage.
+    1f1b         stage s starts micro-batch i at tick i + s and runs its backward at tick
+                 i + 2P - 2 - s (the last stage runs F and B of a micro-batch in one
+                 tick): M + 2P - 2 ticks, each as long as F + B in the steady state, so
+                 the same step time as GPipe; stage s holds at most 2(P - s) - 1
+                 micro-batches (the lockstep round trip), not M.
+    interleaved  each device holds V chunks of L/(PV) layers, chunk v of device s being
+                 virtual stage vP + s; micro-batches go round the devices V times, in
+                 groups of P (Megatron's order). The ramp shrinks to about (P-1)/V of a
+                 full stage's work, at V times the point-to-point messages.
+    zb-h1        1F1B's F and I; each W runs in the first tick where it lengthens the tick
+                 by at most a quarter of a W (where other stages are busier: the bubbles),
+                 or at the latest when the stage would otherwise hold more residual sets
+                 than 1F1B's stage 0 does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+IDLE = -1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """One schedule's table. Each array is (ticks, stages) of int32, IDLE (-1) where the
+    stage does not do that kind of work at that tick."""
+    name: str
+    stages: int           # P
+    microbatches: int     # M
+    virtual: int          # V: chunks of layers per stage (1 but for interleaved)
+    fwd: np.ndarray       # micro-batch run forward
+    fwd_chunk: np.ndarray  # ... through this chunk of the stage's layers
+    bwd: np.ndarray       # micro-batch run backward (B; zb-h1: the input gradient I)
+    bwd_chunk: np.ndarray
+    wgt: np.ndarray       # zb-h1: micro-batch whose weight gradient W runs; else all IDLE
+    wgt_chunk: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.fwd.shape[0]
+
+    @property
+    def split_backward(self) -> bool:
+        return bool((self.wgt != IDLE).any())
+
+    def rows(self) -> np.ndarray:
+        """(ticks, 6, stages) int32: the table as the program's scan reads it."""
+        return np.stack([self.fwd, self.fwd_chunk, self.bwd, self.bwd_chunk, self.wgt,
+                         self.wgt_chunk], axis=1).astype(np.int32)
+
+
+# ------------------------------------------------------------------------ the builders
+def _gpipe(P: int, M: int) -> tuple:
+    T = 2 * (M + P - 1)
+    fwd, bwd = np.full((T, P), IDLE), np.full((T, P), IDLE)
+    for s in range(P):
+        for i in range(M):
+            fwd[i + s, s] = i
+            # Autodiff runs the loop backwards: micro-batch M-1 first, from the last stage.
+            bwd[M + P - 1 + (M - 1 - i) + (P - 1 - s), s] = i
+    return fwd, np.zeros_like(fwd), bwd, np.zeros_like(bwd)
+
+
+def _greedy(P: int, M: int, V: int, fwd_order, bwd_order, cap) -> tuple:
+    """List scheduling in lockstep: at each tick each stage runs the next forward of its
+    order whose input arrived (it was computed at an earlier tick) if it holds fewer than
+    cap[s] residual sets, and the next backward whose cotangent arrived (or, on the last
+    virtual stage, whose forward ran this tick or earlier). Returns the four arrays."""
+    last = P * V - 1                       # the last virtual stage: its B follows its F
+    done_f, done_b = {}, {}                # (micro, virtual stage) -> tick
+    nf, nb = [0] * P, [0] * P
+    rows = []
+    t = 0
+    while any(nb[s] < len(bwd_order[s]) for s in range(P)):
+        if t > 8 * (M * V + P) + 8:
+            raise RuntimeError("pipeline schedule: no progress (a bug in the orders)")
+        row = [[IDLE, 0, IDLE, 0] for _ in range(P)]
+        for s in range(P):
+            if nf[s] < len(fwd_order[s]) and nf[s] - nb[s] < cap[s]:
+                i, v = fwd_order[s][nf[s]]
+                j = v * P + s
+                if j == 0 or done_f.get((i, j - 1), t) < t:
+                    row[s][:2] = [i, v]
+                    done_f[(i, j)] = t
+                    nf[s] += 1
+        for s in range(P):
+            if nb[s] < len(bwd_order[s]):
+                i, v = bwd_order[s][nb[s]]
+                j = v * P + s
+                ready = (done_f.get((i, j), t + 1) <= t if j == last
+                         else done_b.get((i, j + 1), t) < t)
+                if ready:
+                    row[s][2:] = [i, v]
+                    done_b[(i, j)] = t
+                    nb[s] += 1
+        rows.append(row)
+        t += 1
+    table = np.array(rows)  # (T, P, 4)
+    return tuple(table[:, :, k] for k in range(4))
+
+
+def _1f1b(P: int, M: int) -> tuple:
+    order = [[(i, 0) for i in range(M)] for _ in range(P)]
+    return _greedy(P, M, 1, order, order, [2 * (P - s) - 1 for s in range(P)])
+
+
+def _interleaved(P: int, M: int, V: int) -> tuple:
+    def order(reverse):
+        out = []
+        for g in range(0, M, P):  # groups of P micro-batches, chunk by chunk
+            for v in (reversed(range(V)) if reverse else range(V)):
+                out += [(i, v) for i in range(g, min(g + P, M))]
+        return out
+    cap = [2 * (P - s) - 1 + (V - 1) * P for s in range(P)]
+    return _greedy(P, M, V, [order(False)] * P, [order(True)] * P, cap)
+
+
+def _zb_h1(P: int, M: int, costs) -> tuple:
+    fwd, fc, bwd, bc = _1f1b(P, M)
+    t_f, t_i, t_w = costs
+    T = fwd.shape[0]
+    load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
+    busiest = load.max(axis=1)
+    cap = 2 * P - 1  # 1F1B's peak (stage 0's): no stage holds more residual sets
+    wgt = np.full((T, P), IDLE)
+    pending, held = [[] for _ in range(P)], [0] * P
+    for t in range(T):
+        for s in range(P):
+            held[s] += fwd[t, s] != IDLE
+            if bwd[t, s] != IDLE:
+                pending[s].append(bwd[t, s])
+            # Run the oldest pending W here if it lengthens the tick by at most a quarter
+            # of a W (the bubbles: the busiest stage is busy anyway), or if waiting would
+            # hold more residual sets than 1F1B does.
+            if pending[s] and (load[t, s] + t_w <= busiest[t] + t_w / 4 or held[s] >= cap):
+                wgt[t, s] = pending[s].pop(0)
+                held[s] -= 1
+                busiest[t] = max(busiest[t], load[t, s] + t_w)
+    extra = pending  # W ticks after the table's last tick
+    n_extra = max(len(p) for p in extra)
+    if n_extra:
+        pad = np.full((n_extra, P), IDLE)
+        fwd, bwd, wgt = (np.concatenate([a, pad]) for a in (fwd, bwd, wgt))
+        fc, bc = (np.concatenate([a, np.zeros_like(pad)]) for a in (fc, bc))
+        for s, pending in enumerate(extra):
+            for k, i in enumerate(pending):
+                wgt[T + k, s] = i
+    return fwd, fc, bwd, bc, wgt
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 1,
+          costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Schedule:
+    """The table of schedule `name` for P stages and M micro-batches (V chunks per stage
+    for interleaved). `costs` (t_F, t_I, t_W) only steer zb-h1's placement of W."""
+    check_schedule(name, stages, microbatches, virtual)
+    P, M, V = stages, microbatches, virtual
+    wgt = None
+    if name == "gpipe":
+        fwd, fc, bwd, bc = _gpipe(P, M)
+    elif name == "1f1b":
+        fwd, fc, bwd, bc = _1f1b(P, M)
+    elif name == "interleaved":
+        fwd, fc, bwd, bc = _interleaved(P, M, V)
+    else:
+        fwd, fc, bwd, bc, wgt = _zb_h1(P, M, costs)
+    if wgt is None:
+        wgt = np.full_like(fwd, IDLE)
+    wc = np.zeros_like(wgt)
+    as32 = [np.asarray(a, np.int32) for a in (fwd, fc, bwd, bc, wgt, wc)]
+    return Schedule(name, P, M, V, *as32)
+
+
+def check_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """ValueError (one line) for a schedule that cannot be built."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
+    if virtual < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {virtual}")
+    if virtual > 1 and name != "interleaved":
+        raise ValueError(f"--virtual-stages {virtual} needs --pipeline-schedule interleaved")
+    if name == "interleaved" and microbatches % stages:
+        raise ValueError(f"interleaved schedule: --microbatches {microbatches} must be a "
+                         f"multiple of the {stages} stages")
+
+
+# --------------------------------------------------------------- what the table implies
+def in_flight(s: Schedule) -> np.ndarray:
+    """(stages,) the most residual sets (micro-batch x chunk activations kept for a
+    backward) each stage holds at once: taken at F, given back at B (zb-h1: at W)."""
+    out = np.zeros(s.stages, np.int64)
+    release = s.wgt if s.split_backward else s.bwd
+    for st in range(s.stages):
+        held = peak = 0
+        for t in range(s.ticks):
+            held += s.fwd[t, st] != IDLE
+            peak = max(peak, held)
+            held -= release[t, st] != IDLE
+        out[st] = peak
+    return out
+
+
+def tick_times(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
+               t_i: float | None = None) -> np.ndarray:
+    """(ticks,) each tick's length in lockstep: its busiest stage's F + B (+ W) work.
+    t_b is a whole backward; a split one costs t_i (default t_b - t_w) plus t_w."""
+    t_back = (t_b - t_w if t_i is None else t_i) if s.split_backward else t_b
+    work = (s.fwd != IDLE) * t_f + (s.bwd != IDLE) * t_back + (s.wgt != IDLE) * t_w
+    return work.max(axis=1)
+
+
+def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
+                  t_i: float | None = None) -> float:
+    """The step's modelled time: the sum over ticks of the busiest stage's work. With
+    virtual stages, the costs are a whole stage's and each chunk costs 1/V of them."""
+    v = s.virtual
+    return float(tick_times(s, t_f / v, t_b / v, t_w / v,
+                            None if t_i is None else t_i / v).sum())
+
+
+def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0) -> float:
+    """The idle share of the stages' time: 1 - useful work / (P x modelled step time)."""
+    useful = s.microbatches * (t_f + t_b)
+    return 1.0 - useful / lockstep_time(s, t_f, t_b, t_w)
+
+
+def messages(s: Schedule) -> int:
+    """Point-to-point sends per stage per step that carry data (activations forward,
+    cotangents backward); the compiled program sends once each way every tick."""
+    return int(2 * s.microbatches * s.virtual)
+
+
+# ----------------------------------------------------------------------------- picture
+def picture(s: Schedule, max_ticks: int = 26) -> str:
+    """The table drawn tick by stage: `F3` forward of micro-batch 3, `B3` its backward
+    (zb-h1: `I3` input gradient, `W3` weight gradient), `.` idle; with virtual stages the
+    chunk follows the micro-batch (`F3b` = chunk 1)."""
+    def cell(kind, m, c):
+        return "" if m == IDLE else f"{kind}{m}" + ("abcdefgh"[c] if s.virtual > 1 else "")
+    back = "I" if s.split_backward else "B"
+    cells = [[cell("F", s.fwd[t, st], s.fwd_chunk[t, st])
+              + cell(back, s.bwd[t, st], s.bwd_chunk[t, st])
+              + cell("W", s.wgt[t, st], s.wgt_chunk[t, st]) or "."
+              for t in range(min(s.ticks, max_ticks))] for st in range(s.stages)]
+    width = max(len(c) for row in cells for c in row)
+    lines = [f"    stage {st}: " + " ".join(c.ljust(width) for c in row).rstrip()
+             + (" ..." if s.ticks > max_ticks else "") for st, row in enumerate(cells)]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------- what the program needs
+def check_lockstep(s: Schedule) -> None:
+    """RuntimeError unless every send is consumed the tick after it is made: the program
+    keeps one receive buffer each way, so a value left waiting would be overwritten."""
+    P, V = s.stages, s.virtual
+    f_at = {(s.fwd[t, st], s.fwd_chunk[t, st] * P + st): t
+            for t in range(s.ticks) for st in range(P) if s.fwd[t, st] != IDLE}
+    b_at = {(s.bwd[t, st], s.bwd_chunk[t, st] * P + st): t
+            for t in range(s.ticks) for st in range(P) if s.bwd[t, st] != IDLE}
+    for (i, j), t in f_at.items():
+        if j > 0 and f_at[(i, j - 1)] != t - 1:
+            raise RuntimeError(f"{s.name}: forward of micro-batch {i} at virtual stage {j} "
+                               f"(tick {t}) does not follow its input's tick")
+        if j < P * V - 1 and b_at[(i, j)] != b_at[(i, j + 1)] + 1:
+            raise RuntimeError(f"{s.name}: backward of micro-batch {i} at virtual stage {j} "
+                               f"does not follow its cotangent's tick")
+
+
+def ring_size(s: Schedule) -> int:
+    """The residual ring's slots: the least R such that the residual sets a stage holds at
+    once never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
+    P, V = s.stages, s.virtual
+    release = s.wgt if s.split_backward else s.bwd
+    release_chunk = s.wgt_chunk if s.split_backward else s.bwd_chunk
+    for R in range(int(in_flight(s).max()), s.microbatches * V + 1):
+        ok = True
+        for st in range(P):
+            live = set()
+            for t in range(s.ticks):
+                if s.fwd[t, st] != IDLE:
+                    slot = (s.fwd[t, st] * V + s.fwd_chunk[t, st]) % R
+                    ok &= slot not in live
+                    live.add(slot)
+                if release[t, st] != IDLE:
+                    live.discard((release[t, st] * V + release_chunk[t, st]) % R)
+        if ok:
+            return R
+    return s.microbatches * V
+
+
+def summary(name: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """What --plan reports of a schedule, from its table (t_B = 2 t_F, t_W = t_F): ticks,
+    bubble, residual sets the busiest stage holds, and what 1F1B would hold instead."""
+    s = build(name, stages, microbatches, virtual)
+    return {"schedule": name, "stages": stages, "microbatches": microbatches,
+            "virtual": virtual, "ticks": s.ticks, "bubble": bubble(s),
+            "held": int(in_flight(s).max()),
+            "held_1f1b": int(in_flight(build("1f1b", stages, microbatches)).max())}
