@@ -15,9 +15,10 @@ model.py's block is a few calls into layers/ (norm, attention, MLP, dropout, rem
 emit no collective; the Pallas kernels some of them can call (GPUs only) are in pallas/.
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
-processes), plan/ (the communication plan), xla/ (reading compiled programs), tools/
-(small command-line tools). Imports run downwards only: the reading path imports
-layers/, pallas/, data/ and errors.py, and run/ and plan/ import the reading path.
+processes), plan/ (the communication plan), weights/ (pretrained checkpoints in and
+out), xla/ (reading compiled programs), tools/ (small command-line tools). Imports run
+downwards only: the reading path imports layers/, pallas/, data/ and errors.py, and run/,
+plan/ and weights/ import the reading path.
 """
 from vit_pure.config import PRESETS, ViTConfig, get_preset
 from vit_pure.model import apply, count_params, init_params, param_axes
