@@ -19,6 +19,7 @@ from conftest import assert_adamw_params_agree, grads_step, key_bias
 
 import train_shardmap
 from vit_pure import PRESETS, Policy, pipeline, step
+from vit_pure.pipeline import program
 
 # Many pipelined compiles: ~2.5 minutes on 2 cores. Run with `python -m pytest -m slow`.
 from vit_pure.run import cli
@@ -134,8 +135,8 @@ def _is_spec(x):
 def test_dropout_follows_the_global_layer_index(reference, monkeypatch):
     """A pipeline that restarts the layer count on each stage (layer_offset = 0) draws
     other dropout masks, and the comparison above notices: that test can fail."""
-    real_encoder = pipeline.encoder
-    monkeypatch.setattr(pipeline, "encoder", lambda *a, layer_offset, **kw: real_encoder(
+    real_encoder = program.encoder
+    monkeypatch.setattr(program, "encoder", lambda *a, layer_offset, **kw: real_encoder(
         *a, layer_offset=0, **kw))
     sc = _sc()
     grads, _, _ = _grads(_strategy(sc, "data=4,pipe=2", 1), sc)
