@@ -52,6 +52,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
@@ -224,22 +225,17 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
 
     The program, per stage (every device runs it, reading its own column of the table):
-      before the ticks: the FSDP gather and the cast of the params (one `jax.vjp`, pulled
-        back once after the ticks: the reduce-scatter); with virtual stages, each stage
-        gathers the blocks over the pipe axis and keeps its V chunks (that pull-back is a
-        reduce-scatter over 'pipe'); every stage embeds all micro-batches (cheap; only
-        stage 0's are read, and its input cotangents are pulled back through the embedding
-        once, after the ticks);
+      before the ticks: one `jax.vjp` of the FSDP gather and the cast of the params (and
+        with virtual stages the blocks' all-gather over 'pipe'), pulled back after them;
       one `lax.scan` over the ticks; each tick, in this order:
-        F  `lax.cond` on the table's forward entry: `jax.vjp` of the chunk (its blocks, then
-           the head and loss, masked to zero but on the last virtual stage), its residuals
-           written into a ring of slots, the output kept to send;
-        B  `lax.cond` on the backward entry: the residuals read back, the pull-back of the
-           received cotangent (the loss's seed on the last virtual stage), the chunk's
-           gradients added (zb-h1: only the input cotangent; the output cotangent is kept
-           for W);
-        W  zb-h1: `lax.cond` on the weight-gradient entry: the pull-back of the kept
-           cotangent for the weights only (XLA drops the input-gradient half);
+        F  `lax.cond`: stage 0 embeds the micro-batch of its first chunk's F; `jax.vjp` of
+           the chunk (blocks, then head and loss, masked to zero but on the last virtual
+           stage), its residuals written into a ring of slots, the output kept to send;
+        B  `lax.cond`: the residuals read back, the pull-back of the received cotangent
+           (the loss's seed on the last virtual stage), the gradients added in float32
+           (zb-h1: only the input cotangent; the output cotangent is kept for W); stage 0
+           pulls its input cotangent back through the embedding, run again;
+        W  zb-h1: `lax.cond`: the kept cotangent's pull-back for the weights only;
         then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
            output to the next stage, the input cotangent to the previous one.
     The parameters used on one stage only (embedding, head) are varying over the pipe
@@ -278,14 +274,16 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     (top, chunks), prepare_vjp = jax.vjp(prepare, params)
     ex_keys = dropout_keys(cfg, True, drop_key, example_ids, labels.shape[0])
     images = lax.pcast(images, pipe_axis, to="varying")  # as in `pipelined_logits`
-    x_all, embed_vjp = jax.vjp(
-        lambda t: embed(t, images, cfg, policy, ex_keys, execution), top)
-    xs, ys_lab, ys_tgt = _micro(x_all, M), _micro(labels, M), _micro(targets, M)
+    ims, ys_lab, ys_tgt = _micro(images, M), _micro(labels, M), _micro(targets, M)
     keys = None if ex_keys is None else _micro(ex_keys, M)
 
+    def embed_mb(t, mb):
+        """Micro-batch mb's embedded tokens (stage 0 runs it in the tick of its F, and
+        again in the pull-back at its B: nothing of the embedding is kept between)."""
+        return embed(t, ims[mb], cfg, policy, None if keys is None else keys[mb], execution)
+
     def layers_of(v):
-        """Chunk v's layers, one params dict each: sliced outside the pull-backs, so the
-        weights a pull-back keeps as residuals are these very arrays (see `forward`)."""
+        """Chunk v's layers, one params dict each."""
         return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
 
     def chunk_fn(cp, t, x, v, mb):
@@ -298,29 +296,40 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         last = (stage == P_ - 1) & (v == V - 1)
         return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
 
+    def pulled(v, mb, x):
+        return jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x)
+
+    def input_free(v, mb, x):
+        """Per residual of the pull-back: True where it depends on neither x nor mb (read
+        off the traced program: no path from those inputs to it): the weights, their
+        reshapes and casts. They stay out of the ring and are computed again at the B."""
+        jaxpr = jax.make_jaxpr(lambda mb, x: jax.tree.leaves(pulled(v, mb, x)[1]))(mb, x).jaxpr
+        dep = set(jaxpr.invars)
+        for eqn in jaxpr.eqns:
+            if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
+                dep.update(eqn.outvars)
+        return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
+
     def forward(v, mb, x):
-        cp = layers_of(v)
-        out, pull = jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), cp, top, x)
-        # The pull-back's residuals; those that are the chunk's own weights are not copied
-        # into the ring (they are read again from `chunks` at the backward).
+        """The chunk's outputs, the residuals for the ring and the pull-back's structure."""
+        out, pull = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
-        own = {id(a): k for k, a in enumerate(jax.tree.leaves((cp, top)))}
-        return out, [a for a in res if id(a) not in own], (tree, [own.get(id(a)) for a in res])
+        return out, [a for a, f in zip(res, fixed) if not f], tree
 
     # One trace outside the ticks for the ring's shapes and types (XLA drops its compute),
     # its micro-batch and chunk varying over the pipe axis as the table's entries are.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
-    (y0, loss0, _), res0, layout = forward(zero, zero, xs[0])
+    x0 = embed_mb(top, zero)  # its shape and type only
+    fixed = input_free(zero, zero, x0)
+    (y0, loss0, _), res0, layout = forward(zero, zero, x0)
     rings0 = [_zeros_ring(a, ring + 1, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
     def pullback(v, mb, res, cot):
-        tree, where = layout
-        cp = layers_of(v)
-        mine = jax.tree.leaves((cp, top))
+        again = jax.tree.leaves(pulled(v, mb, jnp.zeros_like(x0))[1])  # XLA keeps the fixed
         it = iter(res)
-        pull = jax.tree.unflatten(tree, [next(it) if k is None else mine[k] for k in where])
+        pull = jax.tree.unflatten(layout, [a if f else next(it) for a, f in zip(again, fixed)])
         return pull(cot)  # (d chunk params, d top, d x)
 
     def add_grads(acc, v, g_cp, g_top):
@@ -334,7 +343,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
 
     def tick(carry, row):
-        recv_f, recv_b, rings, cots, grads, dx_all, sums = carry
+        recv_f, recv_b, rings, cots, grads, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage] for r in row)
 
         # F: the chunk's forward and its residuals (zeros on an idle tick). The ring is
@@ -347,7 +356,10 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             zero = jnp.zeros_like(loss0)
             return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
 
-        x = jnp.where((stage == 0) & (f_v == 0), xs[jnp.maximum(f_mb, 0)], recv_f)
+        # Stage 0's first chunk starts from the embedding of its micro-batch, run here.
+        x = lax.cond((stage == 0) & (f_v == 0) & (f_mb >= 0),
+                     lambda r: _vary_like(embed_mb(top, jnp.maximum(f_mb, 0)), r),
+                     lambda r: r, recv_f)
         y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
         rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
         sums = (sums[0] + loss, sums[1] + acc)
@@ -369,8 +381,14 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         grads, dx, dy = lax.cond(
             b_mb >= 0, do_b, lambda g, r, d: (g, jnp.zeros_like(d), jnp.zeros_like(d)),
             grads, [r[slot(b_mb, b_v)] for r in rings], recv_b)
-        first = (stage == 0) & (b_v == 0) & (b_mb >= 0)  # stage 0's input: the embedding's
-        dx_all = dx_all.at[jnp.maximum(b_mb, 0)].add(jnp.where(first, dx, jnp.zeros_like(dx)))
+        # Stage 0's input cotangent through the embedding (run again: nothing kept).
+        def do_embed(grads, dx):
+            _, pull = jax.vjp(lambda t: embed_mb(t, b_mb), top)
+            g_top = pull(_vary_like(dx, x0))[0]
+            return grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
+
+        grads = lax.cond((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed,
+                         lambda g, d: g, grads, dx)
 
         if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
             cots = cots.at[slot(b_mb, b_v)].set(dy)
@@ -389,16 +407,14 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         bwd_perm = [((s + 1) % P_, s) for s in range(P_ if V > 1 else P_ - 1)]
         recv_f = lax.ppermute(y, pipe_axis, perm=fwd_perm)
         recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
-        return (recv_f, recv_b, rings, cots, grads, dx_all, sums), None
+        return (recv_f, recv_b, rings, cots, grads, sums), None
 
     cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
-    carry = (jnp.zeros_like(y0), jnp.zeros_like(xs[0]), rings0, cots0, zeros,
-             jnp.zeros_like(xs), (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
+    carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), rings0, cots0, zeros,
+             (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     carry, _ = lax.scan(tick, carry, table)
-    _, _, _, _, (g_chunks, g_top), dx_all, (loss, acc) = carry
-    # The embedding's gradient: stage 0's input cotangents pulled back through it, once.
+    _, _, _, _, (g_chunks, g_top), (loss, acc) = carry
     g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
-    g_top = jax.tree.map(jnp.add, g_top, embed_vjp(dx_all.reshape(x_all.shape))[0])
     g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
     (grads,) = prepare_vjp((g_top, g_chunks))
     return grads, {"loss": loss / M, "accuracy": acc / M}
