@@ -33,8 +33,7 @@ zeroed on every stage but the last. A masked value gets a zero cotangent, so the
 adds exactly nothing to any gradient.
 
 Randomness: dropout and stochastic depth draw from each example's global id and the
-*global* layer index (`layer_offset` = stage * L/S), so the pipelined step computes the
-single-device reference's numbers, up to float summation order (tests/test_pipeline.py).
+*global* layer index (`layer_offset` = stage * L/S): the single-device numbers.
 
 Collectives written here (and nowhere else in the pipeline):
   * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
@@ -198,9 +197,8 @@ def _on_last_stage(x, pipe_axis):
 
 # ------------------------------------------------------ the table-driven schedules
 def _zeros_ring(x, slots: int, axis: str | None = None):
-    """A ring of `slots` zero copies of x's type (zeros_like keeps the type under
-    shard_map, e.g. "varying over 'data'", which the scan's carry must keep), made
-    varying over `axis` too."""
+    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
+    which the scan's carry must keep), made varying over `axis` too."""
     return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
 
 
@@ -252,6 +250,8 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     chunk = per // V
     table = jnp.asarray(schedule.rows())  # (ticks, 6, P)
     ring = schedules.ring_size(schedule)
+    slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
+    writes = jnp.asarray(schedules.write_slots(schedule, ring, slots))  # (ticks, P)
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -283,7 +283,6 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         return embed(t, ims[mb], cfg, policy, None if keys is None else keys[mb], execution)
 
     def layers_of(v):
-        """Chunk v's layers, one params dict each."""
         return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
 
     def chunk_fn(cp, t, x, v, mb):
@@ -300,9 +299,8 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         return jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x)
 
     def input_free(v, mb, x):
-        """Per residual of the pull-back: True where it depends on neither x nor mb (read
-        off the traced program: no path from those inputs to it): the weights, their
-        reshapes and casts. They stay out of the ring and are computed again at the B."""
+        """Per residual: True where no path of the traced pull-back leads from x or mb to
+        it (the weights, their reshapes): kept out of the ring, computed again at B."""
         jaxpr = jax.make_jaxpr(lambda mb, x: jax.tree.leaves(pulled(v, mb, x)[1]))(mb, x).jaxpr
         dep = set(jaxpr.invars)
         for eqn in jaxpr.eqns:
@@ -322,7 +320,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     x0 = embed_mb(top, zero)  # its shape and type only
     fixed = input_free(zero, zero, x0)
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
-    rings0 = [_zeros_ring(a, ring + 1, pipe_axis) for a in res0]
+    rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
@@ -339,15 +337,16 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
                                     g_chunks, g_layer)
         return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
 
-    def slot(mb, v):  # idle (mb = -1): the spare last slot
+    def slot(mb, v):  # idle (mb = -1): the last slot (the residuals': read, unused)
         return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
 
-    def tick(carry, row):
+    def tick(carry, rows):
+        row, write = rows
         recv_f, recv_b, rings, cots, grads, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage] for r in row)
 
         # F: the chunk's forward and its residuals (zeros on an idle tick). The ring is
-        # written outside the branch, in place: an idle tick writes into the spare slot.
+        # written outside the branch, in place: an idle tick writes into a free slot.
         def do_f(x):
             (y, loss, acc), res, _ = forward(f_v, f_mb, x)
             return y, [_vary_like(a, r[0]) for a, r in zip(res, rings)], loss, acc
@@ -356,12 +355,10 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             zero = jnp.zeros_like(loss0)
             return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
 
-        # Stage 0's first chunk starts from the embedding of its micro-batch, run here.
-        x = lax.cond((stage == 0) & (f_v == 0) & (f_mb >= 0),
-                     lambda r: _vary_like(embed_mb(top, jnp.maximum(f_mb, 0)), r),
-                     lambda r: r, recv_f)
+        x = lax.cond((stage == 0) & (f_v == 0) & (f_mb >= 0),  # stage 0 embeds its input
+                     lambda r: _vary_like(embed_mb(top, f_mb), r), lambda r: r, recv_f)
         y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-        rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
+        rings = [r.at[write[stage]].set(a) for r, a in zip(rings, res)]
         sums = (sums[0] + loss, sums[1] + acc)
 
         def cotangent(v, dy):
@@ -370,35 +367,39 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
                     jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0),
                     jnp.zeros_like(loss0))
 
+        # Branches return this tick's gradients (or zeros); the sums add up outside them.
+        def unless(pred, fn, *args):
+            return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *args)
+
         # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
-        def do_b(grads, res, dy):
+        def do_b(res, dy):
             cot = cotangent(b_v, dy)
             g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
-            if not schedule.split_backward:  # zb-h1 leaves the weights to W
-                grads = add_grads(grads, b_v, g_cp, g_top)
-            return grads, dx, cot[0]
+            if schedule.split_backward:  # zb-h1 leaves the weights to W
+                return dx, cot[0]
+            return dx, cot[0], g_cp, g_top
 
-        grads, dx, dy = lax.cond(
-            b_mb >= 0, do_b, lambda g, r, d: (g, jnp.zeros_like(d), jnp.zeros_like(d)),
-            grads, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        dx, dy, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        if g:
+            grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
+
         # Stage 0's input cotangent through the embedding (run again: nothing kept).
-        def do_embed(grads, dx):
+        def do_embed(dx):
             _, pull = jax.vjp(lambda t: embed_mb(t, b_mb), top)
-            g_top = pull(_vary_like(dx, x0))[0]
-            return grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
+            return pull(_vary_like(dx, x0))[0]
 
-        grads = lax.cond((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed,
-                         lambda g, d: g, grads, dx)
+        g_top = unless((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
+        grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
 
         if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
             cots = cots.at[slot(b_mb, b_v)].set(dy)
 
-            def do_w(grads, res, dy):
-                g_cp, g_top, _ = pullback(w_v, w_mb, res, cotangent(w_v, dy))
-                return add_grads(grads, w_v, g_cp, g_top)
+            def do_w(res, dy):
+                return pullback(w_v, w_mb, res, cotangent(w_v, dy))[:2]
 
-            grads = lax.cond(w_mb >= 0, do_w, lambda g, r, d: g, grads,
-                             [r[slot(w_mb, w_v)] for r in rings], cots[slot(w_mb, w_v)])
+            g = unless(w_mb >= 0, do_w, [r[slot(w_mb, w_v)] for r in rings],
+                       cots[slot(w_mb, w_v)])
+            grads = add_grads(grads, jnp.maximum(w_v, 0), *g)
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
         # forward's output to the next stage, the input cotangent to the previous one
@@ -412,7 +413,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), rings0, cots0, zeros,
              (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
-    carry, _ = lax.scan(tick, carry, table)
+    carry, _ = lax.scan(tick, carry, (table, writes))
     _, _, _, _, (g_chunks, g_top), (loss, acc) = carry
     g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
     g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
