@@ -273,7 +273,8 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
 
     (top, chunks), prepare_vjp = jax.vjp(prepare, params)
     ex_keys = dropout_keys(cfg, True, drop_key, example_ids, labels.shape[0])
-    images = lax.pcast(images, pipe_axis, to="varying")  # as in `pipelined_logits`
+    # Held through the ticks in the compute dtype: `embed` casts to it first thing.
+    images = lax.pcast(images.astype(policy.compute_dtype), pipe_axis, to="varying")
     ims, ys_lab, ys_tgt = _micro(images, M), _micro(labels, M), _micro(targets, M)
     keys = None if ex_keys is None else _micro(ex_keys, M)
 
@@ -314,8 +315,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         res, tree = jax.tree.flatten(pull)
         return out, [a for a, f in zip(res, fixed) if not f], tree
 
-    # One trace outside the ticks for the ring's shapes and types (XLA drops its compute),
-    # its micro-batch and chunk varying over the pipe axis as the table's entries are.
+    # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
     x0 = embed_mb(top, zero)  # its shape and type only
     fixed = input_free(zero, zero, x0)
