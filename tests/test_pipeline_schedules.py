@@ -73,6 +73,29 @@ def test_memory_and_time_from_the_tables(P):
     assert schedules.ring_size(one_f) == schedules.in_flight(one_f).max()
 
 
+@pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
+                                         ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
+                                         ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2)])
+def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
+    """The program's ring as the table drives it: every F (idle ones write zeros) writes
+    its `write_slots` slot; every B and W must then find its own micro-batch's residuals
+    at (i V + v) mod ring. With M = 8P no spare slot is needed."""
+    s = schedules.build(name, P, M, V)
+    ring = schedules.ring_size(s)
+    slots = ring if schedules.write_slots(s, ring, ring) is not None else ring + 1
+    assert slots == ring or M < 8 * P
+    writes = schedules.write_slots(s, ring, slots)
+    assert writes.min() >= 0 and writes.max() < slots
+    for st in range(P):
+        held = {}
+        for t in range(s.ticks):
+            f = s.fwd[t, st]
+            held[int(writes[t, st])] = None if f == IDLE else (f, s.fwd_chunk[t, st])
+            for mb, ch in ((s.bwd[t, st], s.bwd_chunk[t, st]), (s.wgt[t, st], s.wgt_chunk[t, st])):
+                if mb != IDLE:
+                    assert held.get((mb * V + ch) % ring) == (mb, ch), (name, st, t)
+
+
 def test_picture_reads_the_table():
     pic = schedules.picture(schedules.build("1f1b", 2, 3))
     assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",

@@ -33,8 +33,7 @@ zeroed on every stage but the last. A masked value gets a zero cotangent, so the
 adds exactly nothing to any gradient.
 
 Randomness: dropout and stochastic depth draw from each example's global id and the
-*global* layer index (`layer_offset` = stage * L/S), so the pipelined step computes the
-single-device reference's numbers, up to float summation order (tests/test_pipeline.py).
+*global* layer index (`layer_offset` = stage * L/S): the single-device numbers.
 
 Collectives written here (and nowhere else in the pipeline):
   * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
@@ -52,6 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
@@ -197,9 +197,8 @@ def _on_last_stage(x, pipe_axis):
 
 # ------------------------------------------------------ the table-driven schedules
 def _zeros_ring(x, slots: int, axis: str | None = None):
-    """A ring of `slots` zero copies of x's type (zeros_like keeps the type under
-    shard_map, e.g. "varying over 'data'", which the scan's carry must keep), made
-    varying over `axis` too."""
+    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
+    which the scan's carry must keep), made varying over `axis` too."""
     return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
 
 
@@ -224,22 +223,17 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
 
     The program, per stage (every device runs it, reading its own column of the table):
-      before the ticks: the FSDP gather and the cast of the params (one `jax.vjp`, pulled
-        back once after the ticks: the reduce-scatter); with virtual stages, each stage
-        gathers the blocks over the pipe axis and keeps its V chunks (that pull-back is a
-        reduce-scatter over 'pipe'); every stage embeds all micro-batches (cheap; only
-        stage 0's are read, and its input cotangents are pulled back through the embedding
-        once, after the ticks);
+      before the ticks: one `jax.vjp` of the FSDP gather and the cast of the params (and
+        with virtual stages the blocks' all-gather over 'pipe'), pulled back after them;
       one `lax.scan` over the ticks; each tick, in this order:
-        F  `lax.cond` on the table's forward entry: `jax.vjp` of the chunk (its blocks, then
-           the head and loss, masked to zero but on the last virtual stage), its residuals
-           written into a ring of slots, the output kept to send;
-        B  `lax.cond` on the backward entry: the residuals read back, the pull-back of the
-           received cotangent (the loss's seed on the last virtual stage), the chunk's
-           gradients added (zb-h1: only the input cotangent; the output cotangent is kept
-           for W);
-        W  zb-h1: `lax.cond` on the weight-gradient entry: the pull-back of the kept
-           cotangent for the weights only (XLA drops the input-gradient half);
+        F  `lax.cond`: stage 0 embeds the micro-batch of its first chunk's F; `jax.vjp` of
+           the chunk (blocks, then head and loss, masked to zero but on the last virtual
+           stage), its residuals written into a ring of slots, the output kept to send;
+        B  `lax.cond`: the residuals read back, the pull-back of the received cotangent
+           (the loss's seed on the last virtual stage), the gradients added in float32
+           (zb-h1: only the input cotangent; the output cotangent is kept for W); stage 0
+           pulls its input cotangent back through the embedding, run again;
+        W  zb-h1: `lax.cond`: the kept cotangent's pull-back for the weights only;
         then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
            output to the next stage, the input cotangent to the previous one.
     The parameters used on one stage only (embedding, head) are varying over the pipe
@@ -256,6 +250,8 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
     chunk = per // V
     table = jnp.asarray(schedule.rows())  # (ticks, 6, P)
     ring = schedules.ring_size(schedule)
+    slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
+    writes = jnp.asarray(schedules.write_slots(schedule, ring, slots))  # (ticks, P)
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -277,15 +273,17 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
 
     (top, chunks), prepare_vjp = jax.vjp(prepare, params)
     ex_keys = dropout_keys(cfg, True, drop_key, example_ids, labels.shape[0])
-    images = lax.pcast(images, pipe_axis, to="varying")  # as in `pipelined_logits`
-    x_all, embed_vjp = jax.vjp(
-        lambda t: embed(t, images, cfg, policy, ex_keys, execution), top)
-    xs, ys_lab, ys_tgt = _micro(x_all, M), _micro(labels, M), _micro(targets, M)
+    # Held through the ticks in the compute dtype: `embed` casts to it first thing.
+    images = lax.pcast(images.astype(policy.compute_dtype), pipe_axis, to="varying")
+    ims, ys_lab, ys_tgt = _micro(images, M), _micro(labels, M), _micro(targets, M)
     keys = None if ex_keys is None else _micro(ex_keys, M)
 
+    def embed_mb(t, mb):
+        """Micro-batch mb's embedded tokens (stage 0 runs it in the tick of its F, and
+        again in the pull-back at its B: nothing of the embedding is kept between)."""
+        return embed(t, ims[mb], cfg, policy, None if keys is None else keys[mb], execution)
+
     def layers_of(v):
-        """Chunk v's layers, one params dict each: sliced outside the pull-backs, so the
-        weights a pull-back keeps as residuals are these very arrays (see `forward`)."""
         return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
 
     def chunk_fn(cp, t, x, v, mb):
@@ -298,29 +296,38 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         last = (stage == P_ - 1) & (v == V - 1)
         return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
 
-    def forward(v, mb, x):
-        cp = layers_of(v)
-        out, pull = jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), cp, top, x)
-        # The pull-back's residuals; those that are the chunk's own weights are not copied
-        # into the ring (they are read again from `chunks` at the backward).
-        res, tree = jax.tree.flatten(pull)
-        own = {id(a): k for k, a in enumerate(jax.tree.leaves((cp, top)))}
-        return out, [a for a in res if id(a) not in own], (tree, [own.get(id(a)) for a in res])
+    def pulled(v, mb, x):
+        return jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x)
 
-    # One trace outside the ticks for the ring's shapes and types (XLA drops its compute),
-    # its micro-batch and chunk varying over the pipe axis as the table's entries are.
+    def input_free(v, mb, x):
+        """Per residual: True where no path of the traced pull-back leads from x or mb to
+        it (the weights, their reshapes): kept out of the ring, computed again at B."""
+        jaxpr = jax.make_jaxpr(lambda mb, x: jax.tree.leaves(pulled(v, mb, x)[1]))(mb, x).jaxpr
+        dep = set(jaxpr.invars)
+        for eqn in jaxpr.eqns:
+            if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
+                dep.update(eqn.outvars)
+        return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
+
+    def forward(v, mb, x):
+        """The chunk's outputs, the residuals for the ring and the pull-back's structure."""
+        out, pull = pulled(v, mb, x)
+        res, tree = jax.tree.flatten(pull)
+        return out, [a for a, f in zip(res, fixed) if not f], tree
+
+    # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
-    (y0, loss0, _), res0, layout = forward(zero, zero, xs[0])
-    rings0 = [_zeros_ring(a, ring + 1, pipe_axis) for a in res0]
+    x0 = embed_mb(top, zero)  # its shape and type only
+    fixed = input_free(zero, zero, x0)
+    (y0, loss0, _), res0, layout = forward(zero, zero, x0)
+    rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
     def pullback(v, mb, res, cot):
-        tree, where = layout
-        cp = layers_of(v)
-        mine = jax.tree.leaves((cp, top))
+        again = jax.tree.leaves(pulled(v, mb, jnp.zeros_like(x0))[1])  # XLA keeps the fixed
         it = iter(res)
-        pull = jax.tree.unflatten(tree, [next(it) if k is None else mine[k] for k in where])
+        pull = jax.tree.unflatten(layout, [a if f else next(it) for a, f in zip(again, fixed)])
         return pull(cot)  # (d chunk params, d top, d x)
 
     def add_grads(acc, v, g_cp, g_top):
@@ -330,15 +337,16 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
                                     g_chunks, g_layer)
         return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
 
-    def slot(mb, v):  # idle (mb = -1): the spare last slot
+    def slot(mb, v):  # idle (mb = -1): the last slot (the residuals': read, unused)
         return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
 
-    def tick(carry, row):
-        recv_f, recv_b, rings, cots, grads, dx_all, sums = carry
+    def tick(carry, rows):
+        row, write = rows
+        recv_f, recv_b, rings, cots, grads, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage] for r in row)
 
         # F: the chunk's forward and its residuals (zeros on an idle tick). The ring is
-        # written outside the branch, in place: an idle tick writes into the spare slot.
+        # written outside the branch, in place: an idle tick writes into a free slot.
         def do_f(x):
             (y, loss, acc), res, _ = forward(f_v, f_mb, x)
             return y, [_vary_like(a, r[0]) for a, r in zip(res, rings)], loss, acc
@@ -347,9 +355,10 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             zero = jnp.zeros_like(loss0)
             return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
 
-        x = jnp.where((stage == 0) & (f_v == 0), xs[jnp.maximum(f_mb, 0)], recv_f)
+        x = lax.cond((stage == 0) & (f_v == 0) & (f_mb >= 0),  # stage 0 embeds its input
+                     lambda r: _vary_like(embed_mb(top, f_mb), r), lambda r: r, recv_f)
         y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-        rings = [r.at[slot(f_mb, f_v)].set(a) for r, a in zip(rings, res)]
+        rings = [r.at[write[stage]].set(a) for r, a in zip(rings, res)]
         sums = (sums[0] + loss, sums[1] + acc)
 
         def cotangent(v, dy):
@@ -358,29 +367,39 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
                     jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0),
                     jnp.zeros_like(loss0))
 
+        # Branches return this tick's gradients (or zeros); the sums add up outside them.
+        def unless(pred, fn, *args):
+            return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *args)
+
         # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
-        def do_b(grads, res, dy):
+        def do_b(res, dy):
             cot = cotangent(b_v, dy)
             g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
-            if not schedule.split_backward:  # zb-h1 leaves the weights to W
-                grads = add_grads(grads, b_v, g_cp, g_top)
-            return grads, dx, cot[0]
+            if schedule.split_backward:  # zb-h1 leaves the weights to W
+                return dx, cot[0]
+            return dx, cot[0], g_cp, g_top
 
-        grads, dx, dy = lax.cond(
-            b_mb >= 0, do_b, lambda g, r, d: (g, jnp.zeros_like(d), jnp.zeros_like(d)),
-            grads, [r[slot(b_mb, b_v)] for r in rings], recv_b)
-        first = (stage == 0) & (b_v == 0) & (b_mb >= 0)  # stage 0's input: the embedding's
-        dx_all = dx_all.at[jnp.maximum(b_mb, 0)].add(jnp.where(first, dx, jnp.zeros_like(dx)))
+        dx, dy, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        if g:
+            grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
+
+        # Stage 0's input cotangent through the embedding (run again: nothing kept).
+        def do_embed(dx):
+            _, pull = jax.vjp(lambda t: embed_mb(t, b_mb), top)
+            return pull(_vary_like(dx, x0))[0]
+
+        g_top = unless((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
+        grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
 
         if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
             cots = cots.at[slot(b_mb, b_v)].set(dy)
 
-            def do_w(grads, res, dy):
-                g_cp, g_top, _ = pullback(w_v, w_mb, res, cotangent(w_v, dy))
-                return add_grads(grads, w_v, g_cp, g_top)
+            def do_w(res, dy):
+                return pullback(w_v, w_mb, res, cotangent(w_v, dy))[:2]
 
-            grads = lax.cond(w_mb >= 0, do_w, lambda g, r, d: g, grads,
-                             [r[slot(w_mb, w_v)] for r in rings], cots[slot(w_mb, w_v)])
+            g = unless(w_mb >= 0, do_w, [r[slot(w_mb, w_v)] for r in rings],
+                       cots[slot(w_mb, w_v)])
+            grads = add_grads(grads, jnp.maximum(w_v, 0), *g)
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
         # forward's output to the next stage, the input cotangent to the previous one
@@ -389,16 +408,14 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
         bwd_perm = [((s + 1) % P_, s) for s in range(P_ if V > 1 else P_ - 1)]
         recv_f = lax.ppermute(y, pipe_axis, perm=fwd_perm)
         recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
-        return (recv_f, recv_b, rings, cots, grads, dx_all, sums), None
+        return (recv_f, recv_b, rings, cots, grads, sums), None
 
     cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
-    carry = (jnp.zeros_like(y0), jnp.zeros_like(xs[0]), rings0, cots0, zeros,
-             jnp.zeros_like(xs), (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
-    carry, _ = lax.scan(tick, carry, table)
-    _, _, _, _, (g_chunks, g_top), dx_all, (loss, acc) = carry
-    # The embedding's gradient: stage 0's input cotangents pulled back through it, once.
+    carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), rings0, cots0, zeros,
+             (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
+    carry, _ = lax.scan(tick, carry, (table, writes))
+    _, _, _, _, (g_chunks, g_top), (loss, acc) = carry
     g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
-    g_top = jax.tree.map(jnp.add, g_top, embed_vjp(dx_all.reshape(x_all.shape))[0])
     g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
     (grads,) = prepare_vjp((g_top, g_chunks))
     return grads, {"loss": loss / M, "accuracy": acc / M}
