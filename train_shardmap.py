@@ -71,7 +71,7 @@ from vit_pure.layout import is_spec as _is_spec
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights
+from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_flags
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -450,7 +450,7 @@ def main(argv=None) -> dict:
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
         return plan.run(PlanConfig.from_args(args), functools.partial(
-            backend.step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
+            backend.step_config, step_flags(args)), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches, schedule=args.pipeline_schedule,
             virtual_stages=args.virtual_stages), "train_shardmap.py")
@@ -459,7 +459,7 @@ def main(argv=None) -> dict:
     # --init-from: the file's weights fitted to the model (which it may change), or None.
     pretrained = pretrained_weights(args)
     # The flags become two frozen values, here, once: nothing below reads `args`.
-    sc, rc = backend.step_config(args), RunConfig.from_args(args)
+    sc, rc = backend.step_config(step_flags(args)), RunConfig.from_args(args)
 
     def make_strategy(sc, optimizer):
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,

@@ -94,7 +94,7 @@ from vit_pure import step
 from vit_pure.config import PRESETS, get_preset
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
-from vit_pure.run import backend, checks, cli, hostmem
+from vit_pure.run import checks, cli, hostmem, settings
 from vit_pure.run.accum import StepMemory
 from vit_pure.run.settings import RunConfig
 from vit_pure.xla.flops import train_flops_per_image
@@ -170,7 +170,7 @@ def script_setup(argv: list[str] | None = None, total_steps: int = 1000,
     if args is None:
         args = cli.parse_args(parser or cli.build_parser("bench"), argv)
     optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, total_steps)
-    return backend.step_config(args), optimizer
+    return settings.step_config(args), optimizer
 
 
 def make_strategy(name: str, layout: str, sc: step.StepConfig, optimizer, devices, *,

@@ -30,8 +30,8 @@ import train_shardmap
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.policy import LossScale
-from vit_pure.run import accum, backend, cli
-from vit_pure.run.settings import RunConfig
+from vit_pure.run import accum, cli
+from vit_pure.run.settings import RunConfig, step_config
 
 settings = RunConfig.from_args  # the frozen settings the scripts build from the flags
 
@@ -185,7 +185,7 @@ def _reductions(jaxpr, in_loop=False):
 def _train_step_program(kind, mesh, accum_steps):
     # RandAugment off: it has no collectives, and it triples the time to trace the step.
     args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny", "--randaugment", "0"])
-    sc = dataclasses.replace(backend.step_config(args), accum_steps=accum_steps)
+    sc = dataclasses.replace(step_config(args), accum_steps=accum_steps)
     optimizer = optax.sgd(0.1, momentum=0.9)
     strategy = _strategy(kind, sc, optimizer, mesh)
     inputs = accum.train_step_inputs(strategy, sc, optimizer, BATCH, IMAGE_SHAPE)
@@ -251,13 +251,13 @@ def test_bad_accum_steps_is_a_usage_error():
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--accum-steps", "8"])
     with pytest.raises(cli.UsageError, match="per-device batch 4"):
-        accum.build_strategy(settings(args), backend.step_config(args), train_pmap.PmapStrategy,
+        accum.build_strategy(settings(args), step_config(args), train_pmap.PmapStrategy,
                              optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
                              log=_no_log)
     args = cli.parse_args(train_shardmap.build_parser(), [
         "--model", "tiny", "--batch", str(BATCH), "--eval-batch", "12"])
     with pytest.raises(cli.UsageError, match="--eval-batch 12 is not divisible by the 8"):
-        accum.build_strategy(settings(args), backend.step_config(args), train_pmap.PmapStrategy,
+        accum.build_strategy(settings(args), step_config(args), train_pmap.PmapStrategy,
                              optax.sgd(0.1, momentum=0.9), image_shape=IMAGE_SHAPE,
                              log=_no_log)
 
@@ -281,12 +281,12 @@ def test_accum_steps_flag_rejects_garbage(flag, capsys):
 def test_accum_steps_flag_default_is_auto():
     args = cli.parse_args(train_shardmap.build_parser(), [])
     assert args.accum_steps == "auto"
-    assert backend.step_config(args).accum_steps == 1  # until build_strategy chooses
+    assert step_config(args).accum_steps == 1  # until build_strategy chooses
 
 
 def test_explicit_accum_steps_reach_the_factory_as_a_value():
     args = cli.parse_args(train_shardmap.build_parser(), ["--model", "tiny", "--accum-steps", "4"])
-    sc = backend.step_config(args)
+    sc = step_config(args)
     seen = []
 
     def make_strategy(sc, optimizer):
@@ -307,7 +307,7 @@ def _auto(budget_gib):
         "--memory-budget", repr(budget_gib)])
     # No dropout or RandAugment here: the choice is measured either way, and each halves
     # the compile time.
-    sc = dataclasses.replace(backend.step_config(args),
+    sc = dataclasses.replace(step_config(args),
                              cfg=CFG.replace(dropout=0.0, drop_path=0.0))
     records = []
     strategy, sc = accum.build_strategy(

@@ -29,7 +29,7 @@ from vit_pure.errors import UsageError
 from vit_pure.layers.attention import attention_einsum, fused_attention, padded_length
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
-from vit_pure.run import backend, cli
+from vit_pure.run import cli, settings
 
 CFG = matrix.CFG  # tiny, depth 2: 4 heads of 6, 17 tokens; dropout and drop path on
 ONE_LAYER = CFG.replace(depth=1)  # for the model-level checks: half the compile time
@@ -138,9 +138,9 @@ def test_cudnn_needs_a_16_bit_compute_dtype():
     args = cli.parse_args(parser, ["--model", "vit-cifar", "--attention", "cudnn",
                                    "--dtype", "fp32"])
     with pytest.raises(UsageError, match="--attention cudnn needs a 16-bit compute dtype"):
-        backend.step_config(args, platform="gpu")
+        settings.step_config(args, platform="gpu")
     args.dtype = "bf16"
-    sc = backend.step_config(args, platform="gpu")
+    sc = settings.step_config(args, platform="gpu")
     assert sc.execution.attention == "cudnn"
     assert dataclasses.replace(sc, execution=sc.execution.replace(attention="einsum")) != sc
 
@@ -152,12 +152,12 @@ def test_cudnn_needs_a_head_dim_it_takes():
     args = cli.parse_args(parser, ["--model", "tiny", "--attention", "cudnn", "--dtype", "bf16"])
     with pytest.raises(UsageError, match="needs a head dim that is a multiple of 8, at most "
                                          "128; --model tiny has 6"):
-        backend.step_config(args, platform="gpu")
+        settings.step_config(args, platform="gpu")
     args = cli.parse_args(parser, ["--model", "tiny", "--dtype", "bf16"])
     gpu = type("Gpu", (), {"compute_capability": "9.0"})()
-    assert backend.step_config(args, platform="gpu", device=gpu).execution.attention == "einsum"
+    assert settings.step_config(args, platform="gpu", device=gpu).execution.attention == "einsum"
     args = cli.parse_args(parser, ["--model", "vit-cifar", "--dtype", "bf16"])
-    assert backend.step_config(args, platform="gpu", device=gpu).execution.attention == "cudnn"
+    assert settings.step_config(args, platform="gpu", device=gpu).execution.attention == "cudnn"
 
 
 def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
@@ -171,7 +171,7 @@ def test_lsa_model_runs_on_the_einsum_attention(capsys, monkeypatch):
                                 "which runs on --attention einsum only, not xla")
     parser = cli.build_parser("test")
     args = cli.parse_args(parser, ["--model", "vit-cifar-conv-lsa", "--dtype", "bf16"])
-    assert backend.step_config(args, platform="gpu").execution.attention == "einsum"
+    assert settings.step_config(args, platform="gpu").execution.attention == "einsum"
 
 
 def _count_primitives(jaxpr, prefix: str) -> int:

@@ -5,7 +5,7 @@ import pathlib
 import jax.numpy as jnp
 import pytest
 
-from vit_pure.run import backend, cli
+from vit_pure.run import backend, cli, settings
 
 BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2_CPU = frozenset({"avx2", "fma"})
@@ -84,11 +84,11 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     backend.step_config does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
     assert args.scan is None and args.attention is None
-    sc = backend.step_config(args, platform="gpu")
+    sc = settings.step_config(args, platform="gpu")
     assert not sc.execution.scan and sc.policy.matmul_dtype == jnp.bfloat16 and sc.notes
     assert sc.execution.packed_masks  # and on a CPU a byte a mask element, said:
     assert sc.execution.mlp_kernels == "xla"  # this CPU's device: no NVIDIA GPU
-    h100 = backend.step_config(args, platform="gpu", device=_Device(compute_capability="9.0"))
+    h100 = settings.step_config(args, platform="gpu", device=_Device(compute_capability="9.0"))
     # Only kernels measured on a GPU are defaults: the kit's Pallas kernels are opt-in,
     # and the H100's start-up notes say so in one line.
     assert h100.execution.attention == "cudnn"
@@ -99,10 +99,10 @@ def test_the_scripts_parser_leaves_these_to_the_hardware():
     asked = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16",
                                                    "--mlp-kernels", "pallas",
                                                    "--qkv-projection", "pallas"])
-    both = backend.step_config(asked, platform="gpu", device=_Device(compute_capability="9.0"))
+    both = settings.step_config(asked, platform="gpu", device=_Device(compute_capability="9.0"))
     assert (both.execution.mlp_kernels, both.execution.qkv_projection) == ("pallas", "pallas")
     assert not any(n.startswith("Pallas kernels:") for n in both.notes)
-    cpu = backend.step_config(args, platform="cpu")
+    cpu = settings.step_config(args, platform="cpu")
     assert not cpu.execution.packed_masks and cpu.execution.mlp_kernels == "xla"
     assert any(n.startswith("dropout masks: kept a byte an element") for n in cpu.notes)
     quick = cli.parse_args(cli.build_parser("t"), ["--recipe", "cpu-quick"])

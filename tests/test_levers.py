@@ -27,7 +27,7 @@ import train_shardmap as ts
 from vit_pure import apply, step
 from vit_pure.data import cifar10 as data
 from vit_pure.policy import Policy
-from vit_pure.run import backend, checkpoint, loop
+from vit_pure.run import checkpoint, loop, settings
 from vit_pure.run.settings import RunConfig
 
 DECAY = 0.9
@@ -316,7 +316,7 @@ def test_flags_resumable_across_are_not_compared():
     them (with any values) continues in a run that does not."""
     from vit_pure.run import resume
     args = ts.cli.parse_args(ts.build_parser(), ["--model", "tiny", "--dataset", "synthetic"])
-    sc = backend.step_config(args, platform="cpu")
+    sc = settings.step_config(args, platform="cpu")
     train = data.synthetic_cifar10(n_train=32, n_val=0, n_test=0)["train"]
     now = resume.trajectory(RunConfig.from_args(args), sc, train, 10)
     written_with_plan_flags = {**now, "--plan": None, "--efficiency": 0.3, "--hardware": "a100"}
@@ -377,8 +377,8 @@ def test_good_lever_values_parse():
         "--repeat-aug", "4", "--eval-flip"])
     assert (args.ema, args.mix_off_epochs, args.repeat_aug, args.eval_flip) == (
         0.999, 2, 4, True)
-    assert backend.step_config(args).eval_flip
+    assert settings.step_config(args).eval_flip
     defaults = ts.cli.parse_args(ts.cli.build_parser("train_pmap.py's flags"), plain)
     assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug, defaults.eval_flip) == (
         0.0, 0, 1, False)
-    assert not backend.step_config(defaults).eval_flip
+    assert not settings.step_config(defaults).eval_flip

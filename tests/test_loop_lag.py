@@ -23,7 +23,7 @@ from jax._src import array as jax_array
 import train_shardmap
 from vit_pure import step as step_lib
 from vit_pure.data import cifar10 as data_lib
-from vit_pure.run import backend, checkpoint, cli, loop, signals
+from vit_pure.run import checkpoint, cli, loop, settings, signals
 from vit_pure.run.settings import RunConfig
 
 STEPS, LOG_EVERY = 24, 4
@@ -71,7 +71,7 @@ def _run(argv, make_strategy=_strategy):
     """loop.run as the script runs it, on one device; returns main_guard's exit code."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
     return cli.main_guard(lambda: loop.run(RunConfig.from_args(args),
-                                           backend.step_config(args), make_strategy))
+                                           settings.step_config(args), make_strategy))
 
 
 def _counting(monkeypatch):
@@ -102,7 +102,7 @@ def _nan_at(step: int):
 def _reference_losses(argv) -> dict[int, dict]:
     """The same steps, each step's metrics read as soon as it is dispatched."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
-    sc, rc = backend.step_config(args), RunConfig.from_args(args)
+    sc, rc = settings.step_config(args), RunConfig.from_args(args)
     train = data_lib.load_dataset(rc.dataset, rc.data_dir, **rc.dataset_sizes)["train"]
     plan = loop.plan_steps(rc.schedule, rc.logging, len(train))
     optimizer, schedule = step_lib.make_optimizer(rc.optim, plan.total_steps)
@@ -196,7 +196,7 @@ def test_inputs_placed_ahead_are_the_steps_batches(depth):
     rc = RunConfig.from_args(args)
     train = data_lib.synthetic_cifar10(n_train=40, n_val=0, n_test=0)["train"]
     plan = loop.StepPlan(steps_per_epoch=5, total_steps=12, epochs=3, log_every=1)
-    strategy = _strategy(backend.step_config(args),
+    strategy = _strategy(settings.step_config(args),
                          step_lib.make_optimizer(rc.optim, 12)[0])
     got = list(loop._device_inputs(rc.data, strategy, train, plan, start=3, depth=depth))
     assert len(got) == 9

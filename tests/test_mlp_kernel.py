@@ -19,7 +19,7 @@ import pytest
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
 from vit_pure.pallas import mlp as mlp_kernel
-from vit_pure.run import backend, cli
+from vit_pure.run import backend, cli, settings
 
 
 def _reference(dz, w, h):
@@ -126,7 +126,7 @@ def test_the_kernels_are_opt_in_everywhere():
 def test_flags_that_cannot_use_them_are_one_line_errors(flags, message):
     args = cli.parse_args(cli.build_parser("t"), ["--model", "tiny", *flags])
     with pytest.raises(UsageError, match=message):
-        backend.step_config(args, platform="cpu" if "--remat" not in flags else "gpu",
+        settings.step_config(args, platform="cpu" if "--remat" not in flags else "gpu",
                             device=_Gpu())
 
 

@@ -20,7 +20,7 @@ from vit_pure import (
 )
 from vit_pure.config import DROPOUT_MASKS, Execution, ViTConfig
 from vit_pure.layers import dropout
-from vit_pure.run import backend, cli
+from vit_pure.run import cli, settings
 from vit_pure.tools.params_table import format_param_table
 
 TINY = PRESETS["tiny"]
@@ -164,7 +164,7 @@ def test_dropout_masks_flag_reaches_the_step():
             (["--dropout-masks", "threefry16"], "cpu", "threefry16"),
             (["--dropout-masks", "bernoulli"], "gpu", "bernoulli")]:
         args = cli.parse_args(parser, ["--model", "tiny", *argv])
-        sc = backend.step_config(args, platform=platform)
+        sc = settings.step_config(args, platform=platform)
         assert sc.execution.dropout_masks == expected
         assert any(n.startswith("dropout masks: threefry16") for n in sc.notes) == (
             not argv and platform == "gpu")
@@ -174,7 +174,7 @@ def test_dropout_masks_flag_reaches_the_step():
 def test_pool_flag_replaces_the_presets_pool():
     parser = cli.build_parser("test")
     for argv, expected in [([], "cls"), (["--pool", "gap"], "gap"), (["--pool", "mean"], "mean")]:
-        cfg = backend.step_config(cli.parse_args(parser, ["--model", "vit-cifar", *argv]),
+        cfg = settings.step_config(cli.parse_args(parser, ["--model", "vit-cifar", *argv]),
                                         platform="cpu").cfg
         assert cfg.pool == expected and cfg.seq_len == (64 if expected == "gap" else 65)
 

@@ -39,7 +39,7 @@ import train_pmap
 import train_shardmap
 
 # Six jax processes on a 2-core machine: minutes. Run with `python -m pytest -m slow`.
-from vit_pure.run import backend, checkpoint, cli, loop
+from vit_pure.run import checkpoint, cli, loop, settings
 from vit_pure.run.settings import RunConfig
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def _reference(name: str, out: pathlib.Path) -> None:
         if module is train_pmap:
             return train_pmap.PmapStrategy(sc, optimizer, devices=devices)
         return train_shardmap.ShardMapStrategy(sc, optimizer, args.mesh, devices=devices)
-    loop.run(RunConfig.from_args(args), backend.step_config(args), make_strategy)
+    loop.run(RunConfig.from_args(args), settings.step_config(args), make_strategy)
 
 
 # SIGTERM reaches process 1 only, once process 0 has logged a step (every 50 steps here):

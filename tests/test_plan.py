@@ -41,7 +41,7 @@ from vit_pure.pipeline import schedules
 from vit_pure.plan import build as plan
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
-from vit_pure.run import backend, cli
+from vit_pure.run import cli, settings
 from vit_pure.run.settings import RunConfig
 from vit_pure.xla import hlo
 
@@ -64,7 +64,7 @@ def _setup(*flags, accum_steps=1):
     args = cli.parse_args(ts.build_parser(), ["--model", "tiny", "--batch", str(BATCH),
                                               "--dtype", "bf16", "--dropout", "0",
                                               "--drop-path", "0", *flags])
-    sc = backend.step_config(args, platform=H100.platform)
+    sc = settings.step_config(args, platform=H100.platform)
     sc = dataclasses.replace(sc, augment=False, accum_steps=accum_steps)
     return sc, step.make_optimizer(RunConfig.from_args(args).optim, 100)[0]
 

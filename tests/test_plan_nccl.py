@@ -129,7 +129,7 @@ def test_overrides_set_the_fabric():
 
 def test_plan_flags_name_every_fabric():
     parser = cli.doc_parser("x")
-    cli._add_plan_flags(parser)
+    cli.add_plan_flags(parser)
     help_text = " ".join(parser.format_help().split())
     for name in fabrics.FABRICS:
         assert name in help_text

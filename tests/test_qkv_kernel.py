@@ -19,7 +19,7 @@ import pytest
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
 from vit_pure.pallas import qkv
-from vit_pure.run import backend, cli
+from vit_pure.run import backend, cli, settings
 
 
 def _arrays(key, *shapes, dtype=jnp.float32):
@@ -130,7 +130,7 @@ def test_flags_that_cannot_use_them_are_one_line_errors(flags, platform, message
     args = cli.parse_args(cli.build_parser("t"), ["--model", "vit-cifar", "--dtype", "bf16",
                                                   *flags])
     with pytest.raises(UsageError, match=message):
-        backend.step_config(args, platform=platform, device=_Gpu())
+        settings.step_config(args, platform=platform, device=_Gpu())
 
 
 def test_execution_refuses_the_kernels_without_a_fused_attention():

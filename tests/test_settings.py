@@ -1,6 +1,6 @@
 """The flags become frozen values at the entry, and nothing below the entry reads them.
 
-`RunConfig.from_args` (vit_pure/run/settings.py) and `backend.step_config` turn the parsed
+`RunConfig.from_args` and `step_flags` (vit_pure/run/settings.py) turn the parsed
 command line into two frozen values; the loop, resume, accumulation, evaluation and the
 step take those. These tests pin the conversion to the parser's defaults and keep the
 argparse Namespace out of the modules below the entry.
@@ -21,12 +21,10 @@ from vit_pure.step import OptimConfig
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The modules that may read the parsed flags: the scripts' entry (cli parses them, checks
-# refuses bad values, settings turns them into frozen values) and the stand-alone tools
-# with parsers of their own. backend.step_config still takes the Namespace (its 39
-# callers pass one) until its resolver is split per knob. The planner takes a frozen
-# settings.PlanConfig.
+# refuses bad values, settings turns them into frozen values: RunConfig, PlanConfig and
+# the step's StepFlags) and the stand-alone tools with parsers of their own.
 ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/settings.py",
-         "vit_pure/run/backend.py", "vit_pure/tools/plot.py", "vit_pure/tools/params_table.py",
+         "vit_pure/tools/plot.py", "vit_pure/tools/params_table.py",
          "vit_pure/tools/export.py", "vit_pure/plan/collective.py"}
 
 

@@ -15,7 +15,7 @@ from benchmarks.peers.common import child
 from vit_pure import step
 from vit_pure.data import cifar10 as data
 from vit_pure.model import count_params, init_params
-from vit_pure.run import accum, backend, cli
+from vit_pure.run import accum, cli, settings
 from vit_pure.run.settings import RunConfig
 
 PROFILE_STEPS = 3
@@ -50,7 +50,7 @@ def build_kit(job: dict):
     optimizer, strategy)."""
     args = cli.parse_args(train_shardmap.build_parser(), kit_argv(job))
     cli.start_runtime(args)
-    sc = backend.step_config(args)
+    sc = settings.step_config(args)
     rc = RunConfig.from_args(args)
     optimizer, _ = step.make_optimizer(rc.optim, 1000)
     devices = jax.devices()[:1]

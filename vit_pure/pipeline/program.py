@@ -368,8 +368,8 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
                     jnp.zeros_like(loss0))
 
         # Branches return this tick's gradients (or zeros); the sums add up outside them.
-        def unless(pred, fn, *args):
-            return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *args)
+        def unless(pred, fn, *xs):
+            return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
 
         # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
         def do_b(res, dy):

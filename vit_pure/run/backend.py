@@ -285,8 +285,30 @@ def note_missing_cuda(gpu_visible=nvidia_gpu_visible) -> None:
         print(note, file=sys.stderr, flush=True)
 
 
-def step_config(args, platform: str | None = None, device=None) -> StepConfig:
-    """The step's settings from the parsed flags, with the backend-aware defaults (`resolve`:
+@dataclasses.dataclass(frozen=True)
+class StepFlags:
+    """The flags the step's settings come from, frozen (run/settings.py `step_flags` builds
+    it from the command line). None: the backend decides (`resolve`)."""
+    cfg: ViTConfig
+    dtype: str                    # --policy if given, else --dtype
+    matmul_precision: str | None
+    scan: bool | None
+    attention: str | None
+    dropout_masks: str | None
+    mlp_kernels: str | None
+    qkv_projection: str | None
+    remat: str
+    label_smoothing: float
+    grad_clip: float | None
+    randaugment: tuple[int, int]
+    mixup: float
+    cutmix: float
+    ema: float
+    eval_flip: bool
+
+
+def step_config(flags: StepFlags, platform: str | None = None, device=None) -> StepConfig:
+    """The step's settings from the flags, with the backend-aware defaults (`resolve`:
     the layer loop, the matmul output dtype, --dtype auto) resolved for `platform`
     (default: the backend JAX runs on, so call this after jax.distributed is started).
     `device` (default: JAX's first) decides whether cuDNN attention runs: the plan passes
@@ -294,29 +316,29 @@ def step_config(args, platform: str | None = None, device=None) -> StepConfig:
     # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
     # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
     platform = platform or jax.default_backend()
-    attention = args.attention
+    attention = flags.attention
     # Locality self-attention (cfg.lsa) runs on the einsum attention only, and cuDNN's
     # kernel takes head dims that are multiples of 8 up to 128.
     nvidia = platform == "gpu" and cudnn_attention_runs(
         device if device is not None else jax.devices()[0])
-    cudnn = nvidia and not args.cfg.lsa and _cudnn_head_dim(args.cfg)
-    choices = resolve(args.policy or args.dtype, args.matmul_precision, args.scan, platform,
-                      attention=attention, cudnn=cudnn, dropout_masks=args.dropout_masks,
-                      nvidia=nvidia, mlp_kernels=args.mlp_kernels, remat=args.remat,
-                      qkv_projection=args.qkv_projection)
-    _check_attention(choices.attention, choices.policy, platform, args.cfg)
-    execution = Execution(scan=choices.scan, remat=args.remat, attention=choices.attention,
+    cudnn = nvidia and not flags.cfg.lsa and _cudnn_head_dim(flags.cfg)
+    choices = resolve(flags.dtype, flags.matmul_precision, flags.scan, platform,
+                      attention=attention, cudnn=cudnn, dropout_masks=flags.dropout_masks,
+                      nvidia=nvidia, mlp_kernels=flags.mlp_kernels, remat=flags.remat,
+                      qkv_projection=flags.qkv_projection)
+    _check_attention(choices.attention, choices.policy, platform, flags.cfg)
+    execution = Execution(scan=choices.scan, remat=flags.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
                           packed_masks=choices.packed_masks,
                           mlp_kernels=choices.mlp_kernels,
                           qkv_projection=choices.qkv_projection)
-    return StepConfig(args.cfg, choices.policy, args.label_smoothing, args.grad_clip,
+    return StepConfig(flags.cfg, choices.policy, flags.label_smoothing, flags.grad_clip,
                       execution=execution,
-                      randaugment=tuple(args.randaugment),
-                      mixup_alpha=args.mixup,
-                      cutmix_alpha=args.cutmix,
-                      ema_decay=args.ema,
-                      eval_flip=args.eval_flip,
+                      randaugment=tuple(flags.randaugment),
+                      mixup_alpha=flags.mixup,
+                      cutmix_alpha=flags.cutmix,
+                      ema_decay=flags.ema,
+                      eval_flip=flags.eval_flip,
                       notes=choices.notes)
 
 

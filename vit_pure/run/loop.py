@@ -4,18 +4,13 @@ A script hands `run` its parallel mechanics as a `Strategy` (how state and batch
 placed on devices, and its compiled train / eval steps); the rest of a run is here, with
 two neighbours:
 
-* vit_pure/run/resume.py: checkpoints (`--ckpt-dir`, `--ckpt-every`, `--ckpt-keep`,
-  `--resume`), saved unsharded so any script, device count or mesh layout resumes them,
-  exactly: the run is a function of (seed, epoch, step), so the state plus the step
-  number is all there is to restore.
-* vit_pure/run/monitor.py: the log, the NaN / inf check of every step's loss, profiling
-  (`--profile`, `--profile-steps`) and memory figures.
+* run/resume.py: checkpoints, saved unsharded so any script, device count or layout
+  resumes them exactly (the run is a function of (seed, epoch, step)).
+* run/monitor.py: the log, the NaN / inf check of every step's loss, profiling, memory.
 
-Preemption: SIGTERM / SIGINT finish the current step, write a checkpoint and return
-(`StopRequest`, vit_pure/run/signals.py). Evaluation and `--eval-only`:
-vit_pure/run/evaluate.py. A non-finite loss stops the run with an error
-naming the step; in fp16 the dynamic loss scale skips steps whose gradients are not
-finite (vit_pure/step.py) and the run goes on (see monitor.LossWatch).
+SIGTERM / SIGINT finish the current step, write a checkpoint and return (run/signals.py).
+Evaluation: run/evaluate.py. A non-finite loss stops the run naming the step; in fp16 the
+dynamic loss scale skips steps whose gradients are not finite and the run goes on.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from typing import Any
 from vit_pure import weights
 from vit_pure.data.cifar10 import NUM_CLASSES
 from vit_pure.errors import UsageError
+from vit_pure.run import backend
 from vit_pure.step import OptimConfig
 
 
@@ -189,6 +190,23 @@ class PlanConfig:
             plan_json=args.plan_json, batch=args.batch,
             accum_steps=args.accum_steps, optim=RunConfig.from_args(args).optim,
             multi_process=bool(args.distributed or args.coordinator is not None))
+
+
+def step_flags(args: argparse.Namespace) -> backend.StepFlags:
+    """The step's flags, frozen, for `backend.step_config` (which resolves what they leave
+    to the backend)."""
+    return backend.StepFlags(
+        cfg=args.cfg, dtype=args.policy or args.dtype, matmul_precision=args.matmul_precision,
+        scan=args.scan, attention=args.attention, dropout_masks=args.dropout_masks,
+        mlp_kernels=args.mlp_kernels, qkv_projection=args.qkv_projection, remat=args.remat,
+        label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
+        randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
+        ema=args.ema, eval_flip=args.eval_flip)
+
+
+def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
+    """`backend.step_config` of a parsed command line: the step's settings for `platform`."""
+    return backend.step_config(step_flags(args), platform, device)
 
 
 def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:

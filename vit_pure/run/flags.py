@@ -1,0 +1,428 @@
+"""The flags both training scripts share, in the groups `--help` shows, and the named
+recipes (--recipe). vit_pure/run/cli.py parses them (`parse_args`) and turns bad input
+into one line."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vit_pure.config import (
+    ATTENTION_IMPLS,
+    DROPOUT_MASKS,
+    MLP_KERNELS,
+    POOLS,
+    PRESETS,
+    QKV_PROJECTIONS,
+    REMAT_SAVE_NAMES,
+    remat_saved_names,
+)
+
+# The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
+DEFAULT_EFFICIENCY = 0.4
+
+
+# Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
+# Each maps flag destinations to values; flags given on the command line override them.
+RECIPES: dict[str, dict[str, Any]] = {
+    # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
+    # ../shared/data/cifar10-subset): the ViT behind a convolutional stem, with locality
+    # self-attention, 60 epochs, evaluated with an EMA of the weights on each image and its
+    # mirror; docs/training.md "Accuracy" has its result and how it was chosen.
+    "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
+                      warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
+                      randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
+                      cpu_devices=2, scan=False, accum_steps=1),
+    # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
+    # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
+    # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one
+    # H100: 68.5% val, 71.1% test, 130 s including compilation (docs/training.md, "Accuracy").
+    "gpu-small-data": dict(model="vit-cifar-quick", dtype="bf16", batch=512, epochs=2400,
+                           lr=4e-3, randaugment=(2, 9), mixup=0.8, cutmix=1.0, ema=0.999,
+                           mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1),
+    # Fine-tuning ViT-B/16 from pretrained weights (--init-from FILE, required), as
+    # google-research/vision_transformer fine-tunes it: SGD with momentum 0.9, batch 512,
+    # peak learning rate 0.03 after a linear warm-up, cosine decay, gradient clipping at
+    # 1.0, no weight decay, no label smoothing, RandAugment or dropout; CIFAR-10 resized
+    # on the device to the checkpoint's resolution (224 or 384 px), a new zero head for
+    # its 10 classes. 2,500 steps (about 28 epochs of the 45,000 training images).
+    #   python train_shardmap.py --recipe finetune-b16 --init-from \
+    #       ViT-B_16.npz --data-dir ./data
+    # Target: the vision_transformer README reports 98.6% (500 steps) to 99.0% (10,000
+    # steps, 384 px) CIFAR-10 test accuracy for ViT-B/16 from ImageNet-21k. Not yet run
+    # here (docs/training.md, "Fine-tuning a pretrained ViT").
+    "finetune-b16": dict(model="vit-b16", dtype="auto", optimizer="sgd", batch=512,
+                         epochs=1000, steps=2500, lr=0.03, warmup_steps=250, weight_decay=0.0,
+                         grad_clip=1.0, label_smoothing=0.0, randaugment=(0, 0), dropout=0.0,
+                         drop_path=0.0, eval_every=5),
+}
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """Both scripts' flags, grouped as `--help` shows them (one function a group)."""
+    p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
+    _add_model_flags(p)
+    _add_pretrained_flags(p)
+    _add_optimization_flags(p)
+    _add_recipe_flags(p)
+    _add_memory_flags(p)
+    _add_data_flags(p)
+    _add_eval_flags(p)
+    _add_checkpoint_flags(p)
+    _add_profiling_flags(p)
+    _add_process_flags(p)
+    add_plan_flags(p)  # --plan N: compile for N devices and print the plan (no training)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --model, --pool, the dtype policy and the execution knobs."""
+    g = p.add_argument_group("model and precision")
+    g.add_argument("--model", default="vit-cifar", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--pool", default=None, choices=list(POOLS),
+                   help="what the head reads: the class token (cls), the mean of the patch "
+                        "tokens (mean), or the mean of all tokens with no class token at all "
+                        "(gap: one token fewer and no cls_token parameter, a different model); "
+                        "default: the model preset's (cls for every preset)")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="f32 master params computing in this dtype; auto: bf16 where the hardware "
+                        "has fast bf16 (accelerators, CPUs with avx512_bf16/amx_bf16), else fp32")
+    g.add_argument("--policy", default=None,
+                   help="full dtype policy, e.g. p=f32,c=bf16,o=f32,m=bf16 (wins over --dtype); m="
+                        " is what matmuls return, chosen per backend when left out "
+                        "(vit_pure/policy.py) (default: --dtype's)")
+    g.add_argument("--matmul-precision", default="default", choices=["default", "high", "highest"],
+                   help="jax.lax.Precision of the float32 matmuls: 'default' is the backend's "
+                        "fastest (float32 on CPUs, TF32 on NVIDIA GPUs since Ampere, one bf16 "
+                        "pass on TPUs), 'highest' full float32 everywhere (default: 'default')")
+    g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="lax.scan over the encoder layers (faster compile) instead of a Python "
+                        "loop (default: per backend, vit_pure/run/backend.py: unrolled on CPU and "
+                        "GPU, scanned elsewhere)")
+    g.add_argument("--remat", default="none", type=_remat,
+                   help="recompute in the backward pass: each whole encoder block (block), all "
+                        "but its matmul outputs (block-save-dots), or all but the values named "
+                        f"(block-save:NAMES, NAMES from {'+'.join(REMAT_SAVE_NAMES)}, e.g. "
+                        "block-save:dot+mask), or nothing (none); same results, less memory")
+    g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
+                   help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
+                        "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
+                        "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
+                        "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
+                        "einsum")
+    g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
+                   help="how dropout masks are drawn, per example either way: "
+                        "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
+                        "four 16-bit uniforms per hash (threefry16; keep probability rounded "
+                        "to 2^-16); other masks, the same distribution (docs/performance.md). "
+                        "Default: per backend (vit_pure/run/backend.py): threefry16 on "
+                        "accelerators, bernoulli on CPU")
+    g.add_argument("--mlp-kernels", default=None, choices=list(MLP_KERNELS),
+                   help="fc2 and the GELU before it, forward and backward: XLA's kernels (xla) "
+                        "or three Pallas/Triton kernels that never write the GELU's output "
+                        "(pallas: NVIDIA GPUs; where the shapes fit their tiles); same results "
+                        "within rounding "
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
+    g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
+                   help="with --attention cudnn or xla, the q, k, v projection: one XLA GEMM "
+                        "and a copy that splits and pads its output (xla), or Pallas/Triton "
+                        "kernels that write the padded q, k, v straight away (pallas: NVIDIA "
+                        "GPUs; where the shapes fit its tiles); same results within rounding "
+                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
+                        "not yet timed on a GPU)")
+
+
+def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of pretrained weights (vit_pure/weights/)."""
+    g = p.add_argument_group("pretrained weights (docs/training.md, \"Fine-tuning a "
+                             "pretrained ViT\")")
+    g.add_argument("--init-from", default=None, metavar="PATH|URL",
+                   help="start from these weights instead of a random initialisation: a "
+                        "big_vision / AugReg .npz, a timm model.safetensors, or a Hugging Face "
+                        "folder (model.safetensors + config.json); a URL is fetched once into "
+                        "~/.cache/vit_pure/weights. --model must have the file's shapes (its "
+                        "head count is taken from --model); the file sets the GELU, LayerNorm "
+                        "epsilon, input scaling and (unless given) --image-size and --pool; a "
+                        "new zero head replaces one of another class count. Ignored when "
+                        "--resume finds a checkpoint (default: a random initialisation)")
+    g.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="the model's input resolution: CIFAR-10 is resized to it on the "
+                        "device; with --init-from the position embedding is resampled "
+                        "(bilinear) to its grid (default: the file's resolution with "
+                        "--init-from, else the --model preset's)")
+
+
+def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the optimizer and --recipe."""
+    g = p.add_argument_group("optimization")
+    g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
+                   help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
+                        "explicitly override it (default: none)")
+    g.add_argument("--batch", type=int, default=128,
+                   help="global batch (divisible by the device count)")
+    g.add_argument("--epochs", type=int, default=200,
+                   help="passes over the training split; the learning-rate schedule spans them")
+    g.add_argument("--steps", type=int, default=None,
+                   help="stop after this many optimizer steps (default: the --epochs' steps); "
+                        "the schedule spans the steps run")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="AdamW (b1 0.9, b2 0.999), or SGD with momentum 0.9 (the fine-tuning "
+                        "recipe's; --weight-decay then adds decay to the gradient)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW or SGD)")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps (default: 5%% of the run)")
+    g.add_argument("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="global-norm gradient clipping (0: off)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights, the data order, the augmentation and the "
+                        "dropout masks")
+
+
+def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of augmentation and regularisation (the recipe's)."""
+    g = p.add_argument_group("recipe: augmentation and regularisation "
+                             "(the defaults are the full CIFAR-10 recipe; docs/training.md)")
+    g.add_argument("--label-smoothing", type=float, default=0.1,
+                   help="cross-entropy against targets with this much probability spread over "
+                        "all classes (0: off)")
+    g.add_argument("--randaugment", type=_randaugment, default=(2, 9), metavar="N,M",
+                   help="RandAugment: N ops per image at magnitude M (of 10); 0 turns it off "
+                        "(default: 2,9)")
+    g.add_argument("--dropout", type=float, default=None, metavar="RATE",
+                   help="dropout rate (default: the model preset's; vit-cifar 0.1)")
+    g.add_argument("--drop-path", type=float, default=None, metavar="RATE",
+                   help="stochastic depth rate at the last block (default: the preset's)")
+    g.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
+                   help="mixup with Beta(ALPHA, ALPHA) weights (0: off)")
+    g.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
+                   help="cutmix with Beta(ALPHA, ALPHA) areas (0: off); with --mixup too, each "
+                        "batch uses one of the two")
+    g.add_argument("--mix-off-epochs", type=int, default=0, metavar="N",
+                   help="turn mixup / cutmix off for the last N epochs of the run (0: mix to "
+                        "the end); the step is compiled once per variant")
+    g.add_argument("--repeat-aug", type=int, default=1, metavar="R",
+                   help="repeated augmentation: each batch holds batch/R images R times, each "
+                        "copy augmented differently; an epoch keeps its step count (about N/R "
+                        "distinct images per epoch; docs/training.md)")
+    g.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="keep an exponential moving average of the weights with this decay "
+                        "(warm-up min(DECAY, (1+t)/(10+t))), checkpointed, and evaluate it "
+                        "(0: off)")
+    g.add_argument("--eval-flip", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluate on the mean of each image's logits and its mirror image's "
+                        "(test-time augmentation; training is unchanged) (default: off)")
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --accum-steps, --memory-budget."""
+    g = p.add_argument_group("memory")
+    g.add_argument("--accum-steps", default="auto", type=_accum_steps, metavar="K|auto",
+                   help="gradient accumulation: run each device's slice of the batch as K "
+                        "micro-batches per optimizer step (same results); auto: the smallest K "
+                        "whose compiled step fits in device memory")
+    g.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="memory --accum-steps auto may plan for, in GiB, all of this process's "
+                        "devices together (default: 80%% of the free device memory; on CPU of the "
+                        "available RAM)")
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the dataset and its sizes."""
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", choices=["cifar10", "synthetic"],
+                   help="CIFAR-10 (45,000 train, 5,000 val and the 10,000 test images), or "
+                        "random images of the same shapes (no download; for timing and tests)")
+    g.add_argument("--data-dir", default="./data", metavar="DIR",
+                   help="where CIFAR-10 is, or is downloaded to when missing (its "
+                        "cifar-10-batches-py folder, or the folder holding it)")
+    g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: training images (default: 45000)")
+    g.add_argument("--synthetic-val", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: validation images (default: 5000)")
+    g.add_argument("--synthetic-test", type=int, default=None, metavar="N",
+                   help="--dataset synthetic: test images (default: 10000)")
+
+
+def _add_eval_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of evaluation, logging, devices."""
+    g = p.add_argument_group("evaluation, logging, devices")
+    g.add_argument("--eval-every", type=int, default=1,
+                   help="evaluate on the validation split every N epochs (0: never)")
+    g.add_argument("--eval-batch", type=int, default=None,
+                   help="evaluation batch (default: --batch)")
+    g.add_argument("--log-json", default=None, metavar="FILE",
+                   help="append one JSON object per log line to this file (default: none)")
+    g.add_argument("--log-every", type=int, default=50,
+                   help="log every N steps (every step if the run has <= 100)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--no-final-eval", action="store_true",
+                   help="skip the final validation and test evaluation (runs that only time the "
+                        "steps)")
+    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="run on N fake CPU devices (default: JAX's devices; one on a CPU); at "
+                        "most what 80%% of the available RAM holds at about 1.2 MiB a device "
+                        "(vit_pure/run/checks.py)")
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of checkpoints and preemption."""
+    g = p.add_argument_group("checkpoints and preemption")
+    g.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                   help="write checkpoints here: at the end of each epoch, every --ckpt-every "
+                        "steps, at the end of the run, and on SIGTERM/SIGINT (default: none "
+                        "written)")
+    g.add_argument("--ckpt-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N steps (0: only at the times above)")
+    g.add_argument("--ckpt-keep", type=int, default=3, metavar="K",
+                   help="keep the newest K checkpoints")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --ckpt-dir (start "
+                        "from scratch if there is none)")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate the newest checkpoint in --ckpt-dir on the test split, and exit")
+    g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop (with a checkpoint) once global step STEP is done, keeping the "
+                        "learning-rate schedule of the full run; continue with --resume "
+                        "(default: run to the end)")
+
+
+def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --profile and its steps."""
+    g = p.add_argument_group("profiling")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a jax.profiler trace of --profile-steps here "
+                        "(TensorBoard's profile plugin, or ui.perfetto.dev) (default: no trace)")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="the steps to trace, inclusive, counted as in the log (default: 3:5)")
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of several processes."""
+    g = p.add_argument_group(
+        "several processes (hosts)",
+        "Run the same command in every process, adding --coordinator, --num-processes and "
+        "its own --process-id (or --distributed where JAX detects them: SLURM, Open MPI, "
+        "Cloud TPU). Each process loads its share of every batch; process 0 logs and "
+        "writes the checkpoints (--ckpt-dir: a directory all processes see).")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0, where JAX's coordinator listens (default: "
+                        "one process)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="P",
+                   help="how many processes the job has (default: one)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's number, 0..P-1 (default: 0 with one process)")
+    g.add_argument("--init-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds for every process to join the job before each stops in "
+                        "one line")
+    g.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S",
+                   help="seconds of silence after which a process counts as gone and "
+                        "the others stop in one line")
+    g.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds JAX's end-of-job barrier waits")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process job, letting jax.distributed.initialize detect "
+                        "what the three flags above leave out")
+
+
+def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """The planning flags (both scripts; settings.PlanConfig carries them to plan/build.py)."""
+    g = parser.add_argument_group(
+        "planning a run at scale (docs/planning.md)",
+        "--plan N compiles the training step for N devices (for the GPU itself where JAX's "
+        "CUDA plugin is installed, else on fake CPU devices), trains nothing, and prints its "
+        "collectives, their cost on --hardware, the compute, the memory, the predicted step "
+        "and a verdict.")
+    g.add_argument("--plan", type=int, default=None, metavar="N",
+                   help="plan the step for N devices instead of training (default: train); at "
+                        "most what 80%% of the available RAM holds at about 0.25 MiB a device "
+                        "(vit_pure/run/checks.py)")
+    g.add_argument("--hardware", default="h100", metavar="NAME",
+                   help="target of the plan (vit_pure/plan/interconnect.py HARDWARE; an unknown "
+                        "name lists them)")
+    g.add_argument("--plan-json", default=None, metavar="FILE",
+                   help="also write the plan as JSON (default: print it only)")
+    g.add_argument("--gpus-per-node", type=int, default=None, metavar="P",
+                   help="devices per node (fast links inside; default: the hardware's, 8 "
+                        "for GPUs)")
+    g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
+                   help="fraction of the peak the step's matmuls reach (measure it with "
+                        "bench.py on one device: its 'MFU (datasheet)'); the plan is also "
+                        "shown at the hardware's measured MFU where the kit has one")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="override the peak matmul TFLOP/s (default: the hardware's)")
+    g.add_argument("--intra-gbps", type=float, default=None, metavar="GB/S",
+                   help="override the peak of the bus-bandwidth curve inside a node "
+                        "(smaller messages get less of it; docs/planning.md; default: the "
+                        "hardware's)")
+    g.add_argument("--inter-gbps", type=float, default=None, metavar="GB/S",
+                   help="override the NIC bandwidth per GPU across nodes (default: the "
+                        "fabric's, 46 for ib-400, the H100's; docs/planning.md)")
+    g.add_argument("--latency-us", type=float, default=None, metavar="US",
+                   help="override the latency per call, in microseconds (default: the "
+                        "hardware's; GPUs across nodes: a two-node call's, the fabric's "
+                        "per-step latencies scaled)")
+    g.add_argument("--fabric", default=None, metavar="NAME",
+                   help="the network between GPU nodes: ib-400, roce-400, ib-200, roce-200, "
+                        "efa-p5 or tcpxo (vit_pure/plan/fabrics.py; default: the hardware's, "
+                        "ib-400 for h100 and h200)")
+    g.add_argument("--algo", default="auto",
+                   choices=("auto", "ring", "tree", "nvls", "nvlstree"),
+                   help="NCCL algorithm the collectives are priced with, as NCCL_ALGO forces "
+                        "it (default auto: the fastest for each call, as NCCL's tuner picks)")
+
+
+def _remat(text: str) -> str:
+    """--remat: a mode `model.encoder` takes (config.remat_saved_names)."""
+    try:
+        remat_saved_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _randaugment(text: str) -> tuple[int, int]:
+    """--randaugment: "N,M" (N ops at magnitude M of 10) or "0" (off)."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(x) for x in parts)
+    except ValueError:
+        values = ()
+    if values == (0,):
+        return (0, 0)
+    if len(values) != 2 or values[0] < 0 or not 0 <= values[1] <= 10:
+        raise argparse.ArgumentTypeError(f"expected N,M with N >= 0 and 0 <= M <= 10, got {text!r}")
+    return values
+
+
+def _accum_steps(text: str):
+    """--accum-steps: "auto" or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's true default: argparse's "(default: X)" is added only where
+    the flag takes a value, has one by default, and its text does not state the default
+    itself. A default of None means "decided later" (by the preset, the backend, the
+    run's length): the flag's text says what decides it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is argparse.SUPPRESS
+                or action.nargs == 0 or "default" in text.lower()):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), like the
+    scripts' other errors (`main_guard`), without argparse's many-line usage block
+    before it: the line names the flag; `--help` lists them all."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
