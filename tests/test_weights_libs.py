@@ -44,6 +44,14 @@ def images(size, n=3, seed=0):
     return np.random.default_rng(seed).standard_normal((n, size, size, 3)).astype(np.float32)
 
 
+def kit_params(cfg: ViTConfig, seed: int):
+    """The kit's initial parameters for cfg, each moved by 0.2 of a unit normal (float32 on
+    the host), so that zero biases and unit scales are not the only values exported."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
+                        .astype(np.float32), init_params(jax.random.key(0), cfg))
+
+
 def perturbed(torch, model):
     """Random weights everywhere (zero biases and unit LayerNorms would hide a swap)."""
     torch.manual_seed(0)
@@ -93,9 +101,7 @@ def test_export_to_hf_loads_in_transformers_with_the_kits_logits(gelu, tmp_path)
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
     cfg = get_preset("tiny").replace(gelu=gelu, dropout=0.0, drop_path=0.0)
-    rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
-                          .astype(np.float32), init_params(jax.random.key(0), cfg))
+    params = kit_params(cfg, seed=1)
     weights.save(tmp_path, cfg, params, "hf")
     model = tf.ViTForImageClassification.from_pretrained(tmp_path).eval()
     x = images(32)
@@ -192,9 +198,7 @@ def test_export_to_timm_loads_in_timm_with_the_kits_logits(pool, tmp_path):
     torch = pytest.importorskip("torch")
     timm = pytest.importorskip("timm")
     cfg = get_preset("tiny").replace(pool=pool, dropout=0.0, drop_path=0.0)
-    rng = np.random.default_rng(4)
-    params = jax.tree.map(lambda a: (np.asarray(a) + 0.2 * rng.standard_normal(a.shape))
-                          .astype(np.float32), init_params(jax.random.key(0), cfg))
+    params = kit_params(cfg, seed=4)
     weights.save(tmp_path, cfg, params, "timm")
     config = json.loads((tmp_path / "config.json").read_text())
     # As tools/export.py's docstring says: the pretrained_cfg (its class count keeps the

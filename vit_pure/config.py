@@ -34,6 +34,12 @@ REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 REMAT_SAVE_NAMES = ("dot", "ln", "gelu", "mask")
 
 
+def _one_of(field: str, value, choices, prefix: str = "") -> None:
+    """Raise ValueError unless value is one of choices, naming the field and the choices."""
+    if value not in choices:
+        raise ValueError(f"{prefix}{field} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """Everything that fixes the shapes (and the regularisation) of a ViT."""
@@ -79,15 +85,9 @@ class ViTConfig:
             raise ValueError(
                 f"{self.name}: image_size {self.image_size} is not divisible by "
                 f"patch_size {self.patch_size}")
-        if self.pool not in POOLS:
-            raise ValueError(f"{self.name}: pool must be one of {', '.join(POOLS)}, "
-                             f"got {self.pool!r}")
-        if self.gelu not in GELUS:
-            raise ValueError(f"{self.name}: gelu must be one of {', '.join(GELUS)}, "
-                             f"got {self.gelu!r}")
-        if self.inputs not in INPUT_SCALINGS:
-            raise ValueError(f"{self.name}: inputs must be one of {', '.join(INPUT_SCALINGS)}, "
-                             f"got {self.inputs!r}")
+        _one_of("pool", self.pool, POOLS, f"{self.name}: ")
+        _one_of("gelu", self.gelu, GELUS, f"{self.name}: ")
+        _one_of("inputs", self.inputs, INPUT_SCALINGS, f"{self.name}: ")
         if any(c < 1 for c in self.stem) or self.patch_size % (2 ** len(self.stem)):
             raise ValueError(
                 f"{self.name}: a stem of {len(self.stem)} stride-2 convolutions needs "
@@ -204,21 +204,13 @@ class Execution:
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, "
-                             f"got {self.attention!r}")
-        if self.dropout_masks not in DROPOUT_MASKS:
-            raise ValueError(f"dropout_masks must be one of {', '.join(DROPOUT_MASKS)}, "
-                             f"got {self.dropout_masks!r}")
-        if self.mlp_kernels not in MLP_KERNELS:
-            raise ValueError(f"mlp_kernels must be one of {', '.join(MLP_KERNELS)}, "
-                             f"got {self.mlp_kernels!r}")
+        _one_of("attention", self.attention, ATTENTION_IMPLS)
+        _one_of("dropout_masks", self.dropout_masks, DROPOUT_MASKS)
+        _one_of("mlp_kernels", self.mlp_kernels, MLP_KERNELS)
         if self.mlp_kernels == "pallas" and "gelu" in remat_saved_names(self.remat):
             raise ValueError(f"mlp_kernels 'pallas' recomputes the GELU's output, which "
                              f"remat {self.remat!r} saves: use mlp_kernels 'xla'")
-        if self.qkv_projection not in QKV_PROJECTIONS:
-            raise ValueError(f"qkv_projection must be one of {', '.join(QKV_PROJECTIONS)}, "
-                             f"got {self.qkv_projection!r}")
+        _one_of("qkv_projection", self.qkv_projection, QKV_PROJECTIONS)
         if self.qkv_projection == "pallas" and self.attention == "einsum":
             raise ValueError("qkv_projection 'pallas' writes the fused attention's padded "
                              "inputs: use attention 'cudnn' or 'xla', or qkv_projection 'xla'")
