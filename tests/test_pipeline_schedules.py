@@ -9,6 +9,8 @@ program is checked through the training script's own strategy (tiny model, fake 
 devices) against `jax.grad` of the mean loss on one device, within the tolerances of
 tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`.
 """
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -18,6 +20,7 @@ from test_layout_matrix import tolerances
 
 import train_shardmap
 from vit_pure import PRESETS, Policy, step
+from vit_pure.errors import UsageError
 from vit_pure.pipeline import schedules
 from vit_pure.pipeline.schedules import IDLE
 
@@ -162,8 +165,10 @@ def _sc(policy, accum):
     return step.StepConfig(CFG, Policy.parse(policy), grad_clip=0.0, accum_steps=accum)
 
 
-def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0):
-    if Policy.parse(policy).needs_loss_scaling:
+def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None):
+    if sc is not None:  # a recipe of its own: its own reference
+        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps)
+    elif Policy.parse(policy).needs_loss_scaling:
         # fp16: the scaled per-device loss overflows or not depending on the per-device
         # batch, so the reference is GPipe on the same mesh (tests/test_pipeline.py ties
         # GPipe to the single-device step), as tests/test_layout_matrix.py compares fp16
@@ -172,7 +177,8 @@ def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0):
                                                   steps=steps)
     else:
         ref_grads, ref_metrics, ref_losses = _reference(policy, accum, steps)
-    grads, metrics, losses = _run(_sc(policy, accum), mesh, k, schedule, v, fsdp, steps)
+    sc = sc or _sc(policy, accum)
+    grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps)
     tol_metrics, tol_params = tolerances(Policy.parse(policy))
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
     assert float(metrics["accuracy"]) == pytest.approx(float(ref_metrics["accuracy"]))
@@ -215,3 +221,20 @@ def test_zb_h1_equals_the_reference():
     """The default tier's one program check (~5 s here): zb-h1, whose table has every
     kind of entry (F, I, W, idle), on 4 stages."""
     _check("fp32", 1, "data=2,pipe=4", 4, "zb-h1")
+
+
+def _mixing(policy="fp32"):
+    return dataclasses.replace(_sc(policy, 1), mixup_alpha=0.8, cutmix_alpha=1.0)
+
+
+@pytest.mark.slow
+def test_mixed_micro_batches_equal_the_reference():
+    """mixup / cutmix: the table-driven program prepares each micro-batch where stage 0
+    embeds it; its rows must be the whole slice's preparation (pairs 2k, 2k+1 and the
+    step's draws), so the step equals the reference that mixes the slice at once."""
+    _check("fp32", 1, "data=4,pipe=2", 2, "1f1b", sc=_mixing())
+
+
+def test_mixing_needs_even_micro_batches():
+    with pytest.raises(UsageError, match="needs an even size, not 1"):
+        _run(_mixing(), "data=4,pipe=2", 4, "1f1b")

@@ -289,17 +289,27 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
     accumulation micro-batch is itself split into the pipeline's micro-batches, which
     fill the stages; accumulation repeats the whole pipelined forward/backward K times.
 
-    `grads_fn(p, images, labels, targets, example_ids, drop_key, seed) -> (grads, metrics)`,
-    if given, replaces `jax.grad` of `micro_metrics`: it returns the gradients of `seed` x
-    the loss itself (the table-driven pipeline schedules, which pull back stage by stage).
+    `grads_fn(p, images_u8, labels, targets, example_ids, drop_key, seed, prepare) ->
+    (grads, metrics)`, if given, replaces `jax.grad` of `micro_metrics`: it returns the
+    gradients of `seed` x the loss itself (the table-driven pipeline schedules, which pull
+    back stage by stage). It gets the raw images and prepares them itself, a piece at a
+    time, with `prepare(images_u8, labels, example_ids) -> images`: every draw belongs to an
+    example (or, for mixing, to the step's key and an even-sized piece's pairs), so the
+    pieces are the rows of the whole slice's preparation, and no prepared copy of the
+    whole slice is held while they run. (Only the targets are taken from the whole slice.)
     """
     images, targets, drop_key = prepare_batch(sc, images_u8, labels, example_ids, key)
+    if grads_fn is not None:
+        images = images_u8  # the prepared slice is left unused: XLA drops it
+
+        def prepare(images_u8, labels, example_ids):
+            return prepare_batch(sc, images_u8, labels, example_ids, key)[0]
 
     def micro_grads(images, labels, targets, example_ids):
         if grads_fn is not None:
             seed = loss_scale.scale_loss(jnp.ones((), F32))
             grads, metrics = grads_fn(params, images, labels, targets, example_ids, drop_key,
-                                      seed)
+                                      seed, prepare)
             return loss_scale.unscale(grads), metrics
 
         def scaled_loss(p):

@@ -54,6 +54,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from vit_pure.config import Execution, ViTConfig
+from vit_pure.errors import UsageError
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
@@ -215,24 +216,26 @@ def _vary_like(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids, drop_key,
-                   seed, *, schedule, pipe_axis: str, tp_axis: str | None = None,
+def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
+                   seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
                    gather=None):
     """One pipelined forward and backward pass run from `schedule`'s table (1f1b,
     interleaved, zb-h1): the gradients of `seed` x the mean loss (seed: the loss scale),
     laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
 
     The program, per stage (every device runs it, reading its own column of the table):
-      before the ticks: one `jax.vjp` of the FSDP gather and the cast of the params (and
-        with virtual stages the blocks' all-gather over 'pipe'), pulled back after them;
+      before the ticks: one `jax.vjp` of the FSDP gather (with virtual stages: the cast
+        and the blocks' all-gather over 'pipe'), pulled back after them;
       one `lax.scan` over the ticks; each tick, in this order:
-        F  `lax.cond`: stage 0 embeds the micro-batch of its first chunk's F; `jax.vjp` of
-           the chunk (blocks, then head and loss, masked to zero but on the last virtual
-           stage), its residuals written into a ring of slots, the output kept to send;
+        F  `lax.cond`: stage 0 prepares and embeds the micro-batch of its first chunk's F;
+           `jax.vjp` of the chunk (blocks, cast layer by layer, then head and loss, masked
+           to zero but on the last virtual stage), its residuals written into a ring of
+           slots, the output kept to send;
         B  `lax.cond`: the residuals read back, the pull-back of the received cotangent
-           (the loss's seed on the last virtual stage), the gradients added in float32
-           (zb-h1: only the input cotangent; the output cotangent is kept for W); stage 0
-           pulls its input cotangent back through the embedding, run again;
+           (the loss's seed on the last virtual stage), the gradients (in the compute
+           dtype) added in float32 (zb-h1: only the input cotangent; the output cotangent
+           is kept for W); stage 0 pulls its input cotangent back through the embedding
+           (the micro-batch prepared and embedded again);
         W  zb-h1: `lax.cond`: the kept cotangent's pull-back for the weights only;
         then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
            output to the next stage, the input cotangent to the previous one.
@@ -260,28 +263,30 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
                                      gather, "blocks") for i in range(per)]
             blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        blocks = policy.cast_to_compute(blocks)
-        if V == 1:
+        if V == 1:  # cast layer by layer in the chunk (no compute-dtype copy held)
             return top, jax.tree.map(lambda a: a[None], blocks)
-        # All-gather over 'pipe' of the blocks, then this stage's chunks: virtual stage
-        # v P + s (layers (vP + s) c ...) runs on stage s. (Its transpose, after the
-        # ticks, reduce-scatters the gradients back to the stages that hold the layers.)
-        whole = lax.all_gather(blocks, pipe_axis, axis=0, tiled=True)  # (L, ...)
+        # All-gather over 'pipe' of the blocks (in the compute dtype), then this stage's
+        # chunks: virtual stage v P + s (layers (vP + s) c ...) runs on stage s. (Its
+        # transpose, after the ticks, reduce-scatters the gradients back to their stages.)
+        whole = lax.all_gather(policy.cast_to_compute(blocks), pipe_axis, axis=0, tiled=True)
         starts = (jnp.arange(V) * P_ + stage) * chunk
         return top, jax.tree.map(lambda a: jnp.stack(
             [lax.dynamic_slice_in_dim(a, starts[v], chunk) for v in range(V)]), whole)
 
     (top, chunks), prepare_vjp = jax.vjp(prepare, params)
     ex_keys = dropout_keys(cfg, True, drop_key, example_ids, labels.shape[0])
-    # Held through the ticks in the compute dtype: `embed` casts to it first thing.
-    images = lax.pcast(images.astype(policy.compute_dtype), pipe_axis, to="varying")
-    ims, ys_lab, ys_tgt = _micro(images, M), _micro(labels, M), _micro(targets, M)
+    # The raw images are held through the ticks, each micro-batch prepared where it is
+    # embedded (`prepare_images`: its rows of the whole slice's augmentation).
+    u8 = _micro(lax.pcast(images_u8, pipe_axis, to="varying"), M)
+    ids = _micro(example_ids, M)
+    ys_lab, ys_tgt = _micro(labels, M), _micro(targets, M)
     keys = None if ex_keys is None else _micro(ex_keys, M)
 
     def embed_mb(t, mb):
-        """Micro-batch mb's embedded tokens (stage 0 runs it in the tick of its F, and
-        again in the pull-back at its B: nothing of the embedding is kept between)."""
-        return embed(t, ims[mb], cfg, policy, None if keys is None else keys[mb], execution)
+        """Micro-batch mb prepared and embedded (stage 0 runs it in the tick of its F, and
+        again in the pull-back at its B: nothing of either is kept between)."""
+        images = prepare_images(u8[mb], ys_lab[mb], ids[mb])
+        return embed(t, images, cfg, policy, None if keys is None else keys[mb], execution)
 
     def layers_of(v):
         return [jax.tree.map(lambda a, i=i: a[v, i], chunks) for i in range(chunk)]
@@ -377,7 +382,7 @@ def schedule_grads(sc: StepConfig, params, images, labels, targets, example_ids,
             g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
             if schedule.split_backward:  # zb-h1 leaves the weights to W
                 return dx, cot[0]
-            return dx, cot[0], g_cp, g_top
+            return dx, cot[0], policy.cast_to_compute(g_cp), g_top
 
         dx, dy, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
         if g:
@@ -444,6 +449,10 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     """
     check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
+    m = labels.shape[0] // sc.accum_steps // microbatches
+    if schedule != "gpipe" and sc.augment and (sc.mixup_alpha or sc.cutmix_alpha) and m % 2:
+        raise UsageError(f"pipeline schedule {schedule}: each micro-batch is mixed on its "
+                         f"own (pairs 2k, 2k+1), so it needs an even size, not {m}")
 
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
@@ -466,9 +475,9 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     table = None if schedule == "gpipe" else schedules.build(
         schedule, lax.axis_size(pipe_axis), microbatches, virtual)
 
-    def micro_grads(p, images, labels, targets, example_ids, drop_key, seed):
-        grads, sums = schedule_grads(sc, p, images, labels, targets, example_ids, drop_key,
-                                     seed, schedule=table, pipe_axis=pipe_axis,
+    def micro_grads(p, images_u8, labels, targets, example_ids, drop_key, seed, prepare):
+        grads, sums = schedule_grads(sc, p, images_u8, labels, targets, example_ids, drop_key,
+                                     seed, prepare, schedule=table, pipe_axis=pipe_axis,
                                      tp_axis=tp_axis, gather=gather)
         # All-reduce (sum) over the pipe axis: the metrics exist on the last stage only.
         return grads, lax.psum(sums, pipe_axis)
