@@ -119,6 +119,47 @@ def test_integer_arithmetic_is_counted_apart_from_the_floor():
     assert "0.0 G integer ops" in kernels.report(t)
 
 
+# A ring of 8 slots of bf16[64,32]: one slot read (a dynamic-slice of the ring), one slot
+# written in place (a dynamic-update-slice of the ring), as a pipeline's tick does.
+RING_FRAGMENT = """HloModule jit_train_step, entry_computation_layout={()->()}
+
+%fused_read (p0: bf16[8,64,32], p1: s32[]) -> bf16[1,64,32] {
+  %p0 = bf16[8,64,32]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,64,32]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,32}
+}
+
+%fused_write (p0: bf16[8,64,32], p1: bf16[1,64,32], p2: s32[]) -> bf16[8,64,32] {
+  %p0 = bf16[8,64,32]{2,1,0} parameter(0)
+  %p1 = bf16[1,64,32]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %neg = bf16[1,64,32]{2,1,0} negate(%p1)
+  ROOT %dus = bf16[8,64,32]{2,1,0} dynamic-update-slice(%p0, %neg, %p2, %z, %z)
+}
+
+ENTRY %main (ring: bf16[8,64,32], x: bf16[1,64,32], i: s32[]) -> bf16[8,64,32] {
+  %ring = bf16[8,64,32]{2,1,0} parameter(0)
+  %x = bf16[1,64,32]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %slot = bf16[1,64,32]{2,1,0} fusion(%ring, %i), kind=kLoop, calls=%fused_read
+  ROOT %written = bf16[8,64,32]{2,1,0} fusion(%ring, %slot, %i), kind=kLoop, calls=%fused_write
+}
+"""
+
+
+def test_in_place_updates_and_slice_reads_move_the_slice_only():
+    """XLA updates a buffer in place where a kernel ends in a dynamic-update-slice of its
+    parameter, and a kernel that dynamic-slices a parameter reads that slice: the bytes
+    are the slots', not the ring's (else a pipeline's ring would price as copied whole
+    every tick)."""
+    found = {k.name: k for k in kernels.kernels(hlo.parse_module(RING_FRAGMENT))}
+    slot = 2 * 64 * 32
+    assert found["slot"].bytes == slot + slot + 4  # the slot read, written; the index
+    assert found["written"].bytes == 2 * slot + slot + 4  # the slot in, the slot read/written
+
+
 # A Pallas kernel lowered to Triton, as XLA:GPU prints it (its IR cut short), stating its
 # FLOPs in its metadata (vit_pure/pallas/mlp.py), and one that states none.
 TRITON_FRAGMENT = r"""HloModule jit_train_step, entry_computation_layout={()->()}

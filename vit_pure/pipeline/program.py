@@ -263,7 +263,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
             layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
                                      gather, "blocks") for i in range(per)]
             blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        if V == 1:  # cast layer by layer in the chunk (no compute-dtype copy held)
+        if V == 1:  # cast layer by layer in the chunk: no compute-dtype copy held
             return top, jax.tree.map(lambda a: a[None], blocks)
         # All-gather over 'pipe' of the blocks (in the compute dtype), then this stage's
         # chunks: virtual stage v P + s (layers (vP + s) c ...) runs on stage s. (Its

@@ -165,6 +165,40 @@ def int_ops(module: Module, comp: str) -> int:
     return total
 
 
+def _untouched_bytes(module: Module, instr: Instr) -> int:
+    """Bytes of a fusion's operands and outputs that the kernel names but does not move:
+    a result that is a dynamic-update-slice of a parameter is updated in place (a ring
+    slot written, one layer's gradient added into a stack: XLA aliases the buffer), and a
+    parameter read only through (dynamic-)slices is read only there (a ring slot read).
+    The kernel moves the slices; the whole buffers count in neither operands nor outputs
+    but once per slice. 0 for any other kernel."""
+    if instr.opcode != "fusion" or not instr.callees:
+        return 0
+    body = module.computations.get(instr.callees[0], [])
+    if not body:
+        return 0
+    by_name = {i.name: i for i in body}
+    root = body[-1]
+    results = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    saved = 0
+    for r in results:
+        if (r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1
+                and getattr(by_name.get(r.operands[0]), "opcode", "") == "parameter"
+                and r.operands[1] in by_name):
+            # the buffer in and out, less the slice written (and read, for an add)
+            saved += 2 * shape_bytes(r.shape) - 2 * shape_bytes(by_name[r.operands[1]].shape)
+    users: dict[str, list[Instr]] = {}
+    for i in body:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    for p in (i for i in body if i.opcode == "parameter"):
+        uses = users.get(p.name, [])
+        if uses and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == p.name
+                        for u in uses):
+            saved += shape_bytes(p.shape) - sum(shape_bytes(u.shape) for u in uses)
+    return saved
+
+
 def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
     """Every kernel the program launches per step, in program order. `dot_flops_of(comp)`
     (optional) gives the matmul FLOPs inside a fused computation (Triton GEMMs)."""
@@ -185,6 +219,7 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
                 outputs = instr.shape[1:].split(", s8[")[0]  # the result, not the workspace
             nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
                                                 for o in instr.operands)
+            nbytes -= _untouched_bytes(module, instr)
             stated_bytes = _TRITON_BYTES.search(instr.attrs) if kind == "gemm" else None
             if stated_bytes:  # a kit Pallas kernel: its grid's loads and stores
                 nbytes = int(stated_bytes.group(1))
