@@ -264,6 +264,10 @@ PRESETS: dict[str, ViTConfig] = {
     "vit-b16": ViTConfig(
         name="vit-b16", image_size=224, patch_size=16, num_classes=1000,
         width=768, depth=12, heads=12, mlp_dim=3072),
+    # 24 blocks: the depth that splits into 8 pipeline stages (ViT-B/16's 12 do not).
+    "vit-l16": ViTConfig(
+        name="vit-l16", image_size=224, patch_size=16, num_classes=1000,
+        width=1024, depth=24, heads=16, mlp_dim=4096),
 }
 
 
