@@ -57,6 +57,7 @@ from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
+from vit_pure.pipeline.split import Split
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -255,6 +256,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     ring = schedules.ring_size(schedule)
     slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
     writes = jnp.asarray(schedules.write_slots(schedule, ring, slots))  # (ticks, P)
+    held_dy = schedules.kept_size(schedule)  # zb-h1: output cotangents held from I to W
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -302,7 +304,10 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
 
     def pulled(v, mb, x):
-        return jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x)
+        """F: (outputs, pull-back, the weight matmuls' operands kept for W (zb-h1))."""
+        if split is not None:
+            return split.forward((layers_of(v), top), x, v, mb)
+        return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
     def input_free(v, mb, x):
         """Per residual: True where no path of the traced pull-back leads from x or mb to
@@ -315,15 +320,20 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
 
     def forward(v, mb, x):
-        """The chunk's outputs, the residuals for the ring and the pull-back's structure."""
-        out, pull = pulled(v, mb, x)
+        """The chunk's outputs, what the ring keeps (the pull-back's residuals, then W's
+        operands) and the pull-back's structure."""
+        out, pull, acts = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
-        return out, [a for a, f in zip(res, fixed) if not f], tree
+        return out, [a for a, f in zip(res, fixed) if not f] + acts, tree
 
     # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
     x0 = embed_mb(top, zero)  # its shape and type only
+    # zb-h1: B split into I and W, the weight matmuls' gradients (pipeline/split.py).
+    split = Split(lambda p, x, v, mb: chunk_fn(*p, x, v, mb), (layers_of(zero), top), x0,
+                  zero, zero) if schedule.split_backward else None
     fixed = input_free(zero, zero, x0)
+    n_pull = fixed.count(False)  # the ring's first n_pull arrays are the pull-back's
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
     rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
@@ -331,19 +341,26 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
     def pullback(v, mb, res, cot):
         again = jax.tree.leaves(pulled(v, mb, jnp.zeros_like(x0))[1])  # XLA keeps the fixed
-        it = iter(res)
+        it = iter(res[:n_pull])
         pull = jax.tree.unflatten(layout, [a if f else next(it) for a, f in zip(again, fixed)])
-        return pull(cot)  # (d chunk params, d top, d x)
+        if split is None:
+            return *pull(cot), []  # d chunk params, d top, d x, no kept cotangents
+        (g_cp, g_top), dx, dys = split.input_grads(pull(cot))  # None for the weights
+        return g_cp, g_top, dx, dys
 
-    def add_grads(acc, v, g_cp, g_top):
+    def add_grads(acc, v, g_cp, g_top):  # a None gradient (zb-h1's I or W) adds nothing
         g_chunks, g_tops = acc
         for i, g_layer in enumerate(g_cp):
-            g_chunks = jax.tree.map(lambda a, g, i=i: a.at[v, i].add(g.astype(a.dtype)),
-                                    g_chunks, g_layer)
-        return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
+            g_chunks = jax.tree.map(lambda g, a, i=i: a if g is None else a.at[v, i].add(
+                g.astype(a.dtype)), g_layer, g_chunks, is_leaf=lambda g: g is None)
+        return g_chunks, jax.tree.map(lambda g, a: a if g is None else a + g.astype(a.dtype),
+                                      g_top, g_tops, is_leaf=lambda g: g is None)
 
     def slot(mb, v):  # idle (mb = -1): the last slot (the residuals': read, unused)
         return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
+
+    def kept(mb, v):  # the same for the ring of kept output cotangents (zb-h1)
+        return jnp.where(mb >= 0, (mb * V + v) % held_dy, held_dy)
 
     def tick(carry, rows):
         row, write = rows
@@ -376,17 +393,14 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         def unless(pred, fn, *xs):
             return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
 
-        # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
+        # B (zb-h1: I): the pull-back of the received cotangent through the residuals
+        # (zb-h1: the weight matmuls' output cotangents kept for W, their weights left out).
         def do_b(res, dy):
-            cot = cotangent(b_v, dy)
-            g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
-            if schedule.split_backward:  # zb-h1 leaves the weights to W
-                return dx, cot[0]
-            return dx, cot[0], policy.cast_to_compute(g_cp), g_top
+            g_cp, g_top, dx, dys = pullback(b_v, b_mb, res, cotangent(b_v, dy))
+            return dx, dys, policy.cast_to_compute(g_cp), g_top
 
-        dx, dy, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
-        if g:
-            grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
+        dx, dys, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
 
         # Stage 0's input cotangent through the embedding (run again: nothing kept).
         def do_embed(dx):
@@ -396,14 +410,16 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         g_top = unless((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
         grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
 
-        if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
-            cots = cots.at[slot(b_mb, b_v)].set(dy)
+        if split is not None:  # W: each weight matmul's gradient from its kept a_l, dy_l
+            cots = [c.at[kept(b_mb, b_v)].set(d) for c, d in zip(cots, dys)]
 
-            def do_w(res, dy):
-                return pullback(w_v, w_mb, res, cotangent(w_v, dy))[:2]
+            def do_w(res, dys):
+                g_cp, g_top = split.weight_grads((layers_of(w_v), top), res[n_pull:], dys,
+                                                 w_v, w_mb)
+                return policy.cast_to_compute(g_cp), g_top
 
             g = unless(w_mb >= 0, do_w, [r[slot(w_mb, w_v)] for r in rings],
-                       cots[slot(w_mb, w_v)])
+                       [c[kept(w_mb, w_v)] for c in cots])
             grads = add_grads(grads, jnp.maximum(w_v, 0), *g)
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
@@ -415,7 +431,8 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
         return (recv_f, recv_b, rings, cots, grads, sums), None
 
-    cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
+    # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
+    cots0 = [] if split is None else [_zeros_ring(t, held_dy + 1) for t in split.taps()]
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), rings0, cots0, zeros,
              (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     carry, _ = lax.scan(tick, carry, (table, writes))

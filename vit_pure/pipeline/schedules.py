@@ -291,19 +291,18 @@ def check_lockstep(s: Schedule) -> None:
                                f"does not follow its cotangent's tick")
 
 
-def ring_size(s: Schedule) -> int:
-    """The residual ring's slots: the least R such that the residual sets a stage holds at
-    once never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
+def _least_ring(s: Schedule, take, take_chunk, release, release_chunk, least: int) -> int:
+    """The least R >= `least` such that the sets a stage holds at once (taken where `take`
+    names a micro-batch, given back where `release` does, later in the same tick at the
+    earliest) never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
     P, V = s.stages, s.virtual
-    release = s.wgt if s.split_backward else s.bwd
-    release_chunk = s.wgt_chunk if s.split_backward else s.bwd_chunk
-    for R in range(int(in_flight(s).max()), s.microbatches * V + 1):
+    for R in range(max(least, 1), s.microbatches * V + 1):
         ok = True
         for st in range(P):
             live = set()
             for t in range(s.ticks):
-                if s.fwd[t, st] != IDLE:
-                    slot = (s.fwd[t, st] * V + s.fwd_chunk[t, st]) % R
+                if take[t, st] != IDLE:
+                    slot = (take[t, st] * V + take_chunk[t, st]) % R
                     ok &= slot not in live
                     live.add(slot)
                 if release[t, st] != IDLE:
@@ -311,6 +310,22 @@ def ring_size(s: Schedule) -> int:
         if ok:
             return R
     return s.microbatches * V
+
+
+def ring_size(s: Schedule) -> int:
+    """The residual ring's slots: residual sets are taken at F, given back at B (zb-h1: W)."""
+    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
+    return _least_ring(s, s.fwd, s.fwd_chunk, release, chunk, int(in_flight(s).max()))
+
+
+def kept_size(s: Schedule) -> int:
+    """zb-h1: the slots of the ring of output cotangents I keeps for W (taken at I, given
+    back at W); 1 for the other schedules, which keep none."""
+    if not s.split_backward:
+        return 1
+    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
+    least = int((waiting + (s.wgt != IDLE)).max())  # a W's set is live during its tick
+    return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
 
 
 def write_slots(s: Schedule, ring: int, slots: int) -> np.ndarray | None:
