@@ -49,7 +49,8 @@ from benchmarks import harness
 from vit_pure import model
 from vit_pure.config import PRESETS
 from vit_pure.pipeline import schedules
-from vit_pure.policy import Policy
+from vit_pure.pipeline.split import Split
+from vit_pure.run import backend
 
 CHILD_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
 GIB = 2.0 ** 30
@@ -76,10 +77,13 @@ def run_row(job: dict) -> dict:
 
 
 # ==================================================================== the stage's costs
-def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str) -> dict:
-    """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring)."""
+def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
+                hardware: str = "h100") -> dict:
+    """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring),
+    with the matmul output dtype the training script picks for `hardware`."""
     cfg = PRESETS[cfg_name]
-    policy = Policy.parse(dtype)
+    policy = backend.resolve(dtype, "default", None, "cpu" if hardware == "cpu" else "gpu",
+                             flags=frozenset()).policy
     per = cfg.depth // stages
     blocks = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg)["blocks"])
     blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per, *a.shape[1:]),
@@ -89,20 +93,27 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str) -> dict:
     def f(p, x):
         return model.encoder(p, x, cfg, policy)
 
-    def flops(fn):
-        cost = jax.jit(fn).lower(blocks, x).compile().cost_analysis()
+    def flops(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         return float(cost["flops"])
 
-    def pulled(pick):
-        def fn(p, x):
-            y, pull = jax.vjp(f, p, x)
-            return pick(pull(jnp.ones_like(y)))
-        return flops(fn)
+    def b(p, x):  # B: the whole pull-back
+        y, pull = jax.vjp(f, p, x)
+        return pull(jnp.ones_like(y))
 
-    t_f = flops(f)
-    return {"F": t_f, "B": pulled(lambda g: g) - t_f, "I": pulled(lambda g: g[1]) - t_f,
-            "W": pulled(lambda g: g[0]) - t_f}
+    # I and W as pipeline/program.py runs them (split.py): I is F's pull-back with the
+    # weight matmuls' weights held constant; W compiled alone, from I's kept arrays.
+    split = Split(f, blocks, x)
+
+    def i(p, x):
+        y, pull, acts = split.forward(p, x)
+        return split.input_grads(pull(jnp.ones_like(y))), acts
+
+    (_, _, dys), acts = jax.eval_shape(i, blocks, x)
+    t_f = flops(f, blocks, x)
+    return {"F": t_f, "B": flops(b, blocks, x) - t_f, "I": flops(i, blocks, x) - t_f,
+            "W": flops(lambda p, a, d: split.weight_grads(p, a, d), blocks, acts, dys)}
 
 
 def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, int]:

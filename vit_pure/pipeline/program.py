@@ -51,13 +51,14 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
-from vit_pure.pipeline.split import Split
+from vit_pure.pipeline.split import Split, input_free
+from vit_pure.pipeline.split import vary_like as _vary_like
+from vit_pure.pipeline.split import zeros_ring as _zeros_ring
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -198,25 +199,6 @@ def _on_last_stage(x, pipe_axis):
 
 
 # ------------------------------------------------------ the table-driven schedules
-def _zeros_ring(x, slots: int, axis: str | None = None):
-    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
-    which the scan's carry must keep), made varying over `axis` too."""
-    return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
-
-
-def _varying(x) -> frozenset:
-    return jax.typeof(x).manual_axis_type.varying
-
-
-def _vary_like(x, axes):
-    """x made varying over `axes` (a mesh axis name, or another array's varying axes)
-    where it is not yet: the type a lax.cond branch or the scan's carry must match."""
-    axes = frozenset([axes] if isinstance(axes, str) else
-                     () if axes is None else _varying(axes))
-    missing = tuple(sorted(axes - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
                    seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
                    gather=None):
@@ -234,10 +216,13 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
            slots, the output kept to send;
         B  `lax.cond`: the residuals read back, the pull-back of the received cotangent
            (the loss's seed on the last virtual stage), the gradients (in the compute
-           dtype) added in float32 (zb-h1: only the input cotangent; the output cotangent
-           is kept for W); stage 0 pulls its input cotangent back through the embedding
-           (the micro-batch prepared and embedded again);
-        W  zb-h1: `lax.cond`: the kept cotangent's pull-back for the weights only;
+           dtype) added in float32; stage 0 pulls its input cotangent back through the
+           embedding (the micro-batch prepared and embedded again);
+           zb-h1's I: the pull-back with the weight matmuls' weights held constant
+           (pipeline/split.py): the input cotangent, the other parameters' gradients and
+           each weight matmul's output cotangent dy_l, kept in a second ring until W;
+        W  zb-h1: `lax.cond`: each weight matmul's weight gradient from its activation
+           operand (kept at F in the residual ring) and dy_l; no cotangent chain again;
         then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
            output to the next stage, the input cotangent to the previous one.
     The parameters used on one stage only (embedding, head) are varying over the pipe
@@ -309,16 +294,6 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
             return split.forward((layers_of(v), top), x, v, mb)
         return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
-    def input_free(v, mb, x):
-        """Per residual: True where no path of the traced pull-back leads from x or mb to
-        it (the weights, their reshapes): kept out of the ring, computed again at B."""
-        jaxpr = jax.make_jaxpr(lambda mb, x: jax.tree.leaves(pulled(v, mb, x)[1]))(mb, x).jaxpr
-        dep = set(jaxpr.invars)
-        for eqn in jaxpr.eqns:
-            if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
-                dep.update(eqn.outvars)
-        return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
-
     def forward(v, mb, x):
         """The chunk's outputs, what the ring keeps (the pull-back's residuals, then W's
         operands) and the pull-back's structure."""
@@ -332,7 +307,9 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     # zb-h1: B split into I and W, the weight matmuls' gradients (pipeline/split.py).
     split = Split(lambda p, x, v, mb: chunk_fn(*p, x, v, mb), (layers_of(zero), top), x0,
                   zero, zero) if schedule.split_backward else None
-    fixed = input_free(zero, zero, x0)
+    # Residuals that depend on neither x nor mb (the weights, their reshapes) stay out of
+    # the ring: computed again at B.
+    fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
     n_pull = fixed.count(False)  # the ring's first n_pull arrays are the pull-back's
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
     rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]

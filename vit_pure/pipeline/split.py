@@ -36,6 +36,9 @@ Anything else is bound whole: a custom VJP or JVP, a rematerialised (`jax.checkp
 scanned block, so the matmuls inside them stay in I (correct, only not deferred). The
 interpreter binds whatever primitives fn has, the tensor-parallel psum / pcast of the
 model's operators included: it adds no collective of its own.
+
+Beside it, the small typing helpers the program's rings need (`vary_like`, `zeros_ring`,
+`input_free`).
 """
 from __future__ import annotations
 
@@ -104,6 +107,38 @@ def _is_matmul(node: _Node) -> bool:
     _flatten(call.jaxpr, call.consts, [object(), object()], inner, itertools.count())
     names = [n.prim.name for n in inner]
     return names.count("dot_general") == 1 and set(names) <= _PLUMBING | {"dot_general"}
+
+
+def input_free(fn, *args) -> list[bool]:
+    """Per output leaf of fn(*args): True where no path of its trace leads from args to
+    it (a weight, a reshape of one: what a ring need not keep, as it can be made again)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    dep = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
+            dep.update(eqn.outvars)
+    return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
+
+
+def varying(x) -> frozenset:
+    """The mesh axes x varies over (inside shard_map)."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def vary_like(x, axes):
+    """x made varying over `axes` (a mesh axis name, another array's varying axes, or a
+    set of names) where it is not yet: the type a lax.cond branch or a scan's carry must
+    match. A pcast to varying moves no data (its transpose is a psum)."""
+    axes = frozenset([axes] if isinstance(axes, str) else () if axes is None else
+                     axes if isinstance(axes, (set, frozenset)) else varying(axes))
+    missing = tuple(sorted(axes - varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zeros_ring(x, slots: int, axis: str | None = None):
+    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
+    which a scan's carry must keep), made varying over `axis` too."""
+    return vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
 
 
 def _bind(node: _Node, args):
@@ -215,9 +250,8 @@ class Split:
         out = []
         for j, _ in self.matmuls:
             aval = self.nodes[j].out_avals[0]
-            z = jnp.zeros(aval.shape, aval.dtype)
-            axes = tuple(sorted(aval.manual_axis_type.varying))
-            out.append(lax.pcast(z, axes, to="varying") if axes else z)
+            out.append(vary_like(jnp.zeros(aval.shape, aval.dtype),
+                                 aval.manual_axis_type.varying))
         return out
 
     def forward(self, params, x, *others):
