@@ -295,8 +295,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
     def forward(v, mb, x):
-        """The chunk's outputs, what the ring keeps (the pull-back's residuals, then W's
-        operands) and the pull-back's structure."""
+        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree."""
         out, pull, acts = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
         return out, [a for a, f in zip(res, fixed) if not f] + acts, tree
@@ -333,11 +332,8 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return g_chunks, jax.tree.map(lambda g, a: a if g is None else a + g.astype(a.dtype),
                                       g_top, g_tops, is_leaf=lambda g: g is None)
 
-    def slot(mb, v):  # idle (mb = -1): the last slot (the residuals': read, unused)
-        return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
-
-    def kept(mb, v):  # the same for the ring of kept output cotangents (zb-h1)
-        return jnp.where(mb >= 0, (mb * V + v) % held_dy, held_dy)
+    def slot(mb, v, n=ring):  # idle (mb = -1): the last slot (the residuals': read, unused)
+        return jnp.where(mb >= 0, (mb * V + v) % n, n)  # n=held_dy: zb-h1's kept cotangents
 
     def tick(carry, rows):
         row, write = rows
@@ -388,15 +384,14 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
 
         if split is not None:  # W: each weight matmul's gradient from its kept a_l, dy_l
-            cots = [c.at[kept(b_mb, b_v)].set(d) for c, d in zip(cots, dys)]
+            cots = [c.at[slot(b_mb, b_v, held_dy)].set(d) for c, d in zip(cots, dys)]
 
             def do_w(res, dys):
-                g_cp, g_top = split.weight_grads((layers_of(w_v), top), res[n_pull:], dys,
-                                                 w_v, w_mb)
-                return policy.cast_to_compute(g_cp), g_top
+                g = split.weight_grads((layers_of(w_v), top), res[n_pull:], dys, w_v, w_mb)
+                return policy.cast_to_compute(g[0]), g[1]
 
             g = unless(w_mb >= 0, do_w, [r[slot(w_mb, w_v)] for r in rings],
-                       [c[kept(w_mb, w_v)] for c in cots])
+                       [c[slot(w_mb, w_v, held_dy)] for c in cots])
             grads = add_grads(grads, jnp.maximum(w_v, 0), *g)
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
