@@ -1,6 +1,6 @@
 """Pipeline parallelism for the ViT, inside `jax.shard_map`: GPipe (below) and the
 table-driven schedules 1f1b, interleaved and zb-h1 (`schedule_grads`; their tables are
-pipeline/schedules.py).
+pipeline/schedules.py, zb-h1's split of B into I and W pipeline/split.py).
 
 The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
 over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
