@@ -73,3 +73,31 @@ def test_w_costs_the_weight_matmuls_only():
     assert c["W"] <= 0.6 * c["B"]
     assert c["I"] + c["W"] == pytest.approx(c["B"], rel=0.05)
     assert c["I"] < c["B"]
+
+
+def test_shared_operands_and_weights_used_otherwise():
+    """Two weight matmuls of one activation keep it once; a parameter that also reaches the
+    output another way is no weight (its matmul stays in I); the gradients still add up."""
+    keys = jax.random.split(jax.random.key(2), 5)
+    p = {"q": jax.random.normal(keys[0], (5, 3)), "k": jax.random.normal(keys[1], (5, 3)),
+         "tied": jax.random.normal(keys[2], (3, 4)), "scale": jnp.float32(1.5)}
+    x = jax.random.normal(keys[3], (2, 5))
+
+    def fn(p, x):
+        h = jnp.tanh(x @ p["q"] + x @ p["k"].astype(jnp.bfloat16).astype(jnp.float32))
+        y = (h @ p["tied"]) * p["scale"]
+        return jnp.sum(y * jnp.sum(p["tied"]))  # "tied" reaches the loss outside a matmul
+
+    split = Split(fn, p, x)
+    assert dict(zip(sorted(p), split.weight_mask)) == {"k": True, "q": True, "scale": False,
+                                                        "tied": False}
+    assert len(split.matmuls) == 2 and len(split.act_keys) == 1
+    _, pull = jax.vjp(fn, p, x)
+    want_p, want_x = pull(jnp.float32(1.0))
+    _, pull_i, acts = split.forward(p, x)
+    g_cheap, dx, dys = split.input_grads(pull_i(jnp.float32(1.0)))
+    g_weights = split.weight_grads(p, acts, dys)
+    np.testing.assert_allclose(dx, want_x, rtol=1e-5)
+    for name in p:
+        got = g_weights[name] if split.weight_mask[sorted(p).index(name)] else g_cheap[name]
+        np.testing.assert_allclose(got, want_p[name], rtol=1e-5, err_msg=name)

@@ -207,6 +207,9 @@ class Split:
                 break
             demoted |= bad
         self.matmuls = sorted(matmuls.items())
+        # The activation operands kept for W, each once (matmuls may share one, as
+        # separate q, k, v projections of one LayerNorm's output would).
+        self.act_keys = list(dict.fromkeys(self.nodes[j].ins[s] for j, s in self.matmuls))
         self.weight_mask = [i in weights for i in range(n_params)]
         # W walks only the equations that make the weight operands from the weights.
         need = {self.nodes[j].ins[1 - s] for j, s in self.matmuls}
@@ -235,15 +238,13 @@ class Split:
     def _run(self, env, taps):
         """Every equation, each weight matmul's output plus its tap; returns (outputs,
         the weight matmuls' activation operands)."""
-        acts, taps, it = [], iter(taps), dict(self.matmuls)
+        taps, it = iter(taps), dict(self.matmuls)
         for j, node in enumerate(self.nodes):
-            args = [self._read(env, k) for k in node.ins]
-            outs = _bind(node, args)
+            outs = _bind(node, [self._read(env, k) for k in node.ins])
             if j in it:
-                acts.append(args[it[j]])
                 outs = [outs[0] + next(taps)]
             env.update(zip(node.outs, outs))
-        return [self._read(env, k) for k in self.out_keys], acts
+        return [self._read(env, k) for k in self.out_keys], [env[k] for k in self.act_keys]
 
     def taps(self):
         """Zeros of each weight matmul's output type (its varying mesh axes included)."""
@@ -294,8 +295,9 @@ class Split:
                 env.update(zip(node.outs, _bind(node, [self._read(env, k)
                                                        for k in node.ins])))
             out = []
-            for (j, s), a in zip(self.matmuls, acts):
-                node = self.nodes[j]
+            kept = dict(zip(self.act_keys, acts))
+            for j, s in self.matmuls:
+                node, a = self.nodes[j], kept[self.nodes[j].ins[s]]
                 args = [a, self._read(env, node.ins[1 - s])][::1 if s == 0 else -1]
                 out.append(_bind(node, args)[0])
             return out
