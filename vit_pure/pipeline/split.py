@@ -57,9 +57,10 @@ _PLUMBING = frozenset({"convert_element_type", "transpose", "reshape", "broadcas
                        "squeeze", "expand_dims", "copy"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Lit:
-    """A constant operand: a jaxpr literal or a closed-over value."""
+    """A constant operand: a jaxpr literal or a closed-over value (maybe a tracer: never
+    compared or hashed by value)."""
     val: object
 
 
