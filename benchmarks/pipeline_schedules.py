@@ -22,16 +22,15 @@ GPU). Columns, per device:
     bubble      idle share of the stages' time in lockstep, from the table and the costs
     step / GPipe  the modelled lockstep step time (`schedules.lockstep_time`: each tick
                 as long as its busiest stage) over GPipe's at the same K
-    W = B - I   zb-h1 only: the same with W costing only the weights' matmuls (B - I),
-                what a split that keeps each matmul's output cotangent would give; the
-                program's W re-runs the stage's cotangent chain (W about B)
 
 The F / B / I / W costs of the model come from one compiled stage (depth/P blocks at the
-micro-batch's size, XLA:CPU `cost_analysis()` FLOPs): F its forward; B, I, W its
-pull-backs (all gradients; the input gradient only; the weight gradients only, as
-pipeline/program.py computes them), each compiled with its forward and the forward's
-FLOPs taken off. Fake CPU devices share this machine's cores, so no step time is
-measured here.
+micro-batch's size, the matmul output dtype the script picks for --hardware, XLA:CPU
+`cost_analysis()` FLOPs): F its forward; B its whole pull-back and I zb-h1's input side
+(pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
+compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
+compiled alone, from the activations and output cotangents F and I keep for it, as
+pipeline/program.py runs them. Fake CPU devices share this machine's cores, so no step
+time is measured here.
 """
 from __future__ import annotations
 
@@ -49,7 +48,8 @@ from benchmarks import harness
 from vit_pure import model
 from vit_pure.config import PRESETS
 from vit_pure.pipeline import schedules
-from vit_pure.policy import Policy
+from vit_pure.pipeline.split import Split
+from vit_pure.run import backend
 
 CHILD_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
 GIB = 2.0 ** 30
@@ -76,10 +76,13 @@ def run_row(job: dict) -> dict:
 
 
 # ==================================================================== the stage's costs
-def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str) -> dict:
-    """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring)."""
+def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
+                hardware: str = "h100") -> dict:
+    """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring),
+    with the matmul output dtype the training script picks for `hardware`."""
     cfg = PRESETS[cfg_name]
-    policy = Policy.parse(dtype)
+    policy = backend.resolve(dtype, "default", None, "cpu" if hardware == "cpu" else "gpu",
+                             flags=frozenset()).policy
     per = cfg.depth // stages
     blocks = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg)["blocks"])
     blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per, *a.shape[1:]),
@@ -89,20 +92,27 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str) -> dict:
     def f(p, x):
         return model.encoder(p, x, cfg, policy)
 
-    def flops(fn):
-        cost = jax.jit(fn).lower(blocks, x).compile().cost_analysis()
+    def flops(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         return float(cost["flops"])
 
-    def pulled(pick):
-        def fn(p, x):
-            y, pull = jax.vjp(f, p, x)
-            return pick(pull(jnp.ones_like(y)))
-        return flops(fn)
+    def b(p, x):  # B: the whole pull-back
+        y, pull = jax.vjp(f, p, x)
+        return pull(jnp.ones_like(y))
 
-    t_f = flops(f)
-    return {"F": t_f, "B": pulled(lambda g: g) - t_f, "I": pulled(lambda g: g[1]) - t_f,
-            "W": pulled(lambda g: g[0]) - t_f}
+    # I and W as pipeline/program.py runs them (split.py): I is F's pull-back with the
+    # weight matmuls' weights held constant; W compiled alone, from I's kept arrays.
+    split = Split(f, blocks, x)
+
+    def i(p, x):
+        y, pull, acts = split.forward(p, x)
+        return split.input_grads(pull(jnp.ones_like(y))), acts
+
+    (_, _, dys), acts = jax.eval_shape(i, blocks, x)
+    t_f = flops(f, blocks, x)
+    return {"F": t_f, "B": flops(b, blocks, x) - t_f, "I": flops(i, blocks, x) - t_f,
+            "W": flops(lambda p, a, d: split.weight_grads(p, a, d), blocks, acts, dys)}
 
 
 def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, int]:
@@ -116,7 +126,7 @@ def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, 
 # ============================================================================ the parent
 def table(rows: list[dict]) -> str:
     head = ["P", "K", "schedule", "peak GiB", "temp GiB", "compile s", "p2p (count, MiB)",
-            "held", "bubble", "step / GPipe", "W = B - I"]
+            "held", "bubble", "step / GPipe"]
     out = []
     for r in rows:
         fixed = [r["stages"], r["microbatches"], r["label"]]
@@ -127,9 +137,8 @@ def table(rows: list[dict]) -> str:
         out.append(fixed + [f"{m['total'] / GIB:.2f}", f"{m['temp'] / GIB:.2f}",
                             f"{r['compile_s']:.1f}",
                             f"{r['p2p_count']}, {r['p2p_bytes'] / 2**20:.0f}",
-                            r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}",
-                            f"{r['relative_ideal']:.3f}" if "relative_ideal" in r else ""])
-    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9, 10))
+                            r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}"])
+    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,16 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_columns(row: dict, costs: dict) -> dict:
-    """The table's columns of one row: held, bubble, step / GPipe (and zb-h1's ideal)."""
+    """The table's columns of one row: held, bubble, step / GPipe."""
     P, M, V = row["stages"], row["microbatches"], row["virtual"]
     base = modelled("gpipe", P, M, 1, costs)[0]
     t, bub, held = modelled(row["schedule"], P, M, V, costs)
-    out = {"label": row["schedule"] + (f" V={V}" if V > 1 else ""), "held": held,
-           "bubble": bub, "relative": t / base}
-    if row["schedule"] == "zb-h1":  # W as the weights' matmuls alone: B - I
-        ideal = dict(costs, W=costs["B"] - costs["I"])
-        out["relative_ideal"] = modelled("zb-h1", P, M, V, ideal)[0] / base
-    return out
+    return {"label": row["schedule"] + (f" V={V}" if V > 1 else ""), "held": held,
+            "bubble": bub, "relative": t / base}
 
 
 def from_json(paths: list[str]) -> None:
@@ -192,7 +197,8 @@ def main(argv=None) -> dict:
               "machine": harness.machine_line(), "rows": []}
     print(f"# {record['command']}\n# {record['machine']}", flush=True)
     for P in args.stages:
-        costs = stage_costs(args.model, P, max(1, args.batch // (8 * P)), args.dtype)
+        costs = stage_costs(args.model, P, max(1, args.batch // (8 * P)), args.dtype,
+                            args.hardware)
         record.setdefault("stage_costs", {})[P] = costs
         print(f"# P={P}: one stage's FLOPs at {max(1, args.batch // (8 * P))} examples: "
               + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in costs.items()), flush=True)

@@ -99,6 +99,23 @@ def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
                     assert held.get((mb * V + ch) % ring) == (mb, ch), (name, st, t)
 
 
+@pytest.mark.parametrize("P,M", [(4, 32), (4, 4), (2, 4), (8, 16)])
+def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
+    """The program's ring of the weight matmuls' output cotangents: I writes micro-batch i's
+    into slot i mod `kept_size` (an idle I the extra slot), W reads it later; no I may
+    overwrite one that a W still has to read."""
+    s = schedules.build("zb-h1", P, M)
+    held = schedules.kept_size(s)
+    assert held <= schedules.ring_size(s)
+    for st in range(P):
+        slots = {}
+        for t in range(s.ticks):
+            i, w = s.bwd[t, st], s.wgt[t, st]
+            slots[held if i == IDLE else int(i) % held] = i
+            if w != IDLE:
+                assert slots.get(int(w) % held) == w, (P, M, st, t)
+
+
 def test_picture_reads_the_table():
     pic = schedules.picture(schedules.build("1f1b", 2, 3))
     assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",

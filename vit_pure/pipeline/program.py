@@ -1,6 +1,6 @@
 """Pipeline parallelism for the ViT, inside `jax.shard_map`: GPipe (below) and the
 table-driven schedules 1f1b, interleaved and zb-h1 (`schedule_grads`; their tables are
-pipeline/schedules.py).
+pipeline/schedules.py, zb-h1's split of B into I and W pipeline/split.py).
 
 The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
 over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
@@ -51,12 +51,14 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
+from vit_pure.pipeline.split import Split, input_free
+from vit_pure.pipeline.split import vary_like as _vary_like
+from vit_pure.pipeline.split import zeros_ring as _zeros_ring
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -197,25 +199,6 @@ def _on_last_stage(x, pipe_axis):
 
 
 # ------------------------------------------------------ the table-driven schedules
-def _zeros_ring(x, slots: int, axis: str | None = None):
-    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
-    which the scan's carry must keep), made varying over `axis` too."""
-    return _vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
-
-
-def _varying(x) -> frozenset:
-    return jax.typeof(x).manual_axis_type.varying
-
-
-def _vary_like(x, axes):
-    """x made varying over `axes` (a mesh axis name, or another array's varying axes)
-    where it is not yet: the type a lax.cond branch or the scan's carry must match."""
-    axes = frozenset([axes] if isinstance(axes, str) else
-                     () if axes is None else _varying(axes))
-    missing = tuple(sorted(axes - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
                    seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
                    gather=None):
@@ -233,10 +216,13 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
            slots, the output kept to send;
         B  `lax.cond`: the residuals read back, the pull-back of the received cotangent
            (the loss's seed on the last virtual stage), the gradients (in the compute
-           dtype) added in float32 (zb-h1: only the input cotangent; the output cotangent
-           is kept for W); stage 0 pulls its input cotangent back through the embedding
-           (the micro-batch prepared and embedded again);
-        W  zb-h1: `lax.cond`: the kept cotangent's pull-back for the weights only;
+           dtype) added in float32; stage 0 pulls its input cotangent back through the
+           embedding (the micro-batch prepared and embedded again);
+           zb-h1's I: the pull-back with the weight matmuls' weights held constant
+           (pipeline/split.py): the input cotangent, the other parameters' gradients and
+           each weight matmul's output cotangent dy_l, kept in a second ring until W;
+        W  zb-h1: `lax.cond`: each weight matmul's weight gradient from its activation
+           operand (kept at F in the residual ring) and dy_l; no cotangent chain again;
         then two `lax.ppermute`s over the pipe axis that every stage joins: the forward's
            output to the next stage, the input cotangent to the previous one.
     The parameters used on one stage only (embedding, head) are varying over the pipe
@@ -255,6 +241,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     ring = schedules.ring_size(schedule)
     slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
     writes = jnp.asarray(schedules.write_slots(schedule, ring, slots))  # (ticks, P)
+    held_dy = schedules.kept_size(schedule)  # zb-h1: output cotangents held from I to W
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -302,28 +289,27 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
 
     def pulled(v, mb, x):
-        return jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x)
-
-    def input_free(v, mb, x):
-        """Per residual: True where no path of the traced pull-back leads from x or mb to
-        it (the weights, their reshapes): kept out of the ring, computed again at B."""
-        jaxpr = jax.make_jaxpr(lambda mb, x: jax.tree.leaves(pulled(v, mb, x)[1]))(mb, x).jaxpr
-        dep = set(jaxpr.invars)
-        for eqn in jaxpr.eqns:
-            if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
-                dep.update(eqn.outvars)
-        return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
+        """F: (outputs, pull-back, the weight matmuls' operands kept for W (zb-h1))."""
+        if split is not None:
+            return split.forward((layers_of(v), top), x, v, mb)
+        return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
     def forward(v, mb, x):
-        """The chunk's outputs, the residuals for the ring and the pull-back's structure."""
-        out, pull = pulled(v, mb, x)
+        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree."""
+        out, pull, acts = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
-        return out, [a for a, f in zip(res, fixed) if not f], tree
+        return out, [a for a, f in zip(res, fixed) if not f] + acts, tree
 
     # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
     x0 = embed_mb(top, zero)  # its shape and type only
-    fixed = input_free(zero, zero, x0)
+    # zb-h1: B split into I and W, the weight matmuls' gradients (pipeline/split.py).
+    split = Split(lambda p, x, v, mb: chunk_fn(*p, x, v, mb), (layers_of(zero), top), x0,
+                  zero, zero) if schedule.split_backward else None
+    # Residuals that depend on neither x nor mb (the weights, their reshapes) stay out of
+    # the ring: computed again at B.
+    fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    n_pull = fixed.count(False)  # the ring's first n_pull arrays are the pull-back's
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
     rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
@@ -331,19 +317,23 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
     def pullback(v, mb, res, cot):
         again = jax.tree.leaves(pulled(v, mb, jnp.zeros_like(x0))[1])  # XLA keeps the fixed
-        it = iter(res)
+        it = iter(res[:n_pull])
         pull = jax.tree.unflatten(layout, [a if f else next(it) for a, f in zip(again, fixed)])
-        return pull(cot)  # (d chunk params, d top, d x)
+        if split is None:
+            return *pull(cot), []  # d chunk params, d top, d x, no kept cotangents
+        (g_cp, g_top), dx, dys = split.input_grads(pull(cot))  # None for the weights
+        return g_cp, g_top, dx, dys
 
-    def add_grads(acc, v, g_cp, g_top):
+    def add_grads(acc, v, g_cp, g_top):  # a None gradient (zb-h1's I or W) adds nothing
         g_chunks, g_tops = acc
         for i, g_layer in enumerate(g_cp):
-            g_chunks = jax.tree.map(lambda a, g, i=i: a.at[v, i].add(g.astype(a.dtype)),
-                                    g_chunks, g_layer)
-        return g_chunks, jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_tops, g_top)
+            g_chunks = jax.tree.map(lambda g, a, i=i: a if g is None else a.at[v, i].add(
+                g.astype(a.dtype)), g_layer, g_chunks, is_leaf=lambda g: g is None)
+        return g_chunks, jax.tree.map(lambda g, a: a if g is None else a + g.astype(a.dtype),
+                                      g_top, g_tops, is_leaf=lambda g: g is None)
 
-    def slot(mb, v):  # idle (mb = -1): the last slot (the residuals': read, unused)
-        return jnp.where(mb >= 0, (mb * V + v) % ring, ring)
+    def slot(mb, v, n=ring):  # idle (mb = -1): the last slot (the residuals': read, unused)
+        return jnp.where(mb >= 0, (mb * V + v) % n, n)  # n=held_dy: zb-h1's kept cotangents
 
     def tick(carry, rows):
         row, write = rows
@@ -376,17 +366,14 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         def unless(pred, fn, *xs):
             return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
 
-        # B (zb-h1: I): the pull-back of the received cotangent through the residuals.
+        # B (zb-h1: I): the pull-back of the received cotangent through the residuals
+        # (zb-h1: the weight matmuls' output cotangents kept for W, their weights left out).
         def do_b(res, dy):
-            cot = cotangent(b_v, dy)
-            g_cp, g_top, dx = pullback(b_v, b_mb, res, cot)
-            if schedule.split_backward:  # zb-h1 leaves the weights to W
-                return dx, cot[0]
-            return dx, cot[0], policy.cast_to_compute(g_cp), g_top
+            g_cp, g_top, dx, dys = pullback(b_v, b_mb, res, cotangent(b_v, dy))
+            return dx, dys, policy.cast_to_compute(g_cp), g_top
 
-        dx, dy, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
-        if g:
-            grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
+        dx, dys, *g = unless(b_mb >= 0, do_b, [r[slot(b_mb, b_v)] for r in rings], recv_b)
+        grads = add_grads(grads, jnp.maximum(b_v, 0), *g)
 
         # Stage 0's input cotangent through the embedding (run again: nothing kept).
         def do_embed(dx):
@@ -396,14 +383,15 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         g_top = unless((stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
         grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
 
-        if schedule.split_backward:  # W: the weights' pull-back of the kept cotangent
-            cots = cots.at[slot(b_mb, b_v)].set(dy)
+        if split is not None:  # W: each weight matmul's gradient from its kept a_l, dy_l
+            cots = [c.at[slot(b_mb, b_v, held_dy)].set(d) for c, d in zip(cots, dys)]
 
-            def do_w(res, dy):
-                return pullback(w_v, w_mb, res, cotangent(w_v, dy))[:2]
+            def do_w(res, dys):
+                g = split.weight_grads((layers_of(w_v), top), res[n_pull:], dys, w_v, w_mb)
+                return policy.cast_to_compute(g[0]), g[1]
 
             g = unless(w_mb >= 0, do_w, [r[slot(w_mb, w_v)] for r in rings],
-                       cots[slot(w_mb, w_v)])
+                       [c[slot(w_mb, w_v, held_dy)] for c in cots])
             grads = add_grads(grads, jnp.maximum(w_v, 0), *g)
 
         # Collective-permutes over the pipe axis, joined by every stage every tick: the
@@ -415,7 +403,8 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         recv_b = lax.ppermute(dx, pipe_axis, perm=bwd_perm)
         return (recv_f, recv_b, rings, cots, grads, sums), None
 
-    cots0 = _zeros_ring(y0, ring + 1) if schedule.split_backward else jnp.zeros((), y0.dtype)
+    # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
+    cots0 = [] if split is None else [_zeros_ring(t, held_dy + 1) for t in split.taps()]
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), rings0, cots0, zeros,
              (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     carry, _ = lax.scan(tick, carry, (table, writes))

@@ -34,7 +34,12 @@ The schedules (P stages, M micro-batches, V chunks per stage; one letter per tic
     zb-h1        1F1B's F and I; each W runs in the first tick where it lengthens the tick
                  by at most a quarter of a W (where other stages are busier: the bubbles),
                  or at the latest when the stage would otherwise hold more residual sets
-                 than 1F1B's stage 0 does.
+                 than 1F1B's stage 0 does. I is the backward with the weight matmuls'
+                 weights held constant, W those matmuls' weight gradients alone, from the
+                 activations F keeps and the output cotangents I keeps (pipeline/split.py;
+                 for ViT-B/16 W is about a third of B, I two thirds). The placement does not
+                 hang on the costs' exact values: for P = 2, 4, 8 and M = P .. 8P the table
+                 is the same for any t_I / t_F from 1 to 2 and t_W / t_F from 0.5 to 1.
 """
 from __future__ import annotations
 
@@ -243,8 +248,10 @@ def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
                             None if t_i is None else t_i / v).sum())
 
 
-def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0) -> float:
-    """The idle share of the stages' time: 1 - useful work / (P x modelled step time)."""
+def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 2.0 / 3.0) -> float:
+    """The idle share of the stages' time: 1 - useful work / (P x modelled step time).
+    t_w (zb-h1): the weight matmuls' gradients, about a third of B (pipeline/split.py;
+    ViT-B/16 measured 22.5 of B's 66.7 GFLOP), the rest of B being I."""
     useful = s.microbatches * (t_f + t_b)
     return 1.0 - useful / lockstep_time(s, t_f, t_b, t_w)
 
@@ -291,19 +298,18 @@ def check_lockstep(s: Schedule) -> None:
                                f"does not follow its cotangent's tick")
 
 
-def ring_size(s: Schedule) -> int:
-    """The residual ring's slots: the least R such that the residual sets a stage holds at
-    once never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
+def _least_ring(s: Schedule, take, take_chunk, release, release_chunk, least: int) -> int:
+    """The least R >= `least` such that the sets a stage holds at once (taken where `take`
+    names a micro-batch, given back where `release` does, later in the same tick at the
+    earliest) never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
     P, V = s.stages, s.virtual
-    release = s.wgt if s.split_backward else s.bwd
-    release_chunk = s.wgt_chunk if s.split_backward else s.bwd_chunk
-    for R in range(int(in_flight(s).max()), s.microbatches * V + 1):
+    for R in range(max(least, 1), s.microbatches * V + 1):
         ok = True
         for st in range(P):
             live = set()
             for t in range(s.ticks):
-                if s.fwd[t, st] != IDLE:
-                    slot = (s.fwd[t, st] * V + s.fwd_chunk[t, st]) % R
+                if take[t, st] != IDLE:
+                    slot = (take[t, st] * V + take_chunk[t, st]) % R
                     ok &= slot not in live
                     live.add(slot)
                 if release[t, st] != IDLE:
@@ -311,6 +317,22 @@ def ring_size(s: Schedule) -> int:
         if ok:
             return R
     return s.microbatches * V
+
+
+def ring_size(s: Schedule) -> int:
+    """The residual ring's slots: residual sets are taken at F, given back at B (zb-h1: W)."""
+    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
+    return _least_ring(s, s.fwd, s.fwd_chunk, release, chunk, int(in_flight(s).max()))
+
+
+def kept_size(s: Schedule) -> int:
+    """zb-h1: the slots of the ring of output cotangents I keeps for W (taken at I, given
+    back at W); 1 for the other schedules, which keep none."""
+    if not s.split_backward:
+        return 1
+    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
+    least = int((waiting + (s.wgt != IDLE)).max())  # a W's set is live during its tick
+    return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
 
 
 def write_slots(s: Schedule, ring: int, slots: int) -> np.ndarray | None:
@@ -340,7 +362,7 @@ def write_slots(s: Schedule, ring: int, slots: int) -> np.ndarray | None:
 
 
 def summary(name: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
-    """What --plan reports of a schedule, from its table (t_B = 2 t_F, t_W = t_F): ticks,
+    """What --plan reports of a schedule, from its table (t_B = 2 t_F, t_W = t_B / 3): ticks,
     bubble, residual sets the busiest stage holds, and what 1F1B would hold instead."""
     s = build(name, stages, microbatches, virtual)
     return {"schedule": name, "stages": stages, "microbatches": microbatches,
