@@ -283,7 +283,7 @@ class ShardMapStrategy:
     def describe(self) -> str:
         fsdp = "on" if any(DATA in mesh_axes(s) for s in
                            jax.tree.leaves(self.param_specs, is_leaf=_is_spec)) else "off"
-        schedule = ("\n" + pipeline.describe(self.sc.cfg, self.stages, self.microbatches,
+        schedule = ("\n" + pipeline.describe(self.sc.cfg.depth, self.stages, self.microbatches,
                                               self.schedule, self.virtual_stages)
                     if self.stages > 1 else "")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "

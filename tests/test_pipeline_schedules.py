@@ -20,6 +20,7 @@ from test_layout_matrix import tolerances
 
 import train_shardmap
 from vit_pure import PRESETS, Policy, step
+from vit_pure.config import Execution
 from vit_pure.errors import UsageError
 from vit_pure.pipeline import schedules
 from vit_pure.pipeline.schedules import IDLE
@@ -255,3 +256,12 @@ def test_mixed_micro_batches_equal_the_reference():
 def test_mixing_needs_even_micro_batches():
     with pytest.raises(UsageError, match="needs an even size, not 1"):
         _run(_mixing(), "data=4,pipe=2", 4, "1f1b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_rematerialised_blocks_equal_the_reference(schedule):
+    """--remat block: the block's residuals are its input and its dropout keys (a PRNG key
+    array, which the ring keeps as raw bits), so the step equals the reference's."""
+    sc = dataclasses.replace(_sc("fp32", 1), execution=Execution(remat="block"))
+    _check("fp32", 1, "data=4,pipe=2", 2, schedule, sc=sc)

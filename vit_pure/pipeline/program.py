@@ -83,29 +83,6 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def describe(cfg: ViTConfig, stages: int, microbatches: int, schedule: str = "gpipe",
-             virtual: int = 1) -> str:
-    """The stage assignment and the schedule's table as a picture, for the log at start."""
-    per = cfg.depth // stages
-    table = schedules.build(schedule, stages, microbatches, virtual)
-    held = schedules.in_flight(table)
-    lines = [f"pipeline: {stages} stages x {per} blocks, {schedule} schedule"
-             + (f" ({virtual} chunks per stage)" if virtual > 1 else "")
-             + f", {microbatches} micro-batches, {table.ticks} ticks, bubble "
-             f"{schedules.bubble(table):.3f} (t_B = 2 t_F), residual sets held per stage "
-             f"{'/'.join(str(int(h)) for h in held)}"]
-    for s in range(stages):
-        parts = ["patch+class+position embedding"] if s == 0 else []
-        parts.append(f"blocks {s * per}..{(s + 1) * per - 1}")
-        if s == stages - 1:
-            parts.append("final LayerNorm, head, loss")
-        lines.append(f"    stage {s}: " + ", ".join(parts))
-    lines.append("  schedule, tick by stage (F forward, B backward, I input and W weight "
-                 "gradient, . idle):")
-    lines.append(schedules.picture(table))
-    return "\n".join(lines)
-
-
 def _micro(x, k: int):
     """(b, ...) -> (k, b/k, ...): micro-batch i is rows i*b/k ... (i+1)*b/k - 1."""
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
@@ -199,6 +176,10 @@ def _on_last_stage(x, pipe_axis):
 
 
 # ------------------------------------------------------ the table-driven schedules
+def _is_key(a) -> bool:
+    return jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
 def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
                    seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
                    gather=None):
@@ -295,10 +276,13 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
     def forward(v, mb, x):
-        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree."""
+        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree.
+        A PRNG key residual (a rematerialised block's dropout keys) is kept as its raw
+        bits: a ring of keys would not keep the varying type that the branches need."""
         out, pull, acts = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
-        return out, [a for a, f in zip(res, fixed) if not f] + acts, tree
+        res = [jax.random.key_data(a) if _is_key(a) else a for a, f in zip(res, fixed) if not f]
+        return out, res + acts, tree
 
     # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
@@ -311,13 +295,16 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
     n_pull = fixed.count(False)  # the ring's first n_pull arrays are the pull-back's
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
+    impls = [jax.random.key_impl(a) if _is_key(a) else None for a, f in
+             zip(jax.tree.leaves(pulled(zero, zero, x0)[1]), fixed) if not f]
     rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
     def pullback(v, mb, res, cot):
         again = jax.tree.leaves(pulled(v, mb, jnp.zeros_like(x0))[1])  # XLA keeps the fixed
-        it = iter(res[:n_pull])
+        it = iter(a if k is None else jax.random.wrap_key_data(a, impl=k)
+                  for a, k in zip(res[:n_pull], impls))
         pull = jax.tree.unflatten(layout, [a if f else next(it) for a, f in zip(again, fixed)])
         if split is None:
             return *pull(cot), []  # d chunk params, d top, d x, no kept cotangents

@@ -280,6 +280,29 @@ def picture(s: Schedule, max_ticks: int = 26) -> str:
     return "\n".join(lines)
 
 
+def describe(depth: int, stages: int, microbatches: int, schedule: str = "gpipe",
+             virtual: int = 1) -> str:
+    """The stage assignment and the schedule's table as a picture, for the log at start."""
+    per = depth // stages
+    table = build(schedule, stages, microbatches, virtual)
+    held = in_flight(table)
+    lines = [f"pipeline: {stages} stages x {per} blocks, {schedule} schedule"
+             + (f" ({virtual} chunks per stage)" if virtual > 1 else "")
+             + f", {microbatches} micro-batches, {table.ticks} ticks, bubble "
+             f"{bubble(table):.3f} (t_B = 2 t_F), residual sets held per stage "
+             f"{'/'.join(str(int(h)) for h in held)}"]
+    for s in range(stages):
+        parts = ["patch+class+position embedding"] if s == 0 else []
+        parts.append(f"blocks {s * per}..{(s + 1) * per - 1}")
+        if s == stages - 1:
+            parts.append("final LayerNorm, head, loss")
+        lines.append(f"    stage {s}: " + ", ".join(parts))
+    lines.append("  schedule, tick by stage (F forward, B backward, I input and W weight "
+                 "gradient, . idle):")
+    lines.append(picture(table))
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------- what the program needs
 def check_lockstep(s: Schedule) -> None:
     """RuntimeError unless every send is consumed the tick after it is made: the program
