@@ -156,6 +156,10 @@ class Plan:
         if not p:
             return []
         sends = [c for c in self.collectives if c.kind == "collective-permute"]
+        upper = ([] if p["schedule"] == "gpipe" else [
+            f"  (the GPU program's kernels and predicted step below count the ticks' F, B and "
+            f"W branches as taken at every tick, an upper bound: a stage takes each on "
+            f"{p['microbatches'] * p['virtual']} of the {p['ticks']} ticks)"])
         return [f"pipeline: {p['schedule']}" + (f" (V={p['virtual']})" if p["virtual"] > 1
                                                   else "")
                 + f", {p['stages']} stages x {p['microbatches']} micro-batches, {p['ticks']} "
@@ -163,7 +167,7 @@ class Plan:
                 f"the busiest stage holds {p['held']} micro-batches' activations (1F1B: "
                 f"{p['held_1f1b']}); point-to-point: {sum(c.count for c in sends)} sends, "
                 f"{sum(c.count * c.nbytes for c in sends) / 1e6:.1f} MB per device per step "
-                f"(compiled program)"]
+                f"(compiled program)"] + upper
 
     def _advice(self, axis: str, row: dict, compute_s: float) -> str:
         b, per_node = self.per_device_batch, self.hardware.devices_per_node
