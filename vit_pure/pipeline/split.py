@@ -84,13 +84,13 @@ def _flatten(jaxpr, consts, ins, nodes, fresh):
         return _Lit(a.val) if isinstance(a, jex.Literal) else env[a]
 
     for eqn in jaxpr.eqns:
-        args = [read(a) for a in eqn.invars]
+        operands = [read(a) for a in eqn.invars]
         if eqn.primitive.name in _CALLS:
             inner = eqn.params["jaxpr"]
-            outs = _flatten(inner.jaxpr, inner.consts, args, nodes, fresh)
+            outs = _flatten(inner.jaxpr, inner.consts, operands, nodes, fresh)
         else:
             outs = [next(fresh) for _ in eqn.outvars]
-            nodes.append(_Node(eqn.primitive, eqn.params, tuple(args), tuple(outs),
+            nodes.append(_Node(eqn.primitive, eqn.params, tuple(operands), tuple(outs),
                                tuple(v.aval for v in eqn.outvars)))
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
@@ -110,10 +110,10 @@ def _is_matmul(node: _Node) -> bool:
     return names.count("dot_general") == 1 and set(names) <= _PLUMBING | {"dot_general"}
 
 
-def input_free(fn, *args) -> list[bool]:
-    """Per output leaf of fn(*args): True where no path of its trace leads from args to
+def input_free(fn, *inputs) -> list[bool]:
+    """Per output leaf of fn(*inputs): True where no path of its trace leads from inputs to
     it (a weight, a reshape of one: what a ring need not keep, as it can be made again)."""
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    jaxpr = jax.make_jaxpr(fn)(*inputs).jaxpr
     dep = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
         if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
@@ -142,8 +142,8 @@ def zeros_ring(x, slots: int, axis: str | None = None):
     return vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
 
 
-def _bind(node: _Node, args):
-    out = node.prim.bind(*args, **node.prim.get_bind_params(node.params))
+def _bind(node: _Node, operands):
+    out = node.prim.bind(*operands, **node.prim.get_bind_params(node.params))
     return list(out) if node.prim.multiple_results else [out]
 
 
@@ -299,8 +299,8 @@ class Split:
             kept = dict(zip(self.act_keys, acts))
             for j, s in self.matmuls:
                 node, a = self.nodes[j], kept[self.nodes[j].ins[s]]
-                args = [a, self._read(env, node.ins[1 - s])][::1 if s == 0 else -1]
-                out.append(_bind(node, args)[0])
+                operands = [a, self._read(env, node.ins[1 - s])][::1 if s == 0 else -1]
+                out.append(_bind(node, operands)[0])
             return out
 
         _, pull = jax.vjp(products, [w for w, m in zip(leaves, mask) if m])
