@@ -180,6 +180,11 @@ def _is_key(a) -> bool:
     return jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
 
 
+def _bits(a):
+    """a, or a PRNG key array's raw bits (what the residual ring holds of a key)."""
+    return jax.random.key_data(a) if _is_key(a) else a
+
+
 def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
                    seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
                    gather=None):
@@ -276,13 +281,10 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         return *jax.vjp(lambda cp, t, x: chunk_fn(cp, t, x, v, mb), layers_of(v), top, x), []
 
     def forward(v, mb, x):
-        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree.
-        A PRNG key residual (a rematerialised block's dropout keys) is kept as its raw
-        bits: a ring of keys would not keep the varying type that the branches need."""
+        """Outputs, what the ring keeps (residuals, then W's operands), pull-back's tree."""
         out, pull, acts = pulled(v, mb, x)
         res, tree = jax.tree.flatten(pull)
-        res = [jax.random.key_data(a) if _is_key(a) else a for a, f in zip(res, fixed) if not f]
-        return out, res + acts, tree
+        return out, [a for a, f in zip(res, fixed) if not f] + acts, tree
 
     # A trace for the ring's shapes and types (XLA drops it); mb, v vary as the table's do.
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
@@ -295,9 +297,10 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
     n_pull = fixed.count(False)  # the ring's first n_pull arrays are the pull-back's
     (y0, loss0, _), res0, layout = forward(zero, zero, x0)
-    impls = [jax.random.key_impl(a) if _is_key(a) else None for a, f in
-             zip(jax.tree.leaves(pulled(zero, zero, x0)[1]), fixed) if not f]
-    rings0 = [_zeros_ring(a, slots, pipe_axis) for a in res0]
+    # A PRNG key residual (a rematerialised block's dropout keys) is kept as its raw bits:
+    # a ring of keys would not keep the varying type that the branches need.
+    impls = [jax.random.key_impl(a) if _is_key(a) else None for a in res0[:n_pull]]
+    rings0 = [_zeros_ring(_bits(a), slots, pipe_axis) for a in res0]
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
 
@@ -331,7 +334,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
         # written outside the branch, in place: an idle tick writes into a free slot.
         def do_f(x):
             (y, loss, acc), res, _ = forward(f_v, f_mb, x)
-            return y, [_vary_like(a, r[0]) for a, r in zip(res, rings)], loss, acc
+            return y, [_vary_like(_bits(a), r[0]) for a, r in zip(res, rings)], loss, acc
 
         def no_f(x):
             zero = jnp.zeros_like(loss0)
