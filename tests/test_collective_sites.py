@@ -90,6 +90,9 @@ def _step_jaxpr(strategy, sc, optimizer):
     # the table-driven program (vit_pure/pipeline/program.py): explicit vjps in lax.cond
     # branches, ppermutes outside them; interleaved adds the blocks' all-gather over 'pipe'
     ("data=2,model=2,pipe=2", True, "bf16", False, "interleaved"),
+    # zb-h1 re-runs the chunk through pipeline/split.py's interpreter: the model's
+    # tensor-parallel collectives must still be the model's
+    ("data=2,model=2,pipe=2", True, "bf16", False, "zb-h1"),
 ])
 def test_shard_map_step_collectives_are_where_the_code_writes_them(mesh, fsdp, policy, scan,
                                                                    schedule):

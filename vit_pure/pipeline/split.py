@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex
+from jax.extend import source_info_util
 
 # Calls walked into: their equations join the flat list (jnp.einsum's jit, for one).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -73,6 +74,7 @@ class _Node:
     ins: tuple
     outs: tuple
     out_avals: tuple
+    source_info: object  # where the equation was written: kept when it is bound again
 
 
 def _flatten(jaxpr, consts, ins, nodes, fresh):
@@ -91,7 +93,7 @@ def _flatten(jaxpr, consts, ins, nodes, fresh):
         else:
             outs = [next(fresh) for _ in eqn.outvars]
             nodes.append(_Node(eqn.primitive, eqn.params, tuple(operands), tuple(outs),
-                               tuple(v.aval for v in eqn.outvars)))
+                               tuple(v.aval for v in eqn.outvars), eqn.source_info))
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
 
@@ -143,7 +145,12 @@ def zeros_ring(x, slots: int, axis: str | None = None):
 
 
 def _bind(node: _Node, operands):
-    out = node.prim.bind(*operands, **node.prim.get_bind_params(node.params))
+    """The equation bound again, under its own source: what it emits (the model's
+    tensor-parallel collectives among them) is still attributed to the line that wrote it,
+    in the program's metadata and in the plan, not to this interpreter."""
+    where = node.source_info
+    with source_info_util.user_context(where.traceback, name_stack=where.name_stack):
+        out = node.prim.bind(*operands, **node.prim.get_bind_params(node.params))
     return list(out) if node.prim.multiple_results else [out]
 
 
