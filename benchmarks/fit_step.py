@@ -9,7 +9,7 @@ was measured). Its kernels are read with vit_pure/xla/kernels.py and kept, alike
 together, in --save's JSON (the compiles take minutes on a small CPU; the JSON is the
 cache). The fit: e_mem, e_gemm and e_attention of `kernels.Rates` on a grid (0.01 steps),
 minimising the squared relative errors of the predicted steps (`kernels.predicted_s`;
-the INT32 rate, launch cost and e_pallas as `kernels.H100_RATES`), then each row's error
+the INT32 rate and launch cost as `kernels.H100_RATES`), then each row's error
 at the fit and left out of it (fitted on the others, predicted). Prints a Markdown table.
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ def summarise(found: list[kernels.Kernel]) -> list[dict]:
     """Alike kernels together (every field but name, shape and op; runs added)."""
     groups: dict[tuple, dict] = {}
     for k in found:
-        key = (k.kind, k.bytes, k.flops, k.int_ops, k.pallas, k.attention_flops)
+        key = (k.kind, k.bytes, k.flops, k.int_ops, k.attention_flops)
         row = groups.setdefault(key, {"kind": k.kind, "bytes": k.bytes, "flops": k.flops,
-                                      "int_ops": k.int_ops, "pallas": k.pallas,
+                                      "int_ops": k.int_ops,
                                       "attention_flops": k.attention_flops, "runs": 0})
         row["runs"] += k.runs
     return list(groups.values())
@@ -47,7 +47,7 @@ def summarise(found: list[kernels.Kernel]) -> list[dict]:
 
 def as_kernels(summary: list[dict]) -> list[kernels.Kernel]:
     return [kernels.Kernel(name="", kind=g["kind"], bytes=g["bytes"], flops=g["flops"],
-                           runs=g["runs"], int_ops=g["int_ops"], pallas=g["pallas"],
+                           runs=g["runs"], int_ops=g["int_ops"],
                            attention_flops=g["attention_flops"]) for g in summary]
 
 
@@ -61,13 +61,11 @@ def _grid(summary: list[dict], bandwidth: float, peak: float, rates: kernels.Rat
         t_mem = g["bytes"] / (bandwidth * em)  # (E_MEM, 1)
         fixed = g["runs"] * (g["int_ops"] / rates.int_per_s + rates.launch_s)
         flops = g["flops"] + g["attention_flops"]
-        if g["kind"] == "gemm" and not g["pallas"]:
+        if g["kind"] == "gemm":
             gemm += (g["runs"] * np.maximum(t_mem, flops / (peak * E_GEMM[None, :])))[:, :, None]
         elif g["kind"] == "attention":
             attention += (g["runs"] * np.maximum(t_mem, flops / (peak * E_ATTENTION[None, :]))
                           )[:, None, :]
-        elif g["pallas"]:
-            mem += (g["runs"] * np.maximum(t_mem, flops / (peak * rates.e_pallas)))[:, :, None]
         else:
             mem += (g["runs"] * t_mem)[:, :, None]
         mem += fixed
@@ -94,7 +92,7 @@ def report(rows: list[dict], bandwidth: float, peak: float) -> str:
     fitted on the others, the prediction, error."""
     rates = fit(rows, bandwidth, peak)
     lines = [f"fit on {len(rows)} rows: e_mem {rates.e_mem:.2f}, e_gemm {rates.e_gemm:.2f}, "
-             f"e_attention {rates.e_attention:.2f} (e_pallas {rates.e_pallas:.2f}, INT32 "
+             f"e_attention {rates.e_attention:.2f} (INT32 "
              f"{rates.int_per_s / 1e12:.1f} T/s, launch {rates.launch_s * 1e6:.0f} us: fixed)",
              ""]
     table = []

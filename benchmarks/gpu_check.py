@@ -9,13 +9,8 @@ writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summar
 
     env      45   jax and torch versions, the device, and whether it is the GPU that
                   `--hardware h100` describes (vit_pure/plan/targets/)
-    kernels  90   the kit's five Pallas kernels compiled by Triton at the headline's shapes
-                  (vit-cifar, batch 4096), float32 and bf16: each output's error against
-                  float32 arithmetic (max |error| / max |reference|), and the time of the
-                  kernel against the XLA ops it replaces (the same arithmetic on whole
-                  arrays: cuBLAS GEMMs and XLA's fusions)
     steps   200   benchmarks.peers, one fresh process per row, one run: the headline as
-                  shipped, every Pallas kernel on, `--dropout-masks bernoulli` (against
+                  shipped, `--dropout-masks bernoulli` (against
                   the shipped threefry16), `--attention einsum`, and torch.compile:
                   img/s, step ms, peak GiB (DIR/steps.json, DIR/steps.md)
     log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
@@ -25,11 +20,10 @@ writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summar
                   same flags: peak, kernels, traffic, floor, predicted step
                   (DIR/program.md)
 
-`--dry-run` (any machine; the limits x4): env as it is; kernels in Pallas's interpreter
-at small shapes (no timing); steps and log: their flags checked by the training
-script's parser, nothing run; program: a deviceless compile of the tiny model (where
-JAX's CUDA plugin is installed, else skipped). It uses only APIs present in jax 0.10 and
-0.11.
+`--dry-run` (any machine; the limits x4): env as it is; steps and log: their flags
+checked by the training script's parser, nothing run; program: a deviceless compile of the
+tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs present
+in jax 0.10 and 0.11.
 """
 from __future__ import annotations
 
@@ -44,10 +38,9 @@ from benchmarks import harness
 from vit_pure.errors import UsageError
 from vit_pure.run import cli
 
-LIMITS = {"env": 45, "kernels": 90, "steps": 200, "log": 45, "program": 100}
-DRY_SCALE = 4  # a dry run's limits: a small shared CPU runs the interpreter slowly
-STEP_ROWS = ("as shipped=", "pallas=--mlp-kernels pallas --qkv-projection pallas",
-             "bernoulli=--dropout-masks bernoulli", "einsum=--attention einsum")
+LIMITS = {"env": 45, "steps": 200, "log": 45, "program": 100}
+DRY_SCALE = 4  # a dry run's limits: a small shared CPU
+STEP_ROWS = ("as shipped=", "bernoulli=--dropout-masks bernoulli", "einsum=--attention einsum")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 
@@ -109,14 +102,6 @@ def summary(record: dict) -> str:
                   f"{env.get('torch')}, Python {env['python']}; `--hardware h100` "
                   f"describes {env['h100_description']!r}: "
                   f"{'the same GPU' if env['is_h100'] else 'another GPU'}", ""]
-    rows = record["parts"].get("kernels", {}).get("rows", [])
-    if rows:
-        head = ["kernel", "dtype", "max error / max |ref|", "kernel ms", "XLA ms", "XLA / kernel"]
-        lines += [harness.markdown_table(head, [
-            [r["kernel"], r["dtype"], f"{r['error']:.2e}",
-             *(f"{r[k]:.3f}" if r.get(k) else "-" for k in ("kernel_ms", "xla_ms")),
-             f"{r['xla_ms'] / r['kernel_ms']:.2f}" if r.get("kernel_ms") else "-"]
-            for r in rows], numeric=range(2, 6)), ""]
     for name in ("steps", "log", "program"):
         part = record["parts"].get(name)
         if part:
@@ -131,7 +116,7 @@ def main(argv=None) -> int:
     p.prog = "python -m benchmarks.gpu_check"
     p.add_argument("--out", required=True, help="folder for the results")
     p.add_argument("--dry-run", action="store_true", help="all but the timing (any machine)")
-    p.add_argument("--part", choices=["env", "kernels", "program"], help=argparse_hidden())
+    p.add_argument("--part", choices=["env", "program"], help=argparse_hidden())
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

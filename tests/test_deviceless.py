@@ -21,7 +21,6 @@ import pytest
 from conftest import subprocess_env
 
 from benchmarks import fit_step
-from vit_pure.pallas import traffic
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
@@ -160,63 +159,16 @@ def test_in_place_updates_and_slice_reads_move_the_slice_only():
     assert found["written"].bytes == 2 * slot + slot + 4  # the slot in, the slot read/written
 
 
-# A Pallas kernel lowered to Triton, as XLA:GPU prints it (its IR cut short), stating its
-# FLOPs in its metadata (vit_pure/pallas/mlp.py), and one that states none.
-TRITON_FRAGMENT = r"""HloModule jit_train_step, entry_computation_layout={()->()}
-
-ENTRY %main (dz: bf16[256,64], w: bf16[128,64], h: bf16[256,128]) -> bf16[256,128] {
-  %dz = bf16[256,64]{1,0} parameter(0)
-  %w = bf16[128,64]{1,0} parameter(1)
-  %h = bf16[256,128]{1,0} parameter(2)
-  %pallas_call.4 = (bf16[256,128]{1,0}, bf16[256,128]{1,0}, f32[2,128]{1,0}) custom-call(%dz, %w, %h), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/gelu_fc2_backward/pallas_call"}, backend_config={debug = false, grid_x = 2 : i32, grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\EFR\0DMLIR", name = "gelu_fc2_backward", num_stages = 1 : i32, num_warps = 8 : i32, serialized_metadata = "{\22flops\22: \224194304\22}"}
-  ROOT %other = bf16[256,128]{1,0} custom-call(%h), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "other", num_warps = 4 : i32}
-}
-"""
-
-
-def test_a_pallas_kernel_counts_as_a_gemm_with_the_flops_it_states():
-    found = {k.name: k for k in kernels.kernels(hlo.parse_module(TRITON_FRAGMENT))}
-    fused = found["pallas_call.4"]
-    assert (fused.kind, fused.flops) == ("gemm", 2 * 256 * 128 * 64)
-    assert fused.bytes == 2 * (256 * 64 + 128 * 64 + 256 * 128) + 2 * 2 * 256 * 128 + 4 * 2 * 128
-    assert fused.op == "gelu_fc2_backward/pallas_call"
-    assert (found["other"].kind, found["other"].flops) == ("other", 0)
-
-
-def test_a_pallas_kernel_that_states_its_bytes_counts_them():
-    """The kit's kernels state the bytes their grid moves (vit_pure/pallas/traffic.py):
-    that figure, not the operand sizes, is the kernel's traffic."""
-    text = TRITON_FRAGMENT.replace(r"\224194304\22}", r"\224194304\22, \22bytes\22: \22999\22}")
-    fused = {k.name: k for k in kernels.kernels(hlo.parse_module(text))}["pallas_call.4"]
-    assert (fused.kind, fused.flops, fused.bytes, fused.pallas) == (
-        "gemm", 2 * 256 * 128 * 64, 999, True)
-
-
-def test_grid_bytes_credit_reuse_within_a_wave_only():
-    """A (row block) operand read by a grid of 4 row blocks x 3 column blocks, waves of 3
-    programs: with the column blocks on axis 0 (launched fastest) a wave shares one row
-    block (4 loads in all); with the row blocks on axis 0, each wave loads 3 (12 in
-    all). Outputs: every block once."""
-    rows_last = traffic.grid_bytes((3, 4), [(10, lambda j, i: (i, 0))],
-                                   [(1, lambda j, i: (i, j))], wave=3)
-    rows_first = traffic.grid_bytes((4, 3), [(10, lambda i, j: (i, 0))],
-                                    [(1, lambda i, j: (i, j))], wave=3)
-    assert (rows_last, rows_first) == (4 * 10 + 12, 12 * 10 + 12)
-    assert list(traffic.launch_order((2, 2))) == [(0, 0), (1, 0), (0, 1), (1, 1)]
-
-
 def test_the_predicted_step_prices_each_kernel_at_its_class():
     """max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)) + integer work + a
-    launch, per kernel: XLA's GEMMs, cuDNN's attention and the kit's Pallas GEMMs each at
-    their own efficiency."""
-    rates = kernels.Rates(e_mem=0.5, e_gemm=0.8, e_attention=0.4, e_pallas=0.2,
-                          int_per_s=1e3, launch_s=1e-3)
+    launch, per kernel: XLA's GEMMs and cuDNN's attention each at their own efficiency."""
+    rates = kernels.Rates(e_mem=0.5, e_gemm=0.8, e_attention=0.4, int_per_s=1e3,
+                          launch_s=1e-3)
     found = [kernels.Kernel("g", "gemm", 100, 8000, 2),
-             kernels.Kernel("p", "gemm", 100, 8000, 1, pallas=True),
              kernels.Kernel("a", "attention", 10, 0, 1, attention_flops=4000),
              kernels.Kernel("e", "elementwise", 1000, 0, 1, int_ops=5)]
     got = kernels.predicted_s(found, bandwidth=1e3, peak_flops=1e4, rates=rates)
-    want = (2 * (max(0.2, 1.0) + 1e-3) + (max(0.2, 4.0) + 1e-3) + (max(0.02, 1.0) + 1e-3)
+    want = (2 * (max(0.2, 1.0) + 1e-3) + (max(0.02, 1.0) + 1e-3)
             + (2.0 + 5e-3 + 1e-3))
     assert got == pytest.approx(want)
 
@@ -224,8 +176,7 @@ def test_the_predicted_step_prices_each_kernel_at_its_class():
 def test_the_fit_recovers_the_efficiencies_that_made_the_steps():
     """Steps made with known efficiencies (four mixes of memory, GEMM and attention
     work): the grid fit finds them, and each row left out is predicted exactly."""
-    made = kernels.Rates(e_mem=0.7, e_gemm=0.55, e_attention=0.35, e_pallas=0.3,
-                         int_per_s=1e13)
+    made = kernels.Rates(e_mem=0.7, e_gemm=0.55, e_attention=0.35, int_per_s=1e13)
     rows = []
     for i, (gb, tflop, attn) in enumerate([(100, 10, 1), (150, 12, 0.5), (120, 18, 2),
                                            (90, 9, 4)]):
@@ -312,17 +263,14 @@ def _transposes(module: hlo.Module, instr: hlo.Instr) -> bool:
 def test_the_headline_program_calls_cudnn_attention(tmp_path):
     """vit-cifar in bf16 on the H100: cuDNN's fused attention, forward and backward, once
     per layer each (6 layers), chosen for the target (not for this CPU); its q, k and v
-    come straight from the Pallas projection kernel (vit_pure/pallas/qkv.py), padded,
-    and the kernels that read its outputs only slice the token axis: no head transposes
-    around it, no split-and-pad copy. Nor around the
-    matmuls: with the residual stream as (B*T, E) rows (model.encoder), transposes and
-    copies are under 10% of the step's traffic (19.7% with it carried as (B, T, E), which
-    XLA:GPU laid out batch-minor; 0.5% now, 2026-11-26). And fc1's bias runs in its
-    cuBLASLt call's epilogue, once per layer; the GELU, fc2 and their backward are the
-    Pallas kernels of vit_pure/pallas/mlp.py (asked for: they are opt-in)."""
+    are slices of the qkv GEMM's output, and the kernels that read its outputs only slice
+    the token axis: no head transposes around it. Nor around the matmuls: with the residual
+    stream as (B*T, E) rows (model.encoder), transposes and copies are under 10% of the
+    step's traffic (19.7% with it carried as (B, T, E), which XLA:GPU laid out
+    batch-minor). And fc1's bias and GELU run in its cuBLASLt call's epilogue, once per
+    layer."""
     record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
-                            "--accum-steps", "1", "--mlp-kernels", "pallas",
-                            "--qkv-projection", "pallas")
+                            "--accum-steps", "1")
     assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6
     assert any("attention: cuDNN fused" in note for note in record["notes"])
     entry = {i.name: i for i in program.computations[program.entry]}
@@ -347,23 +295,7 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     epilogues = collections.Counter(
         re.search(r'"epilogue":"([A-Z_]+)"', i.attrs).group(1) for i in entry.values()
         if 'custom_call_target="__cublas$lt$matmul"' in i.attrs)
-    assert epilogues["BIAS"] == 6 and "BIAS_GELU_AUX" not in epilogues, epilogues
-    # fc2 and the GELU: three Pallas (Triton) kernels a layer, each counted as a GEMM with
-    # its FLOPs (64 x 65 rows, 1536 x 384).
-    for name in ("gelu_fc2_forward", "gelu_fc2_backward", "gelu_fc2_weight_gradient"):
-        fused = [k for k in kernels.kernels(program) if f"{name}/pallas_call" in k.op]
-        assert len(fused) == 6 and {(k.kind, k.flops) for k in fused} == {
-            ("gemm", 2 * 64 * 65 * 1536 * 384)}, name
-    # The q, k, v projection: a Pallas kernel a layer each way, counted as GEMMs with
-    # their FLOPs (64 x 72 padded rows, 384 x 1152), feeding cuDNN's q, k, v directly.
-    for name in ("qkv_projection", "qkv_input_gradient"):
-        found = [k for k in kernels.kernels(program) if f"{name}/pallas_call" in k.op]
-        assert len(found) == 6 and {(k.kind, k.flops) for k in found} == {
-            ("gemm", 2 * 64 * 72 * 384 * 1152)}, name
-    for call in calls:
-        if "Backward" not in call.attrs:
-            makers = {_kernel_of(entry, o).name for o in call.operands[:3]}
-            assert len(makers) == 1 and "qkv_projection" in entry[makers.pop()].attrs
+    assert epilogues["BIAS_GELU_AUX"] == 6, epilogues
 
 
 def test_the_benchmark_refuses_bad_rows_in_one_line():

@@ -12,12 +12,12 @@ The reading path is the top of this folder, in this order:
 
 with ../train_pmap.py and ../train_shardmap.py beside it, which write the collectives.
 model.py's block is a few calls into layers/ (norm, attention, MLP, dropout, remat), which
-emit no collective; the Pallas kernels some of them can call (GPUs only) are in pallas/.
+emit no collective.
 The machinery sits in folders named for their role: data/ (CIFAR-10, augmentation),
 run/ (the flags, turned once into frozen settings; the loop, checkpoints, several
 processes), plan/ (the communication plan), weights/ (pretrained checkpoints in and
 out), xla/ (reading compiled programs), tools/ (small command-line tools). Imports run
-downwards only: the reading path imports layers/, pallas/, data/ and errors.py, and run/,
+downwards only: the reading path imports layers/, data/ and errors.py, and run/,
 plan/ and weights/ import the reading path.
 """
 from vit_pure.config import PRESETS, ViTConfig, get_preset

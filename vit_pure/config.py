@@ -21,12 +21,9 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
     "minus1to1": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
-# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks,
-# --mlp-kernels, --qkv-projection, --remat).
+# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
-MLP_KERNELS = ("xla", "pallas")
-QKV_PROJECTIONS = ("xla", "pallas")
 REMAT_MODES = ("none", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
@@ -176,22 +173,6 @@ class Execution:
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same
                    masks and results; less memory and HBM traffic on a GPU.
-    mlp_kernels    fc2 and the GELU before it, forward and backward: XLA's kernels for
-                   the reference formulas ("xla"), or three Pallas kernels that never
-                   write the GELU's output (vit_pure/pallas/mlp.py: fc2 with the GELU in
-                   its prologue; fc2's input gradient times the GELU's derivative, with
-                   fc1's bias gradient; fc2's weight gradient. Triton on a GPU; a program
-                   lowered for a CPU runs their arithmetic on whole arrays in XLA) where
-                   the shapes fit their tiles and the matmul dtype is the compute dtype,
-                   else the reference ("pallas"). The same results within rounding; not
-                   with a remat mode that saves the GELU's output, which they recompute.
-    qkv_projection the attention's q, k, v projection with a fused attention ("xla" or
-                   "cudnn"): one XLA GEMM, then a copy that splits and pads its output
-                   ("xla"), or a Pallas kernel that writes the three padded arrays
-                   straight from the padded LayerNorm output, with one more for the input
-                   and bias gradients (vit_pure/pallas/qkv.py; "pallas") where the shapes
-                   fit its tiles and h, the kernel and the matmul share one dtype, else
-                   the reference. The same results within rounding.
     """
 
     scan: bool = False
@@ -199,21 +180,11 @@ class Execution:
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
     packed_masks: bool = True
-    mlp_kernels: str = "xla"
-    qkv_projection: str = "xla"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
         _one_of("attention", self.attention, ATTENTION_IMPLS)
         _one_of("dropout_masks", self.dropout_masks, DROPOUT_MASKS)
-        _one_of("mlp_kernels", self.mlp_kernels, MLP_KERNELS)
-        if self.mlp_kernels == "pallas" and "gelu" in remat_saved_names(self.remat):
-            raise ValueError(f"mlp_kernels 'pallas' recomputes the GELU's output, which "
-                             f"remat {self.remat!r} saves: use mlp_kernels 'xla'")
-        _one_of("qkv_projection", self.qkv_projection, QKV_PROJECTIONS)
-        if self.qkv_projection == "pallas" and self.attention == "einsum":
-            raise ValueError("qkv_projection 'pallas' writes the fused attention's padded "
-                             "inputs: use attention 'cudnn' or 'xla', or qkv_projection 'xla'")
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)

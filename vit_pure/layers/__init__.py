@@ -4,12 +4,12 @@
                   float32 numbers a token)
     linear.py     bias adds whose gradients sum in float32; `varying_like`, the cast that
                   gives a parameter the mesh type of the activation it meets
-    attention.py  self-attention: the einsum reference, JAX's fused attention ("xla",
-                  "cudnn") and the Pallas q, k, v projection that feeds it
-    mlp.py        fc2(GELU(fc1 x)): the GELU in the matmul dtype, or the Pallas kernels
+    attention.py  self-attention: the einsum reference and JAX's fused attention ("xla",
+                  "cudnn")
+    mlp.py        fc2(GELU(fc1 x)): the GELU in the matmul dtype, in fc1's epilogue
     dropout.py    dropout and stochastic depth, each mask drawn from its example's key
     remat.py      what a rematerialised block keeps for its backward pass
 
 None of them emits a collective: tensor parallelism's two operators live in model.py,
-around these calls. The kernels themselves (Triton, through Pallas) are in ../pallas/.
+around these calls.
 """

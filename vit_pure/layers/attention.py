@@ -11,16 +11,11 @@ Three attention implementations compute the same function of the same parameters
   from the qkv matmul's layout, with the token axis padded to a multiple of 8 around the
   call and the padded keys masked.
 
-With a fused attention, `Execution.qkv_projection` "pallas" makes q, k and v with the
-Pallas kernels of vit_pure/pallas/qkv.py, already padded (`_padded_qkv`), instead of one
-XLA matmul, a split and a padding copy.
-
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -28,9 +23,8 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
-from vit_pure.layers.linear import add_bias, varying_like
+from vit_pure.layers.linear import add_bias
 from vit_pure.layers.remat import save_dot
-from vit_pure.pallas import qkv as qkv_kernel
 from vit_pure.policy import Policy, einsum, matmul
 
 F32 = jnp.float32
@@ -48,18 +42,13 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {implementation!r}")
     w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
-    if (implementation != "einsum" and execution.qkv_projection == "pallas"
-            and _qkv_pallas_fits(h, w_qkv, T, policy)):
-        q, k, v = _padded_qkv(h, w_qkv, b_qkv, T, cfg, policy)  # (B, Tp, Hl, D) each
-        ctx = attend_padded(q, k, v, T, policy, implementation)  # (B, Tp, Hl*D)
-    else:
-        qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
-        qkv = add_bias(qkv, b_qkv)
-        qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
-        if implementation == "einsum":  # (B, T, Hl*D)
-            ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
-        else:  # (B, Tp, Hl*D)
-            ctx = fused_attention(qkv, cfg, policy, implementation)
+    qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
+    qkv = add_bias(qkv, b_qkv)
+    qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
+    if implementation == "einsum":  # (B, T, Hl*D)
+        ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+    else:  # (B, Tp, Hl*D)
+        ctx = fused_attention(qkv, cfg, policy, implementation)
     B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
     if Tc != T:
@@ -156,8 +145,7 @@ def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
     """`fused_attention` from q, k, v already padded: (B, Tp, Hl, D) each, compute dtype,
     rows `tokens` to Tp - 1 of each example padding (their values do not matter: the
     padded keys are masked, the padded queries' outputs sliced off by the caller).
-    Returns (B, Tp, Hl*D). The Pallas q, k, v projection (vit_pure/pallas/qkv.py) writes
-    its outputs in this form, so the split and the padding copy are not made."""
+    Returns (B, Tp, Hl*D)."""
     B, Tp = q.shape[:2]
     lengths = None if Tp == tokens else jnp.full((B,), tokens, jnp.int32)  # no mask, no pad
     precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)
@@ -168,53 +156,3 @@ def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
     if implementation != "cudnn":  # cuDNN's output is saved as it is (`remat.save_policy`)
         ctx = save_dot(ctx)
     return rearrange(ctx, "b t h d -> b t (h d)")
-
-
-def _qkv_pallas_fits(h, w, tokens: int, policy: Policy) -> bool:
-    """Whether `_padded_qkv`'s kernels take the LayerNorm's output h (B*T, E) and the qkv
-    kernel w (E, 3*Hl*D): their tiles fit the padded rows, and h, w and the matmul's
-    output share one dtype (the kernels' dots read the incoming gradients and w)."""
-    rows = h.shape[0] // tokens * padded_length(tokens)
-    return (h.ndim == 2 and h.dtype == w.dtype == policy.matmul_dtype
-            and qkv_kernel.tiles(rows, w.shape[0], w.shape[1] // 3) is not None)
-
-
-def _padded_qkv(h, w, bias, tokens: int, cfg: ViTConfig, policy: Policy):
-    """q, k, v for the fused attention, (B, Tp, Hl, D) each in the compute dtype, padded as
-    `attention.attend_padded` takes them: h (B*T, E) is padded to Tp rows an example (the
-    zero rows are written by the LayerNorm's kernel) and `_qkv_projection` writes the three
-    straight from it, with no (B*T, 3*Hl*D) array and no split-and-pad copy."""
-    E, Tp = h.shape[-1], padded_length(tokens)
-    hp = jnp.pad(h.reshape(-1, tokens, E), ((0, 0), (0, Tp - tokens), (0, 0)))
-    qkv = _qkv_projection(hp.reshape(-1, E), w, varying_like(bias, h), policy)
-    D = cfg.head_dim
-    return tuple(save_dot(a).astype(policy.compute_dtype).reshape(-1, Tp, a.shape[-1] // D, D)
-                 for a in qkv)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qkv_projection(hp, w, bias, policy: Policy):
-    """(q, k, v) = hp @ w + bias, split into thirds by columns, (rows, Hl*D) each in the
-    matmul dtype: one Pallas kernel forward and one for the input gradient and the bias
-    gradient (vit_pure/pallas/qkv.py; `Execution.qkv_projection`); the weight gradient is
-    three XLA GEMMs. Keeps hp for the backward, as the reference keeps h."""
-    return qkv_kernel.projection(hp, w, bias, policy.matmul_dtype,
-                                 precision=policy.precision)
-
-
-def _qkv_projection_fwd(hp, w, bias, policy):
-    return _qkv_projection(hp, w, bias, policy), (hp, w, bias)
-
-
-def _qkv_projection_bwd(policy, residuals, cotangents):
-    hp, w, bias = residuals
-    dq, dk, dv = (d.astype(w.dtype) for d in cotangents)
-    dhp, dbias = qkv_kernel.projection_input_gradient(dq, dk, dv, w, hp.dtype,
-                                                      precision=policy.precision)
-    dw = jnp.concatenate([jnp.einsum("re,rn->en", hp, d, precision=policy.precision,
-                                     preferred_element_type=w.dtype) for d in (dq, dk, dv)],
-                         axis=1)
-    return dhp, dw, dbias.astype(bias.dtype)
-
-
-_qkv_projection.defvjp(_qkv_projection_fwd, _qkv_projection_bwd)

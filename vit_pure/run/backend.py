@@ -33,14 +33,6 @@ says what was chosen and why:
                    packed eight to a byte on accelerators (less memory and HBM traffic), a
                    byte an element on CPU, where packing them was not measured to help
                    (docs/performance.md, "Cutting the headline's traffic, deviceless").
-  MLP kernels,     `--mlp-kernels` / `--qkv-projection` not given: XLA's kernels (`xla`)
-  qkv projection   on every platform. The kit's Pallas (Triton) kernels for fc2 and the GELU
-                   (vit_pure/pallas/mlp.py) and for the q, k, v projection
-                   (vit_pure/pallas/qkv.py) move less HBM traffic in the H100's compiled
-                   program, but have not been timed on a GPU: a kernel of the kit's own
-                   becomes a default only after a same-run A/B on an H100 shows it faster
-                   than what it replaces. `--mlp-kernels pallas` / `--qkv-projection pallas`
-                   ask for them; on a GPU the start-up notes say so in one line.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -55,7 +47,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from vit_pure.config import Execution, ViTConfig, remat_saved_names
+from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
 from vit_pure.step import StepConfig
@@ -64,11 +56,6 @@ from vit_pure.step import StepConfig
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # Backends where the unrolled layer loop was measured faster than the scan.
 UNROLLED_MEASURED = ("cpu", "gpu", "cuda", "rocm")
-# The start-up note on an NVIDIA GPU when either flag is left to the default: the kit's own
-# kernels are there, opt-in, unmeasured.
-PALLAS_NOTE = ("Pallas kernels: --mlp-kernels pallas and --qkv-projection pallas exist, not "
-               "yet timed on a GPU, so XLA's kernels run unless asked (docs/performance.md)")
-
 
 @dataclasses.dataclass(frozen=True)
 class Choices:
@@ -78,8 +65,6 @@ class Choices:
     attention: str
     dropout_masks: str
     packed_masks: bool
-    mlp_kernels: str
-    qkv_projection: str
     notes: tuple[str, ...]
 
 
@@ -108,12 +93,10 @@ def _cpu_kind(flags: frozenset[str]) -> str:
 
 def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform: str,
             flags: frozenset[str] | None = None, attention: str | None = None,
-            cudnn: bool = False, dropout_masks: str | None = None, nvidia: bool = False,
-            mlp_kernels: str | None = None, remat: str = "none",
-            qkv_projection: str | None = None) -> Choices:
-    """The policy, layer loop, attention, dropout masks (how drawn, how kept), the MLP's
-    kernels and the q, k, v projection for `platform` ("cpu", "gpu", "tpu", ...): one
-    resolver per knob below, each returning its choice and its notes, in this order.
+            cudnn: bool = False, dropout_masks: str | None = None) -> Choices:
+    """The policy, layer loop, attention and dropout masks (how drawn, how kept) for
+    `platform` ("cpu", "gpu", "tpu", ...): one resolver per knob below, each returning its
+    choice and its notes, in this order.
 
     policy_text: `--policy` if given, else `--dtype` ("fp32", "bf16", "fp16" or "auto").
     scan: `--scan` (True), `--no-scan` (False) or not given (None).
@@ -121,10 +104,6 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     attention: `--attention` if given, else None.
     cudnn: whether the device runs cuDNN's fused attention (`cudnn_attention_runs`).
     dropout_masks: `--dropout-masks` if given, else None.
-    nvidia: whether the device is an NVIDIA GPU of compute capability 8.0 or more
-    (`cudnn_attention_runs`), where Pallas's Triton kernels run.
-    mlp_kernels: `--mlp-kernels` if given, else None. remat: `--remat`.
-    qkv_projection: `--qkv-projection` if given, else None.
     """
     on_cpu = platform == "cpu"
     if on_cpu and flags is None:
@@ -134,12 +113,7 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     attention, attention_notes = _resolve_attention(attention, cudnn, policy)
     dropout_masks, mask_notes = _resolve_dropout_masks(dropout_masks, platform)
     notes += layer_notes + attention_notes + mask_notes
-    if nvidia and (mlp_kernels is None or qkv_projection is None):
-        notes.append(PALLAS_NOTE)
-    mlp_kernels = _resolve_mlp_kernels(mlp_kernels, platform, nvidia, remat)
-    qkv_projection = _resolve_qkv_projection(qkv_projection, platform, nvidia, attention)
-    return Choices(policy, scan, attention, dropout_masks, not on_cpu, mlp_kernels,
-                   qkv_projection, tuple(notes))
+    return Choices(policy, scan, attention, dropout_masks, not on_cpu, tuple(notes))
 
 
 def _resolve_policy(policy_text: str, matmul_precision: str, platform: str,
@@ -216,37 +190,6 @@ def _resolve_dropout_masks(dropout_masks: str | None, platform: str) -> tuple[st
     return dropout_masks, notes
 
 
-def _resolve_mlp_kernels(mlp_kernels: str | None, platform: str, nvidia: bool,
-                         remat: str) -> str:
-    """XLA's kernels unless the Pallas ones are asked for, where they can run."""
-    if mlp_kernels is None:
-        return "xla"
-    if mlp_kernels == "pallas" and not nvidia:
-        raise UsageError(f"--mlp-kernels pallas are Triton kernels for NVIDIA GPUs (compute "
-                         f"capability 8.0 or more); this run is on {platform}: use "
-                         f"--mlp-kernels xla")
-    if mlp_kernels == "pallas" and "gelu" in remat_saved_names(remat):
-        raise UsageError(f"--mlp-kernels pallas recomputes the GELU's output, which --remat "
-                         f"{remat} saves: use --mlp-kernels xla, or a --remat without gelu")
-    return mlp_kernels
-
-
-def _resolve_qkv_projection(qkv_projection: str | None, platform: str, nvidia: bool,
-                            attention: str) -> str:
-    """XLA's GEMM and copy unless the Pallas kernels are asked for, where they can run."""
-    if qkv_projection is None:
-        return "xla"
-    if qkv_projection == "pallas" and not nvidia:
-        raise UsageError(f"--qkv-projection pallas is a Triton kernel for NVIDIA GPUs (compute "
-                         f"capability 8.0 or more); this run is on {platform}: use "
-                         f"--qkv-projection xla")
-    if qkv_projection == "pallas" and attention == "einsum":
-        raise UsageError("--qkv-projection pallas writes the fused attention's padded inputs; "
-                         "--attention einsum has none: use --attention cudnn (or xla), or "
-                         "--qkv-projection xla")
-    return qkv_projection
-
-
 def cudnn_attention_runs(device) -> bool:
     """Whether `device` runs cuDNN's fused attention: a CUDA GPU of compute capability 8.0 or
     more (Ampere on). Other devices have no CUDA compute capability (ROCm names a gfx
@@ -295,8 +238,6 @@ class StepFlags:
     scan: bool | None
     attention: str | None
     dropout_masks: str | None
-    mlp_kernels: str | None
-    qkv_projection: str | None
     remat: str
     label_smoothing: float
     grad_clip: float | None
@@ -323,15 +264,11 @@ def step_config(flags: StepFlags, platform: str | None = None, device=None) -> S
         device if device is not None else jax.devices()[0])
     cudnn = nvidia and not flags.cfg.lsa and _cudnn_head_dim(flags.cfg)
     choices = resolve(flags.dtype, flags.matmul_precision, flags.scan, platform,
-                      attention=attention, cudnn=cudnn, dropout_masks=flags.dropout_masks,
-                      nvidia=nvidia, mlp_kernels=flags.mlp_kernels, remat=flags.remat,
-                      qkv_projection=flags.qkv_projection)
+                      attention=attention, cudnn=cudnn, dropout_masks=flags.dropout_masks)
     _check_attention(choices.attention, choices.policy, platform, flags.cfg)
     execution = Execution(scan=choices.scan, remat=flags.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
-                          packed_masks=choices.packed_masks,
-                          mlp_kernels=choices.mlp_kernels,
-                          qkv_projection=choices.qkv_projection)
+                          packed_masks=choices.packed_masks)
     return StepConfig(flags.cfg, choices.policy, flags.label_smoothing, flags.grad_clip,
                       execution=execution,
                       randaugment=tuple(flags.randaugment),

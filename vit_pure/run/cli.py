@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 from vit_pure.config import get_preset
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
-from vit_pure.pallas import failures
 from vit_pure.policy import Policy
 from vit_pure.run import distributed
 from vit_pure.run.checks import (
@@ -106,9 +105,7 @@ def require_positive(parser, args, *names: str) -> None:
 
 
 def main_guard(fn: Callable[[], Any]) -> int:
-    """Run a script's main; bad input becomes one line on stderr and exit code 2, and so
-    does a kit Pallas kernel that the device fails to lower or compile
-    (vit_pure/pallas/failures.py).
+    """Run a script's main; bad input becomes one line on stderr and exit code 2.
 
     A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
     normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
@@ -133,10 +130,6 @@ def main_guard(fn: Callable[[], Any]) -> int:
               file=sys.stderr)
         return _leave(130, "interrupted by a second signal")
     except Exception as e:  # a bug or an unforeseen failure: its traceback, then as above
-        kernel = failures.failure_line(e)  # but a kit kernel the device refused: one line
-        if kernel is not None:
-            print(f"error: {kernel}", file=sys.stderr)
-            return _leave(2, kernel)
         if distributed.report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"):
             traceback.print_exc()
             return _leave(1, "")

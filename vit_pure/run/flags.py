@@ -9,10 +9,8 @@ from typing import Any
 from vit_pure.config import (
     ATTENTION_IMPLS,
     DROPOUT_MASKS,
-    MLP_KERNELS,
     POOLS,
     PRESETS,
-    QKV_PROJECTIONS,
     REMAT_SAVE_NAMES,
     remat_saved_names,
 )
@@ -116,20 +114,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "to 2^-16); other masks, the same distribution (docs/performance.md). "
                         "Default: per backend (vit_pure/run/backend.py): threefry16 on "
                         "accelerators, bernoulli on CPU")
-    g.add_argument("--mlp-kernels", default=None, choices=list(MLP_KERNELS),
-                   help="fc2 and the GELU before it, forward and backward: XLA's kernels (xla) "
-                        "or three Pallas/Triton kernels that never write the GELU's output "
-                        "(pallas: NVIDIA GPUs; where the shapes fit their tiles); same results "
-                        "within rounding "
-                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
-                        "not yet timed on a GPU)")
-    g.add_argument("--qkv-projection", default=None, choices=list(QKV_PROJECTIONS),
-                   help="with --attention cudnn or xla, the q, k, v projection: one XLA GEMM "
-                        "and a copy that splits and pads its output (xla), or Pallas/Triton "
-                        "kernels that write the padded q, k, v straight away (pallas: NVIDIA "
-                        "GPUs; where the shapes fit its tiles); same results within rounding "
-                        "(docs/performance.md). Default: xla everywhere (the Pallas kernels are "
-                        "not yet timed on a GPU)")
 
 
 def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:

@@ -198,7 +198,7 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
     return backend.StepFlags(
         cfg=args.cfg, dtype=args.policy or args.dtype, matmul_precision=args.matmul_precision,
         scan=args.scan, attention=args.attention, dropout_masks=args.dropout_masks,
-        mlp_kernels=args.mlp_kernels, qkv_projection=args.qkv_projection, remat=args.remat,
+        remat=args.remat,
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
         ema=args.ema, eval_flip=args.eval_flip)

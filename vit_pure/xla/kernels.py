@@ -9,18 +9,11 @@ floor, not a prediction: a kernel re-reading an operand, or caches serving it, c
 the real figure; and it ranks changes that move large amounts of memory, not those whose
 cost is arithmetic (random bits, for one).
 
-A Pallas kernel lowered to Triton is a custom call whose IR the HLO text does not show;
-one that states its matmul FLOPs in its metadata (the kit's kernels, vit_pure/pallas/, do)
-counts as a GEMM with those FLOPs, its epilogue's work included, and its traffic is the
-figure it states too: the bytes its grid and BlockSpecs load and store, reuse credited
-only between programs that run together (vit_pure/pallas/traffic.py), not its operand
-sizes (a tiled GEMM reads its operands many times).
-
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
 peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
 predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
-max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of XLA's GEMMs,
-cuDNN's attention (its FLOPs counted from q's shape) or the kit's Pallas GEMMs, plus its
+max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of XLA's GEMMs
+or cuDNN's attention (its FLOPs counted from q's shape), plus its
 integer work at the GPU's INT32 rate and a launch (`Rates`, `H100_RATES`).
 
 Integer arithmetic, which the floor leaves out, is counted apart (`int_ops`): each
@@ -56,11 +49,6 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-# A Pallas kernel lowered to Triton: its IR is opaque in the HLO text, so a kit kernel
-# states its matmul FLOPs in the call's metadata (JSON, quotes escaped as \22).
-_TRITON_TARGET = "__gpu$xla.gpu.triton"
-_TRITON_FLOPS = re.compile(r'serialized_metadata = "[^"]*flops\\22: \\22(\d+)\\22')
-_TRITON_BYTES = re.compile(r'serialized_metadata = "[^"]*bytes\\22: \\22(\d+)\\22')
 _INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
 _INT_OPS = {"add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
             "shift-left", "shift-right-logical", "shift-right-arithmetic", "maximum",
@@ -77,19 +65,17 @@ class Kernel:
     shape: str = ""  # its output, physical layout (XLA:GPU's shapes are major to minor)
     op: str = ""     # the JAX operation it came from: its op_name's last two parts
     int_ops: int = 0  # integer arithmetic (`int_ops`), per execution
-    pallas: bool = False  # a kit Pallas kernel (bytes and FLOPs as it states them)
     attention_flops: int = 0  # cuDNN attention's matmul FLOPs, per execution
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """What `predicted_s` prices a kernel at, besides the GPU's bandwidth and peak: the
-    fraction of each reached (memory; XLA's GEMMs; cuDNN's attention; the kit's Pallas
-    GEMMs), INT32 operations a second and a launch's cost."""
+    fraction of each reached (memory; XLA's GEMMs; cuDNN's attention), INT32 operations a
+    second and a launch's cost."""
     e_mem: float
     e_gemm: float
     e_attention: float
-    e_pallas: float
     int_per_s: float
     launch_s: float = LAUNCH_S
 
@@ -99,9 +85,8 @@ class Rates:
 # programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
 # benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
 # docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
-# operand count misses what the L2 serves. e_pallas: half of e_gemm, until measured.
-H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, e_pallas=0.20,
-                   int_per_s=64 * 132 * 1.98e9)
+# operand count misses what the L2 serves.
+H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, int_per_s=64 * 132 * 1.98e9)
 
 
 def classify(instr: Instr) -> str:
@@ -115,8 +100,6 @@ def classify(instr: Instr) -> str:
             return "gemm"
         if "cudnn$fmha" in target or "fmha" in target:
             return "attention"
-        if target == _TRITON_TARGET and _TRITON_FLOPS.search(instr.attrs):
-            return "gemm"  # a Pallas matmul kernel (its epilogue's work included)
         return "other"
     fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
     gemm_fusion = any(k in fusion_kind for k in ("gemm", "cublas", "cudnn"))
@@ -220,20 +203,14 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
                                                 for o in instr.operands)
             nbytes -= _untouched_bytes(module, instr)
-            stated_bytes = _TRITON_BYTES.search(instr.attrs) if kind == "gemm" else None
-            if stated_bytes:  # a kit Pallas kernel: its grid's loads and stores
-                nbytes = int(stated_bytes.group(1))
             flops = 0
             if kind == "gemm":
-                stated = _TRITON_FLOPS.search(instr.attrs)  # a Pallas kernel (`classify`)
-                flops = (int(stated.group(1)) if stated else
-                         _gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
+                flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
                               "/".join(op.split("/")[-2:]), ints,
-                              pallas=_TRITON_TARGET in instr.attrs and kind == "gemm",
                               attention_flops=_attention_flops(instr, shapes, kind)))
     return out
 
@@ -276,8 +253,7 @@ def predicted_s(found: list[Kernel], bandwidth: float, peak_flops: float,
     summed over the kernels in order (module docstring)."""
     total = 0.0
     for k in found:
-        e = (rates.e_pallas if k.pallas else rates.e_gemm if k.kind == "gemm"
-             else rates.e_attention)
+        e = rates.e_gemm if k.kind == "gemm" else rates.e_attention
         flops = k.flops + k.attention_flops
         compute = flops / (peak_flops * e) if flops else 0.0
         total += k.runs * (max(k.bytes / (bandwidth * rates.e_mem), compute)
