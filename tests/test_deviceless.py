@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gzip
 import json
 import pathlib
 import re
@@ -84,6 +85,73 @@ def test_kernels_and_their_traffic_by_class():
     assert [(g["kernels"], g["bytes"]) for g in twice] == [(2, 2 * add["bytes"])]
     report = kernels.largest_report(t, 6)
     assert len(report.splitlines()) == 7 and "jvp()/add" in report
+
+
+# jax 0.11's text: a tuple's element as `%t#i` (no get-tuple-element), a GEMM fusion's
+# kind after its Triton tiling config, a cuBLAS call whose lhs is a multi-output fusion's
+# second result.
+FRAGMENT_011 = """HloModule jit_train_step, entry_computation_layout={()->()}
+
+%fused_two (p0: bf16[64,16]) -> (bf16[64,16], f32[64,16]) {
+  %p0 = bf16[64,16]{1,0} parameter(0)
+  %c = f32[64,16]{1,0} convert(%p0)
+  ROOT %t = (bf16[64,16]{1,0}, f32[64,16]{1,0}) tuple(%p0, %c)
+}
+
+%gemm_computation (p0: bf16[64,16], p1: bf16[16,8]) -> bf16[64,8] {
+  %p0 = bf16[64,16]{1,0} parameter(0)
+  %p1 = bf16[16,8]{1,0} parameter(1)
+  ROOT %d = bf16[64,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[64,16], w: bf16[16,32], v: bf16[16,8]) -> bf16[64,32] {
+  %a = bf16[64,16]{1,0} parameter(0)
+  %w = bf16[16,32]{1,0} parameter(1)
+  %v = bf16[16,8]{1,0} parameter(2)
+  %loop_convert_fusion = (bf16[64,16]{1,0}, /*index=1*/f32[64,16]{1,0}) fusion(%a), kind=kLoop, calls=%fused_two
+  %custom-call.1 = (bf16[64,32]{1,0}, s8[33554432]{0}) custom-call(%loop_convert_fusion#0, %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %gemm_fusion_dot = bf16[64,8]{1,0} fusion(%loop_convert_fusion#0, %v), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"block_level_fusion_config":{"num_warps":"4","output_tiles":[{"sizes":["16","8"]}]},"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %loop_add_fusion = bf16[64,32]{1,0} fusion(%custom-call.1#0, %custom-call.1#0), kind=kLoop, calls=%fused_two
+}
+"""
+
+
+def test_tuple_elements_and_fusion_kinds_of_jax_0_11():
+    """`%t#i` is the i-th array of t's tuple, not the whole tuple; a fusion's kind is found
+    after a `block_level_fusion_config`."""
+    module = hlo.parse_module(FRAGMENT_011)
+    assert hlo.tuple_element("(bf16[2]{0}, /*index=1*/(s8[4], u8[1]))", 1) == "(s8[4], u8[1])"
+    found = {k.name: k for k in kernels.kernels(
+        module, lambda comp: hlo.computation_dot_flops(module, comp))}
+    assert {n: k.kind for n, k in found.items()} == {
+        "loop_convert_fusion": "elementwise", "custom-call.1": "gemm",
+        "gemm_fusion_dot": "gemm", "loop_add_fusion": "elementwise"}
+    assert found["custom-call.1"].bytes == 2 * (64 * 16 + 16 * 32 + 64 * 32)
+    assert found["custom-call.1"].flops == 2 * 64 * 32 * 16
+    assert found["gemm_fusion_dot"].flops == 2 * 64 * 8 * 16
+    assert found["gemm_fusion_dot"].bytes == 2 * (64 * 16 + 16 * 8 + 64 * 8)
+    assert found["loop_add_fusion"].bytes == 3 * 2 * 64 * 32
+
+
+H200_RUN = REPO.parent / "shared" / "gpu-runs" / "2026-11-27-h200"
+
+
+def test_the_h200s_own_program_reads_as_measured_there():
+    """The step XLA compiled on the H200 (jax 0.11.2): 458 kernels, 178.3 GB, 17.13 TFLOP
+    in 74 cuBLASLt GEMMs (and the head's three small Triton GEMMs), 12 cuDNN calls."""
+    dump = H200_RUN / "train_step.gpu_after_optimizations.txt.gz"
+    if not dump.exists():
+        pytest.skip(f"the shared H200 run is not beside this checkout ({dump})")
+    module = hlo.parse_module(gzip.decompress(dump.read_bytes()).decode())
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    t = kernels.traffic(found, 4.3e12, 760e12)
+    assert t["kernels"] == 458
+    assert t["bytes"] == pytest.approx(178.3e9, rel=0.02)
+    assert t["flops"] == pytest.approx(17.13e12, rel=0.01)
+    cublas = [i for i in module.computations[module.entry]
+              if '"__cublas$lt$matmul"' in i.attrs]
+    assert len(cublas) == 74 and t["classes"]["gemm"]["kernels"] == 74 + 3
+    assert t["classes"]["attention"]["kernels"] == 12
 
 
 # A kernel drawing random bits: integer shifts and xors, then a compare.

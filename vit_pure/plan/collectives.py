@@ -115,7 +115,7 @@ def read_collectives(module: Module, mesh_shape: dict[str, int],
                 n = len(groups[0])
             # V from the operands: the buffer each device contributes (all-reduce,
             # reduce-scatter, permute), or for an all-gather n times its shard.
-            operand_shape = " ".join(shapes.get(o, "") for o in instr.operands)
+            operand_shape = " ".join(instr.operand_shapes(shapes))
             if not operand_shape.strip():
                 operand_shape = instr.shape
             nbytes = shape_bytes(operand_shape) * (n if kind == ic.ALL_GATHER else 1)

@@ -4,6 +4,10 @@ around it), the kit's file:line behind an op, and the matmul FLOPs of a program;
 readings of the lowered StableHLO (`lowered.as_text()`): its matmul FLOPs as written and
 the precision each matmul asks for.
 
+Both text forms of a tuple's element are read: jax 0.10's `get-tuple-element(%t),
+index=i` and jax 0.11's operand `%t#i`, which `Instr.operand_shapes` resolves to the i-th
+array of the tuple (not the whole tuple).
+
 Pure text: nothing here compiles or runs. The communication plan (vit_pure/plan/) reads
 its collectives through it, the benchmarks their programs.
 """
@@ -29,6 +33,14 @@ class Instr:
     operands: list[str]
     attrs: str
     index: int | None = None  # parameter(i)'s i; a get-tuple-element's index=i
+    elements: list[int | None] = dataclasses.field(default_factory=list)  # `%t#i`'s i
+
+    def operand_shapes(self, shapes: dict[str, str]) -> list[str]:
+        """Each operand's shape: a tuple element written `%t#i` (jax 0.11) is the i-th
+        array of t's tuple, any other operand its producer's whole shape."""
+        elements = self.elements or [None] * len(self.operands)
+        return [shapes.get(o, "") if i is None else tuple_element(shapes.get(o, ""), i)
+                for o, i in zip(self.operands, elements)]
 
     @property
     def dtype(self) -> str:
@@ -62,6 +74,7 @@ _CALLEE = re.compile(r"\b(calls|body|to_apply|true_computation|false_computation
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
 
 
 def _balanced(text: str, start: int) -> int:
@@ -88,13 +101,15 @@ def _parse_instr(name: str, rest: str) -> Instr | None:
         return None
     close = _balanced(tail, m.end() - 1)
     inside, attrs = tail[m.end():close - 1], tail[close:]
-    operands = re.findall(r"%([\w.\-]+)", inside)
+    found = _OPERAND.findall(inside)
+    operands = [name for name, _ in found]
+    elements = [int(i) if i else None for _, i in found]
     index = re.search(r"\bindex=(\d+)", attrs)
     if m.group(1) == "parameter" and inside.strip().isdigit():
         index = int(inside)
     elif index is not None:
         index = int(index.group(1))
-    return Instr(name, shape, m.group(1), operands, attrs, index)
+    return Instr(name, shape, m.group(1), operands, attrs, index, elements)
 
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -102,6 +117,27 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(dt, tuple(int(d) for d in dims.split(",") if d))
             for dt, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape))
             if dt in DTYPE_BYTES]
+
+
+def tuple_element(shape: str, i: int) -> str:
+    """'(f32[4]{0}, (s8[2], u8[1]))', 1 -> '(s8[2], u8[1])': the i-th top-level element of
+    a tuple shape ('' past its end); a shape that is not a tuple is its own element 0."""
+    shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return shape if i == 0 else ""
+    parts, depth, start = [], 0, 1
+    for k, ch in enumerate(shape):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                parts.append(shape[start:k])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(shape[start:k])
+            start = k + 1
+    return parts[i].strip() if i < len(parts) else ""
 
 
 def shape_bytes(shape: str) -> int:
@@ -232,7 +268,7 @@ def computation_dot_flops(module: Module, comp: str) -> int:
     for instr in instrs:
         if instr.opcode != "dot":
             continue
-        lhs = arrays(shapes.get(instr.operands[0], ""))
+        lhs = arrays(instr.operand_shapes(shapes)[0])
         out = arrays(instr.shape)
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
         if not lhs or not out or m is None:

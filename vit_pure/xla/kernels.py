@@ -34,7 +34,7 @@ import dataclasses
 import math
 import re
 
-from vit_pure.xla.hlo import Instr, Module, arrays, shape_bytes
+from vit_pure.xla.hlo import Instr, Module, arrays, shape_bytes, tuple_element
 
 CLASSES = ("gemm", "attention", "norms/reductions", "elementwise", "transposes/copies",
            "collectives", "other")
@@ -46,7 +46,9 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "conditional", "call", "after-all", "partition-id", "replica-id",
                 "opt-barrier", "add-dependency", "domain"}
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
+# jax 0.10 writes the fusion's kind first in its backend config; jax 0.11 may put a
+# `block_level_fusion_config` (Triton tiling) before it.
+_FUSION_KIND = re.compile(r'"fusion_backend_config":\{(?:[^"]|"(?!kind"))*?"kind":"([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
@@ -115,10 +117,11 @@ def classify(instr: Instr) -> str:
 
 
 def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
-    """2 x output elements x contracted size, for a library GEMM call."""
+    """2 x output elements x contracted size, for a library GEMM call: its lhs the operand
+    it names (a tuple's element resolved), its output the result, not the workspace."""
     m = _LHS_CONTRACTING.search(instr.attrs)
-    lhs = arrays(shapes.get(instr.operands[0], "")) if instr.operands else []
-    out = arrays(instr.shape)
+    lhs = arrays(instr.operand_shapes(shapes)[0]) if instr.operands else []
+    out = arrays(_results(instr))
     if m is None or not lhs or not out:
         return 0
     dims = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')]
@@ -130,11 +133,26 @@ def _attention_flops(instr: Instr, shapes: dict[str, str], kind: str) -> int:
     products (4 B H T^2 D FLOPs), the backward five (the scores again, dV, dP, dQ, dK)."""
     if kind != "attention" or not instr.operands:
         return 0
-    q = arrays(shapes.get(instr.operands[0], ""))
+    q = arrays(instr.operand_shapes(shapes)[0])
     if not q or len(q[0][1]) != 4:
         return 0
     b, t, h, d = q[0][1]
     return (10 if "Backward" in instr.attrs else 4) * b * h * t * t * d
+
+
+def _results(instr: Instr) -> str:
+    """What a kernel writes: its shape, less a library call's scratch workspace (the s8
+    array a cuBLAS call's tuple ends with; cuDNN's u8 one is kept: its attention backward
+    writes its dQ accumulator there, in f32)."""
+    if instr.opcode == "custom-call" and instr.shape.startswith("("):
+        parts, k = [], 0
+        while (part := tuple_element(instr.shape, k)):
+            parts.append(part)
+            k += 1
+        if len(parts) > 1 and parts[-1].startswith("s8["):
+            parts = parts[:-1]
+        return ", ".join(parts)
+    return instr.shape
 
 
 def int_ops(module: Module, comp: str) -> int:
@@ -197,11 +215,9 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             if instr.opcode in _NOT_KERNELS or instr.opcode.endswith("-done"):
                 continue
             kind = classify(instr)
-            outputs = instr.shape
-            if instr.opcode == "custom-call" and instr.shape.startswith("("):
-                outputs = instr.shape[1:].split(", s8[")[0]  # the result, not the workspace
-            nbytes = shape_bytes(outputs) + sum(shape_bytes(shapes.get(o, ""))
-                                                for o in instr.operands)
+            outputs = _results(instr)
+            nbytes = shape_bytes(outputs) + sum(shape_bytes(s)
+                                                for s in instr.operand_shapes(shapes))
             nbytes -= _untouched_bytes(module, instr)
             flops = 0
             if kind == "gemm":
