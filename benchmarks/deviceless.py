@@ -132,7 +132,7 @@ def program_row(text: str, hardware: str) -> dict:
     if not found:
         raise ValueError("no kernels in it")
     gpu = kernels.traffic(found, targets.memory_bandwidth(hardware),
-                          ic.HARDWARE[hardware].peak_flops)
+                          ic.HARDWARE[hardware].peak_flops, kernels.RATES[hardware])
     return {"memory": None, "gpu_program": gpu, "flops": {"program_per_device": gpu["flops"]},
             "compile_s": None}
 

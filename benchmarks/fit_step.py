@@ -2,6 +2,7 @@
 
     python -m benchmarks.fit_step --row "cudnn=104.1=DUMP.txt" ... --save rows.json
     python -m benchmarks.fit_step --rows benchmarks/data/h100-2026-11-23.json
+    python -m benchmarks.fit_step --profile gpu-check/kernel_times.json --hardware h200
 
 A row is a measured step (LABEL=MS=FILE: the step's milliseconds on the GPU and its
 program, an optimised XLA:GPU module, compiled deviceless for the GPU from the kit that
@@ -10,7 +11,13 @@ together, in --save's JSON (the compiles take minutes on a small CPU; the JSON i
 cache). The fit: e_mem, e_gemm and e_attention of `kernels.Rates` on a grid (0.01 steps),
 minimising the squared relative errors of the predicted steps (`kernels.predicted_s`;
 the INT32 rate and launch cost as `kernels.H100_RATES`), then each row's error
-at the fit and left out of it (fitted on the others, predicted). Prints a Markdown table.
+at the fit and left out of it (fitted on the others, predicted). Prints a Markdown table,
+and which terms the rows cannot separate (a term whose work is the same in every row acts
+as an intercept: its efficiency is whatever absorbs the rest).
+
+`--profile` fits from kernel times instead (benchmarks.gpu_check's profile part): each
+class's efficiency from its own kernels' device time (GEMMs also per shape), the INT32
+rate from what the random-bit kernels take beyond their memory time.
 """
 from __future__ import annotations
 
@@ -109,6 +116,97 @@ def report(rows: list[dict], bandwidth: float, peak: float) -> str:
     return "\n".join(lines) + harness.markdown_table(head, table, numeric=range(1, len(head)))
 
 
+def unseparable(rows: list[dict]) -> list[str]:
+    """The terms the rows cannot separate: each whose work (bytes, GEMM FLOPs, attention
+    FLOPs, integer operations) varies by under 5% from row to row (less than the rows'
+    errors move it: it cannot be told from a constant), one line each."""
+    def work(row, what):
+        ks = row["kernels"]
+        if what == "memory bytes":
+            return sum(g["runs"] * g["bytes"] for g in ks if g["kind"] not in ("gemm", "attention"))
+        if what == "GEMM FLOPs (e_gemm)":
+            return sum(g["runs"] * g["flops"] for g in ks if g["kind"] == "gemm")
+        if what == "attention FLOPs (e_attention)":
+            return sum(g["runs"] * g["attention_flops"] for g in ks)
+        return sum(g["runs"] * g["int_ops"] for g in ks)
+    lines = []
+    for what in ("memory bytes", "GEMM FLOPs (e_gemm)", "attention FLOPs (e_attention)",
+                 "integer operations (INT32 rate, fixed)"):
+        values = [work(r, what) for r in rows]
+        nonzero = [v for v in values if v]
+        if len(nonzero) > 1 and (max(nonzero) - min(nonzero)) <= 0.05 * max(nonzero):
+            lines.append(f"{what}: {min(nonzero):.4g} to {max(nonzero):.4g} in the rows "
+                         f"(+{100 * (max(nonzero) / min(nonzero) - 1):.1f}%): the fit cannot "
+                         "tell it from a constant; its efficiency absorbs what the others miss")
+        elif 0 < len(nonzero) < 2:
+            lines.append(f"{what}: in one row only: fitted to that row alone")
+    return lines
+
+
+def fit_profile(record: dict, bandwidth: float, peak: float,
+                rates: kernels.Rates = kernels.H100_RATES) -> tuple[kernels.Rates, list[dict]]:
+    """The rates from a profile's kernel times (`profile_breakdown.kernel_times`): e_mem
+    from the memory-bound kernels without integer work, the INT32 rate from the time the
+    others take beyond their memory time, e_gemm and e_attention from their kernels'
+    FLOPs over their time (each less a launch). Also the GEMMs per output shape:
+    [{shape, runs, tflop, ms, e}]."""
+    ks = [k for k in record["kernels"] if k["us"] > 0]
+    launch = rates.launch_s
+
+    def seconds(k):
+        return max(k["us"] * 1e-6 - k["runs"] * launch, 1e-9)
+
+    memory = [k for k in ks if k["kind"] not in ("gemm", "attention", "collectives")]
+    plain = [k for k in memory if not k["int_ops"]]
+    e_mem = (sum(k["runs"] * k["bytes"] for k in plain) / bandwidth
+             / sum(seconds(k) for k in plain)) if plain else rates.e_mem
+    ints = [k for k in memory if k["int_ops"]]
+    int_time = sum(max(seconds(k) - k["runs"] * k["bytes"] / (bandwidth * e_mem), 0.0)
+                   for k in ints)
+    int_per_s = (sum(k["runs"] * k["int_ops"] for k in ints) / int_time
+                 if ints and int_time > 0 else rates.int_per_s)
+
+    def efficiency(group, key):
+        flops = sum(k["runs"] * k[key] for k in group)
+        return flops / peak / sum(seconds(k) for k in group) if flops else None
+
+    gemm = [k for k in ks if k["kind"] == "gemm"]
+    attention = [k for k in ks if k["kind"] == "attention"]
+    shapes = {}
+    for k in gemm:
+        shapes.setdefault((k["shape"], k["flops"]), []).append(k)
+    by_shape = [{"shape": shape, "runs": sum(k["runs"] for k in group),
+                 "tflop": sum(k["runs"] * k["flops"] for k in group) / 1e12,
+                 "ms": sum(k["us"] for k in group) / 1e3, "e": efficiency(group, "flops")}
+                for (shape, _), group in shapes.items()]
+    fitted = dataclasses.replace(
+        rates, e_mem=e_mem, int_per_s=int_per_s,
+        e_gemm=efficiency(gemm, "flops") or rates.e_gemm,
+        e_attention=efficiency(attention, "attention_flops") or rates.e_attention)
+    return fitted, sorted(by_shape, key=lambda g: -g["ms"])
+
+
+def profile_report(record: dict, bandwidth: float, peak: float) -> str:
+    """The rates fitted to a profile, the GEMMs per shape, and the predicted step at those
+    rates against the step measured and the kernels' sum."""
+    rates, by_shape = fit_profile(record, bandwidth, peak)
+    found = as_kernels(record["kernels"])
+    predicted = kernels.predicted_s(found, bandwidth, peak, rates) * 1e3
+    measured, summed = record["step_ms"], record["total_us"] / 1e3
+    lines = [f"fit on the profile of {record.get('model')} batch {record.get('batch')} "
+             f"({record.get('device')}, {record['steps']} steps): e_mem {rates.e_mem:.3g}, "
+             f"e_gemm {rates.e_gemm:.3g}, e_attention {rates.e_attention:.3g}, INT32 "
+             f"{rates.int_per_s / 1e12:.1f} T/s (launch {rates.launch_s * 1e6:.0f} us: fixed)",
+             f"predicted step at these rates {predicted:.1f} ms; measured {measured:.1f} ms "
+             f"({100 * (predicted / measured - 1):+.1f}%); the kernels' device time "
+             f"{summed:.1f} ms", "", "time by class (ms per step): " + ", ".join(
+                 f"{k} {v / 1e3:.2f}" for k, v in record["classes_us"].items()), ""]
+    table = [[g["shape"][:48], str(g["runs"]), f"{g['tflop']:.3f}", f"{g['ms']:.2f}",
+              "-" if g["e"] is None else f"{g['e']:.2f}"] for g in by_shape]
+    return "\n".join(lines) + harness.markdown_table(
+        ["GEMM output", "per step", "TFLOP", "ms", "e_gemm"], table, numeric=range(1, 5))
+
+
 def read_row(spec: str, hardware: str) -> dict:
     label, ms, path = (spec.split("=", 2) + ["", ""])[:3]
     try:
@@ -127,8 +225,19 @@ def main(argv=None) -> int:
     p.add_argument("--row", action="append", default=[], metavar="LABEL=MS=FILE")
     p.add_argument("--rows", help="a JSON of rows saved by --save (instead of --row)")
     p.add_argument("--save", help="write the rows' kernels here (JSON)")
+    p.add_argument("--profile", help="a profile's kernel times (benchmarks.gpu_check's "
+                   "DIR/kernel_times.json): fit from them instead of whole steps")
     p.add_argument("--hardware", default="h100", choices=sorted(targets.GPU_TARGETS))
     args = p.parse_args(argv)
+    bandwidth = targets.memory_bandwidth(args.hardware)
+    peak = ic.HARDWARE[args.hardware].peak_flops
+    if args.profile:
+        try:
+            record = json.loads(pathlib.Path(args.profile).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--profile {args.profile}: {e}") from None
+        print(profile_report(record, bandwidth, peak))
+        return 0
     if args.rows:
         rows = json.loads(pathlib.Path(args.rows).read_text())["rows"]
     else:
@@ -138,8 +247,12 @@ def main(argv=None) -> int:
     if args.save:
         pathlib.Path(args.save).write_text(json.dumps({"hardware": args.hardware,
                                                        "rows": rows}, indent=1))
-    bandwidth = targets.memory_bandwidth(args.hardware)
-    print(report(rows, bandwidth, ic.HARDWARE[args.hardware].peak_flops))
+    print(report(rows, bandwidth, peak))
+    lines = unseparable(rows)
+    print("\nwhat these rows cannot separate (a profile can: --profile):" if lines else
+          "\nevery term's work differs between the rows")
+    for line in lines:
+        print(f"- {line}")
     return 0
 
 

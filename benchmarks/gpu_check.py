@@ -1,29 +1,33 @@
 """The one prepared GPU check: everything a short GPU loan should measure, in one command.
 
-    python -m benchmarks.gpu_check --out gpu-check            # on the GPU: about 8 minutes
+    python -m benchmarks.gpu_check --out gpu-check            # on the GPU: at most 8 minutes
     python -m benchmarks.gpu_check --out /tmp/c --dry-run     # on a CPU: all but the timing
 
 Parts, in order, each in a process of its own with its own time limit (seconds), each
 writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summary.md
 (the tables), rewritten after every part, so a loan cut short keeps what was done.
 
-    env      45   jax and torch versions, the device, and whether it is the GPU that
-                  `--hardware h100` describes (vit_pure/plan/targets/)
-    steps   200   benchmarks.peers, one fresh process per row, one run: the headline as
-                  shipped, `--dropout-masks bernoulli` (against
-                  the shipped threefry16), `--attention einsum`, and torch.compile:
-                  img/s, step ms, peak GiB (DIR/steps.json, DIR/steps.md)
+    env      30   jax and torch versions, the device, and which `--hardware` describes it
+                  (vit_pure/plan/targets/: h100, h200), used by the parts below
+    steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
+                  first, then the headline as shipped, `--dropout-masks bernoulli`,
+                  `--attention einsum`: img/s, step ms, peak GiB (DIR/steps.json, .md)
     log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
                   bf16 --dataset synthetic`), its own log (DIR/headline.log)
-    program 100   the headline's program as the GPU compiled it (XLA's dump), read by
-                  `benchmarks.deviceless --program`, beside the deviceless compile of the
-                  same flags: peak, kernels, traffic, floor, predicted step
-                  (DIR/program.md)
+    profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms, and each
+                  kernel's device time from a jax.profiler trace, by the predictor's
+                  classes (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
+    gemms    60   each distinct GEMM of that program timed alone at its shape, layout and
+                  dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
+    program  70   that program read by `benchmarks.deviceless --program`, beside the
+                  deviceless compile of the same flags where the CUDA 12 plugin is:
+                  kernels, traffic, floor, predicted step (DIR/program.md)
 
 `--dry-run` (any machine; the limits x4): env as it is; steps and log: their flags
-checked by the training script's parser, nothing run; program: a deviceless compile of the
-tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs present
-in jax 0.10 and 0.11.
+checked by the training script's parser, nothing run; profile and gemms: the tiny model on
+this machine's XLA (the code runs, the figures mean nothing); program: a deviceless compile
+of the tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs
+present in jax 0.10 and 0.11.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from benchmarks import harness
 from vit_pure.errors import UsageError
 from vit_pure.run import cli
 
-LIMITS = {"env": 45, "steps": 200, "log": 45, "program": 100}
+LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
+CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
 STEP_ROWS = ("as shipped=", "bernoulli=--dropout-masks bernoulli", "einsum=--attention einsum")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
@@ -72,7 +77,7 @@ def _part(name: str, out: pathlib.Path, dry: bool) -> dict:
 def _steps(out: pathlib.Path, dry: bool) -> dict:
     from benchmarks.peers.driver import check_kit_flags, parse_kit_variant
     argv = [sys.executable, "-m", "benchmarks.peers", "--batch", "4096", "--dtype", "bf16",
-            "--steps", "8", "--warmup", "3", "--only", "kit,torch-compile",
+            "--steps", "8", "--warmup", "3", "--only", "torch-compile,kit",
             "--entry-timeout", "60", "--json", str(out / "steps.json")]
     for row in STEP_ROWS:
         check_kit_flags(parse_kit_variant(row)[2], row)
@@ -98,16 +103,23 @@ def summary(record: dict) -> str:
     lines = ["# GPU check", "", f"{record['started']}, {kind}", ""]
     env = record["parts"].get("env", {})
     if env.get("status") == "ok":
+        hardware = env.get("hardware")
         lines += [f"device: {env['device']} ({env['platform']}), jax {env['jax']}, torch "
-                  f"{env.get('torch')}, Python {env['python']}; `--hardware h100` "
-                  f"describes {env['h100_description']!r}: "
-                  f"{'the same GPU' if env['is_h100'] else 'another GPU'}", ""]
-    for name in ("steps", "log", "program"):
+                  f"{env.get('torch')}, Python {env['python']}; "
+                  + (f"described by `--hardware {hardware}`" if hardware else
+                     "no `--hardware` describes it (h100's figures used)"), ""]
+    for name in LIMITS:
+        if name == "env":
+            continue
         part = record["parts"].get(name)
         if part:
             lines.append(f"- {name}: {part.get('status')}"
                          + (f", {part['seconds']} s" if "seconds" in part else "")
                          + (f" ({part['log']})" if "log" in part else ""))
+    for name in ("profile", "gemms"):
+        part = record["parts"].get(name, {})
+        if part.get("table"):
+            lines += ["", f"## {name}", "", part["table"]]
     return "\n".join(lines) + "\n"
 
 
@@ -116,13 +128,17 @@ def main(argv=None) -> int:
     p.prog = "python -m benchmarks.gpu_check"
     p.add_argument("--out", required=True, help="folder for the results")
     p.add_argument("--dry-run", action="store_true", help="all but the timing (any machine)")
-    p.add_argument("--part", choices=["env", "program"], help=argparse_hidden())
+    p.add_argument("--part", choices=CHILD_PARTS, help=argparse_hidden())
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part:  # a child: one part, its JSON
         from benchmarks import gpu_check_parts
-        result = getattr(gpu_check_parts, args.part)(out, args.dry_run)
+        if args.part == "gemms":
+            result = gpu_check_parts.gemm_shapes(
+                out, args.dry_run, LIMITS["gemms"] * (DRY_SCALE if args.dry_run else 1))
+        else:
+            result = getattr(gpu_check_parts, args.part)(out, args.dry_run)
         (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
         return 0
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
@@ -132,6 +148,8 @@ def main(argv=None) -> int:
             part = (_steps(out, args.dry_run) if name == "steps" else
                     _log(out, args.dry_run) if name == "log" else
                     _part(name, out, args.dry_run))
+            if name in ("profile", "gemms") and part.get("status") == "ok":
+                part["table"] = part_table(name, part)
         except UsageError as e:
             part = {"status": f"refused: {e}"}
         record["parts"][name] = part
@@ -139,6 +157,19 @@ def main(argv=None) -> int:
         (out / "summary.md").write_text(summary(record))
         print(f"{name}: {part.get('status')}", flush=True)
     return 0
+
+
+def part_table(name: str, part: dict) -> str:
+    """The profile's time per class, or the GEMM shapes' TFLOP/s, as Markdown."""
+    if name == "profile":
+        rows = [[k, f"{v:.2f}"] for k, v in part["classes_ms"].items()]
+        rows += [["(no kernel of the program)", f"{part['unmatched_ms']:.2f}"],
+                 ["kernels, all", f"{part['kernels_ms']:.2f}"], ["step", f"{part['step_ms']:.2f}"]]
+        return harness.markdown_table(["class", "ms per step"], rows, numeric=[1])
+    rows = [[r["gemm"], str(r["runs"]), f"{r['gflop']:.1f}", f"{r['ms']:.3f}",
+             f"{r['tflop_per_s']:.0f}", f"{100 * r['of_peak']:.0f}%"] for r in part["shapes"]]
+    return harness.markdown_table(["GEMM", "per step", "GFLOP", "ms", "TFLOP/s", "of peak"],
+                                  rows, numeric=range(1, 6))
 
 
 def argparse_hidden():

@@ -26,7 +26,9 @@ total can exceed the wall time.
 Categories are assigned by name, first match wins (`CATEGORIES`); a kernel whose name says
 nothing (e.g. a vendor library kernel) is classified by its `hlo_op` instead. Names are
 only a hint: XLA names a fusion after its root op, so e.g. a fusion ending in a convert
-counts as "convert" even if it also adds and multiplies.
+counts as "convert" even if it also adds and multiplies. `kernel_times` instead joins each
+event to the program's own kernel (its `hlo_op`) and groups the times by the predictor's
+classes (vit_pure/xla/kernels.py): what benchmarks.fit_step fits the efficiencies to.
 """
 from __future__ import annotations
 
@@ -180,6 +182,29 @@ def breakdown(events: list[dict], top: int = 15, nested: bool = False) -> dict:
                  "percent": 100 * t / total if total else 0.0}
                 for n, (t, k, c) in kernels],
     }
+
+
+def kernel_times(found: list, events: list[dict], steps: int, nested: bool = False) -> dict:
+    """Each kernel of the program (`vit_pure.xla.kernels.kernels`) with its device time per
+    step from the trace's events (joined on their `hlo_op`, every event of one kernel
+    added), and the time per step by the predictor's classes; events naming no kernel of
+    the program count as "unmatched". JSON-ready: what benchmarks.fit_step --profile reads."""
+    by_op = collections.Counter()
+    durations = self_times(events) if nested else [float(e["dur"]) for e in events]
+    for e, dur in zip(events, durations):
+        by_op[str((e.get("args") or {}).get("hlo_op") or e.get("name", ""))] += dur
+    rows, classes = [], collections.Counter()
+    for k in found:
+        us = by_op.pop(k.name, 0.0) / steps
+        classes[k.kind] += us
+        rows.append({"name": k.name, "kind": k.kind, "bytes": k.bytes, "flops": k.flops,
+                     "int_ops": k.int_ops, "attention_flops": k.attention_flops,
+                     "runs": k.runs, "shape": k.shape, "op": k.op, "us": us})
+    unmatched = sum(by_op.values()) / steps
+    return {"steps": steps, "total_us": sum(classes.values()) + unmatched,
+            "classes_us": dict(classes), "unmatched_us": unmatched,
+            "unmatched_top": [[n, t / steps] for n, t in by_op.most_common(8)],
+            "kernels": rows}
 
 
 def _short(name: str, width: int = 70) -> str:

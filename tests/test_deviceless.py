@@ -21,7 +21,7 @@ import sys
 import pytest
 from conftest import subprocess_env
 
-from benchmarks import fit_step
+from benchmarks import fit_step, profile_breakdown
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
@@ -266,17 +266,73 @@ def test_the_h100_description_is_the_gpu_the_kit_measured():
     assert targets.memory_bandwidth("h100") == 3.35232e12
 
 
-def _plan(tmp_path, *flags) -> tuple[dict, hlo.Module]:
-    """The plan's record of `train_shardmap.py FLAGS --hardware h100 --plan-json`, and the
+def test_the_h200_description_is_the_gpu_lent():
+    """--hardware h200: the same die as the H100 (132 SMs), 4.8 TB/s, 60 MiB of L2,
+    143,771 MiB; its device kind is what the H200's own run recorded (env.json), and the
+    GPU check finds each description from the device kind it reads."""
+    text = (targets.TARGETS_DIR / targets.GPU_TARGETS["h200"]).read_text()
+    for field in ("core_count: 132", "l2_cache_size: 62914560",
+                  f"device_memory_size: {143771 * 2**20}", "clock_rate_ghz: 1.98"):
+        assert field in text
+    assert targets.memory_bandwidth("h200") == 4.8e12
+    assert targets.device_description("h200") == "NVIDIA H200"
+    recorded = H200_RUN / "env.json"
+    if recorded.exists():
+        assert json.loads(recorded.read_text())["device"] == "NVIDIA H200"
+    assert targets.target_for_device("NVIDIA H100 80GB HBM3") == "h100"
+    assert targets.target_for_device("NVIDIA H200") == "h200"
+    assert targets.target_for_device("NVIDIA A100-SXM4-80GB") is None
+    assert set(kernels.RATES) == set(targets.GPU_TARGETS) <= set(ic.HARDWARE)
+
+
+def test_the_gemms_of_a_program_as_laid_out():
+    """Each distinct GEMM once, with its executions, operands in memory order: a cuBLAS
+    call (rhs laid out column-major: its contracting dimension moves) and a GEMM fusion's
+    dot."""
+    module = hlo.parse_module(FRAGMENT_011.replace("%w = bf16[16,32]{1,0}",
+                                                   "%w = bf16[16,32]{0,1}"))
+    got = {g.label(): (g.runs, g.flops) for g in kernels.gemms(module)}
+    assert got == {"bf16[64,16] x bf16[32,16] -> bf16 (contract 1x1)": (1, 2 * 64 * 32 * 16),
+                   "bf16[64,16] x bf16[16,8] -> bf16 (contract 1x0)": (1, 2 * 64 * 8 * 16)}
+
+
+def test_the_fit_from_a_profile_recovers_each_class():
+    """Kernel times made with known rates (the predictor's model): the profile fit finds
+    e_mem, the INT32 rate, e_gemm and e_attention from the kernels' own times; and the
+    four whole-step rows say which term they cannot separate."""
+    made = kernels.Rates(e_mem=0.8, e_gemm=0.5, e_attention=0.3, int_per_s=2e13)
+    found = [kernels.Kernel("m", "elementwise", int(40e9), 0, 2),
+             kernels.Kernel("r", "elementwise", int(1e9), 0, 1, int_ops=int(50e9)),
+             kernels.Kernel("g", "gemm", int(1e9), int(10e12), 3, shape="bf16[4,8]{1,0}"),
+             kernels.Kernel("a", "attention", int(1e8), 0, 1, attention_flops=int(1e12))]
+    events = [{"ph": "X", "ts": 0, "name": f"kernel_{k.name}", "args": {"hlo_op": k.name},
+               "dur": 1e6 * kernels.predicted_s([k], 3e12, 1e15, made) / k.runs}
+              for k in found for _ in range(k.runs)]
+    events.append({"ph": "X", "ts": 0, "dur": 5.0, "name": "memset", "args": {}})
+    record = {"step_ms": 1.0, **profile_breakdown.kernel_times(found, events, steps=1)}
+    assert record["unmatched_us"] == 5.0 and record["kernels"][0]["us"] > 0
+    got, by_shape = fit_step.fit_profile(record, 3e12, 1e15, made)
+    assert (got.e_mem, got.e_gemm, got.e_attention) == pytest.approx((0.8, 0.5, 0.3))
+    assert got.int_per_s == pytest.approx(2e13)
+    assert [(g["shape"], g["runs"]) for g in by_shape] == [("bf16[4,8]{1,0}", 3)]
+    assert "e_gemm 0.5," in fit_step.profile_report(record, 3e12, 1e15)
+    rows = json.loads((REPO / "benchmarks" / "data" / "h100-2026-11-23.json").read_text())["rows"]
+    [line] = fit_step.unseparable(rows)
+    assert line.startswith("GEMM FLOPs (e_gemm)") and "(+2.8%)" in line
+
+
+def _plan(tmp_path, *flags, hardware: str = "h100") -> tuple[dict, hlo.Module]:
+    """The plan's record of `train_shardmap.py FLAGS --hardware H --plan-json`, and the
     program XLA:GPU compiled (XLA's own dump of it, read back)."""
     out, dump = tmp_path / "plan.json", tmp_path / "dump"
     env = subprocess_env(cache=False, JAX_PLATFORMS="cpu")  # XLA dumps what it compiles
     env["XLA_FLAGS"] += f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-    run = subprocess.run([sys.executable, "train_shardmap.py", *flags, "--hardware", "h100",
+    run = subprocess.run([sys.executable, "train_shardmap.py", *flags, "--hardware", hardware,
                           "--plan-json", str(out)], cwd=REPO, capture_output=True, text=True,
                          timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled for h100: XLA:GPU for NVIDIA H100 80GB HBM3, deviceless" in run.stdout
+    described = targets.device_description(hardware)
+    assert f"compiled for {hardware}: XLA:GPU for {described}, deviceless" in run.stdout
     [program] = dump.glob("*jit_train_step*gpu_after_optimizations.txt")
     return json.loads(out.read_text()), hlo.parse_module(program.read_text())
 
@@ -299,6 +355,17 @@ def test_a_tiny_model_compiles_for_eight_h100s(tmp_path):
     assert starts, "XLA:GPU's all-reduces are async: all-reduce-start / -done"
     assert sum(c["count"] for c in record["collectives"]) == len(starts)
     assert gpu["classes"]["collectives"]["kernels"] == len(starts)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_a_tiny_model_compiles_for_an_h200(tmp_path):
+    """--plan with --hardware h200: XLA:GPU compiles for the H200's description, and the
+    predicted step prices it at the H200's bandwidth."""
+    record, _ = _plan(tmp_path, "--model", "tiny", "--batch", "64", "--dtype", "bf16",
+                      "--plan", "1", "--accum-steps", "1", hardware="h200")
+    assert record["compiled_for"] == "gpu"
+    assert record["gpu_program"]["bandwidth"] == 4.8e12
 
 
 def _kernel_of(entry: dict[str, hlo.Instr], name: str) -> hlo.Instr:

@@ -3,7 +3,8 @@
 * default tier: the rows it times and the headline command it runs parse with the training
   script's flags, and its summary reads a record;
 * slow tier: `--dry-run` runs every part on this CPU (no timing) and writes the JSON and
-  the summary.
+  the summary: the profile and GEMM-shape parts run the tiny model here, and
+  benchmarks.fit_step fits its profile.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_rows_and_the_headline_command_parse(tmp_path):
     command = " ".join(steps["command"])
     for row in gpu_check.STEP_ROWS:
         assert f"--kit {row}" in command
-    assert "--only kit,torch-compile" in command
+    assert "--only torch-compile,kit" in command  # the comparator first
     assert log["command"][1:] == ["train_shardmap.py", *gpu_check.HEADLINE]
     assert sum(gpu_check.LIMITS.values()) <= 8 * 60  # the loan's 8 minutes
 
@@ -34,6 +35,12 @@ def test_the_summary_reads_a_record():
         "steps": {"status": "failed (timeout)", "seconds": 200.0, "log": "steps.md"}}}
     text = gpu_check.summary(record)
     assert "- steps: failed (timeout), 200.0 s (steps.md)" in text
+    part = {"status": "ok", "step_ms": 70.0, "kernels_ms": 68.0, "unmatched_ms": 0.5,
+            "classes_ms": {"gemm": 40.0, "elementwise": 20.0}}
+    table = gpu_check.part_table("profile", part)
+    assert "| gemm | 40.00 |" in table and "| step | 70.00 |" in table
+    record["parts"]["profile"] = {**part, "table": table}
+    assert "## profile" in gpu_check.summary(record)
 
 
 @pytest.mark.slow
@@ -48,4 +55,13 @@ def test_the_dry_run_runs_every_part(tmp_path):
     assert parts["env"]["status"] == "ok" and parts["env"]["jax"]
     assert parts["program"]["status"] in ("ok", "skipped: no JAX CUDA plugin for the "
                                                 "deviceless compile"), parts["program"]
+    assert parts["profile"]["status"] == "ok", parts["profile"]
+    assert parts["profile"]["classes_ms"]["gemm"] > 0
+    assert parts["gemms"]["status"] == "ok" and parts["gemms"]["shapes"], parts["gemms"]
+    assert all(r["tflop_per_s"] > 0 for r in parts["gemms"]["shapes"])
+    fit = subprocess.run([sys.executable, "-m", "benchmarks.fit_step", "--profile",
+                          str(tmp_path / "kernel_times.json")], cwd=harness.REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(JAX_PLATFORMS="cpu"))
+    assert fit.returncode == 0 and "fit on the profile of tiny" in fit.stdout, fit.stderr
     assert "- program: " in (tmp_path / "summary.md").read_text()

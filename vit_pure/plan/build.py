@@ -214,7 +214,8 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     program_flops, gpu_program = dot_flops(module), None
     if gpu:  # cuBLAS calls carry their GEMMs (no dot op left in the program)
         gpu_program = kernels.traffic(kernels.kernels(module),
-                                      targets.memory_bandwidth(hw.name), hw.peak_flops)
+                                      targets.memory_bandwidth(hw.name), hw.peak_flops,
+                                      kernels.RATES.get(hw.name, kernels.H100_RATES))
         program_flops += gpu_program["flops"]
     m = StepMemory.of(compiled)
     memory = {"argument": m.argument, "output": m.output, "alias": m.alias, "temp": m.temp}

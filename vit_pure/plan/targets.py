@@ -20,7 +20,7 @@ from jax.experimental import topologies
 
 TARGETS_DIR = pathlib.Path(__file__).resolve().parent / "targets"
 # --hardware name -> its device description.
-GPU_TARGETS = {"h100": "h100-sxm.txtpb"}
+GPU_TARGETS = {"h100": "h100-sxm.txtpb", "h200": "h200-sxm.txtpb"}
 
 
 def cuda_plugin_installed() -> bool:
@@ -37,6 +37,22 @@ def gpu_target(name: str) -> str | None:
     if name not in GPU_TARGETS or not cuda_plugin_installed():
         return None
     return (TARGETS_DIR / GPU_TARGETS[name]).read_text()
+
+
+def device_description(name: str) -> str:
+    """The device kind the description stands for ('NVIDIA H200'): what JAX's
+    `device.device_kind` reads on that GPU."""
+    text = (TARGETS_DIR / GPU_TARGETS[name]).read_text()
+    return re.search(r'device_description_str:\s*"([^"]*)"', text).group(1)
+
+
+def target_for_device(device_kind: str) -> str | None:
+    """The --hardware name whose description is the GPU at hand (its `device_kind`), or
+    None when the kit describes no such GPU."""
+    for name in GPU_TARGETS:
+        if device_description(name) == device_kind:
+            return name
+    return None
 
 
 def memory_bandwidth(name: str) -> float:

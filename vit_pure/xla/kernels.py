@@ -1,31 +1,24 @@
 """The kernels of a program compiled for a GPU (XLA:GPU's HLO text) and the HBM traffic
-each one makes, by class, with the step's bandwidth / compute floor.
+each one makes, by class, with the step's bandwidth / compute floor and predicted time.
 
 A kernel is an instruction of a computation that runs on its own (the entry, a while
 body), not inside a fusion: a fusion, a library call (cuBLAS GEMM, cuDNN attention), a
-copy or transpose, a collective. Its traffic is counted as what it reads and writes:
-operand bytes plus output bytes (a library call's scratch workspace left out). That is a
-floor, not a prediction: a kernel re-reading an operand, or caches serving it, changes
-the real figure; and it ranks changes that move large amounts of memory, not those whose
-cost is arithmetic (random bits, for one).
+copy or transpose, a collective. Its traffic is what it reads and writes: operand bytes
+plus output bytes (a cuBLAS call's scratch workspace left out). That is a floor, not a
+prediction: a kernel re-reading an operand, or caches serving it, changes the real figure.
 
 The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
 peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
 predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
-max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of XLA's GEMMs
-or cuDNN's attention (its FLOPs counted from q's shape), plus its
-integer work at the GPU's INT32 rate and a launch (`Rates`, `H100_RATES`).
-
-Integer arithmetic, which the floor leaves out, is counted apart (`int_ops`): each
-integer add, multiply, bitwise or shift instruction inside a kernel, times its elements.
-Most of it is random bits (dropout masks: Threefry hashes); the H100 does 64 INT32
-operations per SM a clock, and a GPU may do a rotation (two shifts and an or, in HLO)
-as one instruction.
+max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of the GEMMs or
+cuDNN's attention (its FLOPs counted from q's shape), plus its integer work (`int_ops`:
+each integer add, multiply, bitwise or shift instruction inside it, times its elements;
+mostly dropout's random bits) at the GPU's INT32 rate, plus a launch (`Rates`, `RATES`).
 
 `traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
-layer, say) together: their class, output shape (as XLA lays it out: dimensions major to
-minor) and the JAX operation they came from (the tail of the `op_name`). That is where a
-change to the step starts.
+layer, say) together: class, output shape as laid out, the JAX operation they came from.
+`gemms` lists the program's distinct GEMMs, operands as laid out in memory: what
+benchmarks.gpu_check times one by one.
 """
 from __future__ import annotations
 
@@ -49,7 +42,6 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # jax 0.10 writes the fusion's kind first in its backend config; jax 0.11 may put a
 # `block_level_fusion_config` (Triton tiling) before it.
 _FUSION_KIND = re.compile(r'"fusion_backend_config":\{(?:[^"]|"(?!kind"))*?"kind":"([^"]+)"')
-_LHS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _INT_DTYPES = {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64"}
 _INT_OPS = {"add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
@@ -89,6 +81,11 @@ class Rates:
 # docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
 # operand count misses what the L2 serves.
 H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, int_per_s=64 * 132 * 1.98e9)
+# The H200 is the same die (132 SMs at 1.98 GHz) with faster, larger memory: the H100's
+# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile).
+# On the H200's own program (2026-11-27) at its 4.8 TB/s it predicts 73.9 ms, 73.4 measured.
+H200_RATES = H100_RATES
+RATES = {"h100": H100_RATES, "h200": H200_RATES}  # --hardware name -> its rates
 
 
 def classify(instr: Instr) -> str:
@@ -117,14 +114,14 @@ def classify(instr: Instr) -> str:
 
 
 def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
-    """2 x output elements x contracted size, for a library GEMM call: its lhs the operand
-    it names (a tuple's element resolved), its output the result, not the workspace."""
-    m = _LHS_CONTRACTING.search(instr.attrs)
+    """2 x output elements x contracted size, for a library GEMM call or a bare dot: its
+    lhs the operand it names (a tuple's element resolved), its output the result, not the
+    workspace."""
     lhs = arrays(instr.operand_shapes(shapes)[0]) if instr.operands else []
     out = arrays(_results(instr))
-    if m is None or not lhs or not out:
+    dims = _dims(instr.attrs, "lhs_contracting")
+    if not dims or not lhs or not out:
         return 0
-    dims = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')]
     return 2 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
@@ -221,7 +218,7 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             nbytes -= _untouched_bytes(module, instr)
             flops = 0
             if kind == "gemm":
-                flops = (_gemm_flops(instr, shapes) if instr.opcode == "custom-call" else
+                flops = (_gemm_flops(instr, shapes) if instr.opcode in ("custom-call", "dot") else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
@@ -231,7 +228,93 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
     return out
 
 
-def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One distinct GEMM of a program, as a kernel runs it: each operand's shape in memory
+    order (major to minor, its layout applied) and dtype, the contracting and batch
+    dimensions in that order, the result's dtype; `runs` per step."""
+    lhs: tuple[int, ...]
+    rhs: tuple[int, ...]
+    lhs_dtype: str
+    rhs_dtype: str
+    out_dtype: str
+    lhs_contracting: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    runs: int = 0
+
+    @property
+    def flops(self) -> int:
+        """2 x batch x free lhs x free rhs x contracted, per run."""
+        free_rhs = [d for i, d in enumerate(self.rhs)
+                    if i not in self.rhs_contracting + self.rhs_batch]
+        return 2 * math.prod(self.lhs) * math.prod(free_rhs)
+
+    def label(self) -> str:
+        """'bf16[262144,384] x bf16[384,1536] -> bf16 (contract 1x0)'."""
+        def dims(x):
+            return ",".join(map(str, x))
+        batch = (f", batch {dims(self.lhs_batch)}x{dims(self.rhs_batch)}"
+                 if self.lhs_batch else "")
+        return (f"{self.lhs_dtype}[{dims(self.lhs)}] x {self.rhs_dtype}[{dims(self.rhs)}] -> "
+                f"{self.out_dtype} (contract {dims(self.lhs_contracting)}x"
+                f"{dims(self.rhs_contracting)}{batch})")
+
+
+def _in_memory_order(shape: str) -> tuple[str, tuple[int, ...], list[int]]:
+    """'bf16[4,8]{0,1}' -> ('bf16', (8, 4), [1, 0]): dims major to minor, and where each
+    logical dimension sits in that order."""
+    [(dtype, dims)] = arrays(shape)[:1] or [("", ())]
+    m = re.search(r"\]\{([\d,]*)", shape)
+    minor_to_major = [int(d) for d in m.group(1).split(",") if d] if m else []
+    if sorted(minor_to_major) != list(range(len(dims))):
+        minor_to_major = list(range(len(dims)))[::-1]
+    order = minor_to_major[::-1]
+    return dtype, tuple(dims[d] for d in order), [order.index(d) for d in range(len(dims))]
+
+
+def _dims(attrs: str, key: str) -> tuple[int, ...]:
+    """A dot's dimension list from a cuBLAS call's JSON or a dot's attribute."""
+    m = (re.search(rf'"{key}_dimensions":\[([^\]]*)\]', attrs)
+         or re.search(rf"\b{key}_dims=\{{([\d,]*)\}}", attrs))
+    return tuple(int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')) if m else ()
+
+
+def gemms(module: Module) -> list[Gemm]:
+    """The program's distinct GEMMs (cuBLAS calls, and dots in any computation that runs:
+    Triton GEMM fusions, XLA:CPU's dots), with their executions per step, most FLOPs first."""
+    found: dict[Gemm, int] = collections.Counter()
+    calls = collections.Counter()  # computation -> fusions calling it per step
+    for comp, instrs in module.computations.items():
+        for i in instrs:
+            if i.opcode == "fusion":
+                for c in i.callees:
+                    calls[c] += module.runs.get(comp, 0)
+    for comp, instrs in module.computations.items():
+        runs = module.runs.get(comp, 0) or calls.get(comp, 0)
+        shapes = {i.name: i.shape for i in instrs}
+        for i in instrs:
+            cublas = i.opcode == "custom-call" and "cublas" in i.attrs
+            if not runs or not (cublas or i.opcode == "dot") or len(i.operands) < 2:
+                continue
+            (lt, ls, lpos), (rt, rs, rpos) = (_in_memory_order(s)
+                                              for s in i.operand_shapes(shapes)[:2])
+            out = arrays(_results(i))
+            if not ls or not rs or not out:
+                continue
+            g = Gemm(ls, rs, lt, rt, out[0][0],
+                     tuple(lpos[d] for d in _dims(i.attrs, "lhs_contracting")),
+                     tuple(rpos[d] for d in _dims(i.attrs, "rhs_contracting")),
+                     tuple(lpos[d] for d in _dims(i.attrs, "lhs_batch")),
+                     tuple(rpos[d] for d in _dims(i.attrs, "rhs_batch")))
+            found[g] += runs
+    out = [dataclasses.replace(g, runs=n) for g, n in found.items()]
+    return sorted(out, key=lambda g: -g.flops * g.runs)
+
+
+def traffic(found: list[Kernel], bandwidth: float, peak_flops: float,
+            rates: Rates = H100_RATES) -> dict:
     """Per class: kernels, HBM bytes and GEMM FLOPs per step, and the floor of the step
     (module docstring), as JSON-ready numbers."""
     by = collections.OrderedDict((k, {"kernels": 0, "bytes": 0, "flops": 0, "int_ops": 0})
@@ -257,7 +340,7 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float) -> dict:
             "kernels": sum(r["kernels"] for r in by.values()), "bytes": total,
             "flops": sum(r["flops"] for r in by.values()),
             "int_ops": sum(r["int_ops"] for r in by.values()), "floor_s": floor,
-            "predicted_s": predicted_s(found, bandwidth, peak_flops),
+            "predicted_s": predicted_s(found, bandwidth, peak_flops, rates),
             "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
             "peak_flops": peak_flops, "launch_s": LAUNCH_S}
 
