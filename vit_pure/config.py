@@ -76,6 +76,15 @@ class ViTConfig:
     # The input scaling the weights were trained with: a name of INPUT_SCALINGS, applied
     # by the data pipeline (step.prepare_images).
     inputs: str = "cifar10"
+    # LayerScale (Touvron et al. 2021, "Going deeper with image transformers" (CaiT),
+    # arXiv:2103.17239; DeiT III; DINOv2): a learned per-channel gain on each residual
+    # branch's output, params blocks/ls1/gamma and blocks/ls2/gamma (L, E), starting at this
+    # value (CaiT 0.1 to 1e-6 with depth, DINOv2 1e-5). None: no gain, the plain ViT.
+    layer_scale: float | None = None
+    # Register tokens (Darcet et al. 2023, "Vision Transformers Need Registers",
+    # arXiv:2309.16588): this many learned tokens (param reg_tokens (R, E)) after the class
+    # token, with no position embedding (DINOv2's layout); no head reads them.
+    registers: int = 0
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
@@ -96,6 +105,12 @@ class ViTConfig:
         for field in ("dropout", "drop_path"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"{self.name}: {field} must be in [0, 1)")
+        if self.layer_scale is not None and (isinstance(self.layer_scale, bool)
+                                             or not self.layer_scale > 0):
+            raise ValueError(f"{self.name}: layer_scale must be None (off) or a positive "
+                             f"initial gain, got {self.layer_scale!r}")
+        if self.registers < 0:
+            raise ValueError(f"{self.name}: registers must be >= 0, got {self.registers}")
 
     @property
     def num_patches(self) -> int:
@@ -106,8 +121,16 @@ class ViTConfig:
         return self.pool != "gap"
 
     @property
-    def seq_len(self) -> int:  # patches + the class token, if any
+    def prefix_tokens(self) -> int:  # the tokens before the patches: class token, registers
+        return int(self.class_token) + self.registers
+
+    @property
+    def pos_tokens(self) -> int:  # the rows of pos_embed: patches + the class token, if any
         return self.num_patches + int(self.class_token)
+
+    @property
+    def seq_len(self) -> int:  # patches + the class token, if any, + the registers
+        return self.num_patches + self.prefix_tokens
 
     @property
     def head_dim(self) -> int:

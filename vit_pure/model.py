@@ -4,7 +4,7 @@
     logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
 
 Axis letters in shape comments:
-    B batch   T tokens (patches + class token, if any)   E embedding width   H heads
+    B batch   T tokens (patches + class token + registers)   E embedding width   H heads
     D head dim (E = H * D)   M MLP hidden   L encoder layers   P patch pixels (p*p*C)
     K classes
 
@@ -14,7 +14,8 @@ shards it):
 
     stem/conv{i}/kernel (3, 3, C_in, C_out)  stem/conv{i}/bias (C_out,)   (cfg.stem only)
     patch_embed/kernel (P, E)   patch_embed/bias (E,)
-    cls_token (E,)              pos_embed (T, E)         (no cls_token with cfg.pool "gap")
+    cls_token (E,)      pos_embed (T - R, E)     (no cls_token with cfg.pool "gap")
+    reg_tokens (R, E)                                  (cfg.registers R > 0 only)
     blocks/ln1/{scale,bias} (L, E)
     blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
     blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)
@@ -22,6 +23,7 @@ shards it):
     blocks/ln2/{scale,bias} (L, E)
     blocks/mlp/fc1/kernel (L, E, M)            blocks/mlp/fc1/bias (L, M)
     blocks/mlp/fc2/kernel (L, M, E)            blocks/mlp/fc2/bias (L, E)
+    blocks/ls1/gamma (L, E)    blocks/ls2/gamma (L, E)          (cfg.layer_scale only)
     final_ln/{scale,bias} (E,)
     head/kernel (E, K)          head/bias (K,)
 
@@ -104,7 +106,7 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
     params = {
         "patch_embed": {"kernel": w((cfg.patch_dim, E)), "bias": zeros(E)},
         **({"cls_token": zeros(E)} if cfg.class_token else {}),
-        "pos_embed": w((cfg.seq_len, E)),
+        "pos_embed": w((cfg.pos_tokens, E)),
         "blocks": {
             "ln1": {"scale": ones(L, E), "bias": zeros(L, E)},
             "attn": {
@@ -130,6 +132,13 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
         params = {"stem": stem, **params}
     if cfg.lsa:  # no key: the plain attention's scale, so every other param is unchanged
         params["blocks"]["attn"]["log_scale"] = jnp.full((L, H), -0.5 * math.log(D), dtype)
+    if cfg.layer_scale is not None:  # no key either: a constant start
+        for name in ("ls1", "ls2"):
+            params["blocks"][name] = {"gamma": jnp.full((L, E), cfg.layer_scale, dtype)}
+    if cfg.registers:  # a key of its own, as the stem's
+        reg = jax.random.fold_in(key, 2000)
+        params["reg_tokens"] = (_INIT_STD / 0.87962566) * jax.random.truncated_normal(
+            reg, -2.0, 2.0, (cfg.registers, E), dtype)
     return params
 
 
@@ -139,11 +148,15 @@ def param_axes(cfg: ViTConfig) -> dict:
     conv = {"kernel": ("conv_h", "conv_w", "stem_in", "stem_out"), "bias": ("stem_out",)}
     stem = {"stem": {f"conv{i}": dict(conv) for i in range(len(cfg.stem))}} if cfg.stem else {}
     lsa = {"log_scale": ("layers", "heads")} if cfg.lsa else {}
+    ls = ({name: {"gamma": ("layers", "embed")} for name in ("ls1", "ls2")}
+          if cfg.layer_scale is not None else {})
+    reg = {"reg_tokens": ("registers", "embed")} if cfg.registers else {}
     return {
         **stem,
         "patch_embed": {"kernel": ("patch", "embed"), "bias": ("embed",)},
         **({"cls_token": ("embed",)} if cfg.class_token else {}),
         "pos_embed": ("tokens", "embed"),
+        **reg,
         "blocks": {
             "ln1": dict(ln),
             "attn": {
@@ -158,6 +171,7 @@ def param_axes(cfg: ViTConfig) -> dict:
                 "fc1": {"kernel": ("layers", "embed", "mlp"), "bias": ("layers", "mlp")},
                 "fc2": {"kernel": ("layers", "mlp", "embed"), "bias": ("layers", "embed")},
             },
+            **ls,
         },
         "final_ln": {"scale": ("embed",), "bias": ("embed",)},
         "head": {"kernel": ("embed", "classes"), "bias": ("classes",)},
@@ -229,7 +243,12 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
     if cfg.class_token:
         cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
         x = jnp.concatenate([cls, x], axis=1)
-    x = x + params["pos_embed"].astype(F32)  # (B, T, E)
+    x = x + params["pos_embed"].astype(F32)  # (B, T - R, E)
+    if cfg.registers:  # after the class token, no position embedding (DINOv2)
+        n = int(cfg.class_token)
+        reg = jnp.broadcast_to(params["reg_tokens"].astype(F32), (x.shape[0], *params[
+            "reg_tokens"].shape))
+        x = jnp.concatenate([x[:, :n], reg, x[:, n:]], axis=1)  # (B, T, E)
     return dropout(x.astype(cd), cfg.dropout, ex_keys, 0, _SITE_EMBED, execution.dropout_masks,
                    execution.packed_masks)
 
@@ -251,22 +270,26 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     path_rate = cfg.drop_path * layer / max(cfg.depth - 1, 1)
     path_keys = ex_keys if cfg.drop_path > 0 else None
 
-    def residual(y, bias, site, path_site):
-        """The end of a branch: its bias, dropout, then stochastic depth."""
+    def residual(y, bias, site, path_site, ls):
+        """The end of a branch: its bias, dropout, stochastic depth, then the layer scale's
+        per-channel gain (cfg.layer_scale; in float32, so that its gradient sums there)."""
         y = add_bias(y, bias)
         y = dropout(y.astype(policy.compute_dtype), cfg.dropout, ex_keys, layer + 1, site,
                     *masks)
-        return drop_path(y, path_rate, path_keys, layer + 1, path_site)
+        y = drop_path(y, path_rate, path_keys, layer + 1, path_site)
+        if ls is None:
+            return y
+        return (y.astype(F32) * ls["gamma"].astype(F32)).astype(y.dtype)
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
     y = save_dot(_reduce_from_tp(self_attention(h, p["attn"], cfg, policy, execution),
                                  tp_axis))  # the sum over heads
-    x = x + residual(y, p["attn"]["out"]["bias"], _SITE_ATTN, _SITE_PATH_ATTN)
+    x = x + residual(y, p["attn"]["out"]["bias"], _SITE_ATTN, _SITE_PATH_ATTN, p.get("ls1"))
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
     y = save_dot(_reduce_from_tp(mlp(h, p["mlp"], policy, execution, cfg.gelu),
                                  tp_axis))
-    return x + residual(y, p["mlp"]["fc2"]["bias"], _SITE_MLP, _SITE_PATH_MLP)
+    return x + residual(y, p["mlp"]["fc2"]["bias"], _SITE_MLP, _SITE_PATH_MLP, p.get("ls2"))
 
 
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
@@ -321,11 +344,11 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
 def head(params, x, cfg: ViTConfig, policy: Policy):
     """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or from
     the mean of the patch tokens, taken in float32 (cfg.pool "mean": every token but the
-    class token; "gap": every token, there being no class token)."""
+    class token and the registers; "gap": every patch token, there being no class token)."""
     if cfg.pool == "cls":
         feature = x[:, 0]
     else:
-        patches = x[:, 1:] if cfg.class_token else x
+        patches = x[:, cfg.prefix_tokens:]  # not the class token nor the registers
         feature = jnp.mean(patches.astype(F32), axis=1).astype(x.dtype)  # (B, E)
     feature = layer_norm(feature, params["final_ln"], cfg.ln_eps)
     logits = matmul(feature, params["head"]["kernel"], policy)
