@@ -41,6 +41,8 @@ Columns, per device and per step, from the compiled program:
                    benchmarks/fit_step.py gives the fit and its errors)
     compile s      the deviceless compile
 
+Under the table, each compiled row's predicted step on every described GPU (the same
+program at each one's bandwidth, peak and rates: the H100's compile priced for an H200).
 `--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
 
 `--program LABEL=FILE` (repeatable) adds a row read from an optimised XLA:GPU module that a
@@ -251,6 +253,12 @@ def main(argv=None) -> dict:
         write_json(args.json, record)
     print()
     print(table(record["results"]))
+    for row in record["results"]:
+        on = (row.get("gpu_program") or {}).get("predicted_s_on")
+        if on:
+            print(f"{row['name']}: predicted step on " + ", ".join(
+                f"{name} {s * 1e3:.1f} ms" for name, s in on.items())
+                + " (this program, each GPU's bandwidth, peak and rates)")
     for row in record["results"] if args.top else ():
         if "error" not in row:
             print(f"\n{row['name']}: {kernels.largest_report(row['gpu_program'], args.top)}")

@@ -213,9 +213,15 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
                      "their collectives are counted once")
     program_flops, gpu_program = dot_flops(module), None
     if gpu:  # cuBLAS calls carry their GEMMs (no dot op left in the program)
-        gpu_program = kernels.traffic(kernels.kernels(module),
-                                      targets.memory_bandwidth(hw.name), hw.peak_flops,
+        found_kernels = kernels.kernels(module)
+        gpu_program = kernels.traffic(found_kernels, targets.memory_bandwidth(hw.name),
+                                      hw.peak_flops,
                                       kernels.RATES.get(hw.name, kernels.H100_RATES))
+        # The same program priced on each described GPU (what it would take on an H200).
+        gpu_program["predicted_s_on"] = {
+            name: kernels.predicted_s(found_kernels, targets.memory_bandwidth(name),
+                                      ic.HARDWARE[name].peak_flops, rates)
+            for name, rates in kernels.RATES.items()}
         program_flops += gpu_program["flops"]
     m = StepMemory.of(compiled)
     memory = {"argument": m.argument, "output": m.output, "alias": m.alias, "temp": m.temp}
