@@ -7,9 +7,10 @@ Three attention implementations compute the same function of the same parameters
 - "einsum" (the reference, `attention_einsum`): two `policy.einsum` products on
   (B, H, T, D), with the head transposes that layout needs.
 - "xla" and "cudnn" (`fused_attention`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
-  vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, T, H, D), straight
-  from the qkv matmul's layout, with the token axis padded to a multiple of 8 around the
-  call and the padded keys masked.
+  vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, Tp, H, D), the
+  token axis padded to a multiple of 8 and the padded keys masked; in the block, q, k
+  and v each come from its own matmul on the padded LayerNorm output, already in the
+  call's layout (`padded_projections`).
 
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.
@@ -41,14 +42,15 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     if implementation != "einsum" and cfg.lsa:
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {implementation!r}")
-    w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
-    qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
-    qkv = add_bias(qkv, b_qkv)
-    qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
     if implementation == "einsum":  # (B, T, Hl*D)
+        w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
+        qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
+        qkv = add_bias(qkv, b_qkv)
+        qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
         ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
     else:  # (B, Tp, Hl*D)
-        ctx = fused_attention(qkv, cfg, policy, implementation)
+        q, k, v = padded_projections(h, a["qkv"], cfg, policy)
+        ctx = attend_padded(q, k, v, T, policy, implementation)
     B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
     if Tc != T:
@@ -89,6 +91,30 @@ def attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):
 def padded_length(tokens: int) -> int:
     """The token count the fused attention pads to: the next multiple of 8 (65 -> 72)."""
     return -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+
+
+def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
+    """q, k, v for the fused attention, each (B, Tp, Hl, D) in the compute dtype, made by
+    its own matmul from h (B*T, E) padded on the token axis to Tp = `padded_length(T)`
+    (`qkv`: this layer's "qkv" params, the same (E, 3, Hl, D) kernel as the einsum path).
+
+    Each projection writes its array straight in the layout cuDNN reads, so nothing is
+    copied between the matmul and the call: one (B*T, 3*Hl*D) matmul would leave q, k
+    and v interleaved in each row, and the call's operands must be dense (a pad copy of
+    all three, and its gradient, a block). The padded rows of h are zeros, XLA writes
+    them in the LayerNorm's kernel; their q, k, v are the biases, masked as keys and
+    sliced off as queries (`fused_attention`). The cost: three matmuls of width Hl*D
+    reading h, each on Tp rows (the GEMMs' FLOPs x Tp / T for this one projection)."""
+    E, T = h.shape[-1], cfg.seq_len
+    B, Tp = h.shape[0] // T, padded_length(T)
+    hp = jnp.pad(h.reshape(B, T, E), ((0, 0), (0, Tp - T), (0, 0))).reshape(B * Tp, E)
+    w = qkv["kernel"].reshape(E, 3, -1)
+    b = qkv["bias"].reshape(3, -1)
+    out = []
+    for i in range(3):
+        y = add_bias(save_dot(matmul(hp, w[:, i], policy)), b[i])  # (B*Tp, Hl*D)
+        out.append(y.reshape(B, Tp, -1, cfg.head_dim).astype(policy.compute_dtype))
+    return tuple(out)
 
 
 def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
