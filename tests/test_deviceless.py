@@ -398,8 +398,9 @@ def _transposes(module: hlo.Module, instr: hlo.Instr) -> bool:
 def test_the_headline_program_calls_cudnn_attention(tmp_path):
     """vit-cifar in bf16 on the H100: cuDNN's fused attention, forward and backward, once
     per layer each (6 layers), chosen for the target (not for this CPU); its q, k and v
-    are slices of the qkv GEMM's output, and the kernels that read its outputs only slice
-    the token axis: no head transposes around it. Nor around the matmuls: with the residual
+    each come from a GEMM of their own on the padded LayerNorm output, and the kernels
+    that read its outputs only slice the token axis: no head transposes or pad copies
+    around it. Nor around the matmuls: with the residual
     stream as (B*T, E) rows (model.encoder), transposes and copies are under 10% of the
     step's traffic (19.7% with it carried as (B, T, E), which XLA:GPU laid out
     batch-minor). And fc1's bias and GELU run in its cuBLASLt call's epilogue, once per
