@@ -12,6 +12,7 @@ tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,7 +23,7 @@ import train_shardmap
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.pipeline import schedules
+from vit_pure.pipeline import schedules, ticks
 from vit_pure.pipeline.schedules import IDLE
 
 CFG = PRESETS["tiny"]
@@ -121,6 +122,59 @@ def test_picture_reads_the_table():
     pic = schedules.picture(schedules.build("1f1b", 2, 3))
     assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",
                                 "    stage 1: .    F0B0 F1B1 F2B2 ."]
+
+
+# ------------------------------------------------------ the program's phases, alone
+@pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
+                                         ("zb-h1", 2, 4, 1), ("interleaved", 2, 4, 2)])
+def test_static_plan(name, P, M, V):
+    """The numbers the program reads off the table: a ring as large as the stages' most
+    residual sets (one spare slot only where a tick without F finds every slot live), the
+    writes inside it, zb-h1's cotangent ring, and the sends' pairs (round the ring with
+    virtual stages, where the last stage feeds stage 0's next chunk)."""
+    s = schedules.build(name, P, M, V)
+    plan = ticks.static_plan(s)
+    assert plan.rows.shape == (s.ticks, 6, P)
+    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
+    assert plan.slots in (plan.ring, plan.ring + 1)
+    assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
+    assert plan.writes.max() < plan.slots
+    assert (plan.kept > 1) == (name == "zb-h1")
+    chain = [(i, i + 1) for i in range(P - 1)]
+    want = chain + [(P - 1, 0)] if V > 1 else chain
+    assert list(plan.fwd_perm) == want
+    assert list(plan.bwd_perm) == [(b, a) for a, b in want]
+
+
+def test_residual_layout_keeps_what_depends_on_the_input():
+    """The ring's layout alone: a weight's reshape is traced again at B, not kept; the
+    activation and a PRNG key (as its raw bits) are kept; unpacking what F kept, into the
+    pull-back traced again on another input, gives F's own pull-back."""
+    w = jnp.arange(6.0).reshape(3, 2)
+
+    def pulled(v, mb, x):
+        key = jax.random.fold_in(jax.random.key(7), mb)
+
+        def f(x):
+            h = jnp.tanh(x @ w.T)  # (2, 3): w.T a residual made from no input
+            noisy = jax.checkpoint(lambda h, k: h * jax.random.uniform(k, h.shape))
+            return noisy(h, key).sum()
+        out, pull = jax.vjp(f, x)
+        return (out, out, out), pull, [x * 2]
+
+    zero, x0 = jnp.int32(0), jnp.ones((2, 2))
+    layout = ticks.residual_layout(pulled, zero, x0)
+    assert True in layout.fixed and False in layout.fixed
+    assert any(i is not None for i in layout.impls)  # the key, kept as bits
+    assert all(not jnp.issubdtype(e.dtype, jax.dtypes.prng_key) for e in layout.entries)
+    assert len(layout.entries) == layout.n_pull + 1  # + the one kept operand
+    x = jnp.array([[0.5, -1.0], [2.0, 0.25]])
+    _, pull, acts = pulled(zero, jnp.int32(3), x)
+    stored = layout.pack(pull, acts)
+    np.testing.assert_array_equal(stored[-1], x * 2)
+    again = pulled(zero, zero, jnp.zeros_like(x))[1]
+    np.testing.assert_allclose(layout.unpack(again, stored)(1.0)[0], pull(1.0)[0], rtol=1e-6)
+    assert not np.allclose(again(1.0)[0], pull(1.0)[0])  # the trace again alone differs
 
 
 @pytest.mark.parametrize("name,P,M,V,message", [
