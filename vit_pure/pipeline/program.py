@@ -1,47 +1,24 @@
-"""Pipeline parallelism for the ViT, inside `jax.shard_map`: GPipe (below) and the entry
-to the table-driven schedules 1f1b, interleaved and zb-h1 (their tables are
-pipeline/schedules.py, their program pipeline/ticks.py, zb-h1's split of B pipeline/split.py).
+"""Pipeline parallelism for the ViT inside `jax.shard_map`: GPipe, and the entry to the
+table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
 
-The encoder's stacked blocks (leading layer axis L) are split into S contiguous *stages*
-over a mesh axis (the scripts call it 'pipe'; PartitionSpec P('pipe', ...) on the layer
-axis), so stage s holds layers s*L/S ... (s+1)*L/S - 1. The rest of the model is
-replicated over that axis, but only one stage really uses each piece:
-
-    stage 0        patch embedding, class token, position embedding, blocks 0 .. L/S-1
-    stage s        blocks s*L/S .. (s+1)*L/S - 1
-    stage S-1      blocks ..., final LayerNorm, head, loss
-
-Each device's slice of the batch (b examples) is cut into K micro-batches of b/K. The
-schedule is GPipe's: a loop of K + S - 1 *ticks*; at tick t every stage runs its layers on
-the activations it holds (stage 0 takes micro-batch t, fresh from the embedding), then one
-`lax.ppermute` hands each stage's output to the next stage. Stage s works on micro-batch
-t - s, so micro-batch k leaves the last stage at tick k + S - 1:
+The encoder's stacked blocks are split into S contiguous stages over the 'pipe' mesh axis
+(stage s holds layers s L/S .. (s+1) L/S - 1); the embedding (used on stage 0) and the
+final norm and head (last stage) are replicated over it. Each device's batch slice is cut
+into K micro-batches. GPipe is a loop of K + S - 1 ticks: every stage runs its layers on
+what it holds (stage 0 a fresh micro-batch), then one `lax.ppermute` hands each output to
+the next stage; `jax.grad` of the loop runs it in reverse with each ppermute transposed
+(s+1 -> s): all forwards, then all backwards, bubble (S - 1) / (K + S - 1).
 
     tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
     stage 0:   m0   m1   m2   m3   .
-    stage 1:   .    m0   m1   m2   m3         "." = idle (the bubble)
+    stage 1:   .    m0   m1   m2   m3         "." = idle: computes, masked to zero
 
-The backward pass is not written by hand: `jax.grad` differentiates the whole loop, which
-runs the ticks in reverse with each ppermute transposed (stage s+1 -> s). That is GPipe:
-all forwards, then all backwards. Out of S * (K + S - 1) stage-ticks, S * (S - 1) are
-idle, so the *bubble fraction* is (S - 1) / (K + S - 1): more micro-batches, smaller bubble.
+Dropout draws from each example's global id and the global layer index (`layer_offset`).
 
-SPMD has no "idle": every device runs the same program every tick. An idle stage computes
-on something harmless (zeros, or a repeat of a real micro-batch) and its result is
-*masked*: the last stage keeps only the outputs of ticks S-1 .. K+S-2, and the loss is
-zeroed on every stage but the last. A masked value gets a zero cotangent, so the idle work
-adds exactly nothing to any gradient.
-
-Randomness: dropout and stochastic depth draw from each example's global id and the
-*global* layer index (`layer_offset` = stage * L/S): the single-device numbers.
-
-Collectives written here (and nowhere else in the pipeline):
-  * `lax.ppermute` over the pipe axis, once per tick: activations stage s -> s+1 (under
-    tensor parallelism every 'model' rank holds and sends its own copy of them); the
-    table-driven schedules' sends (cotangents s+1 -> s too) are all in `ticks.exchange`;
-  * `lax.psum` over the pipe axis of the loss and metrics (they exist on the last stage
-    only) and of the gradients of the pipe-replicated parameters (see `pipeline_grads`).
-Everything about the 'data' axis (and FSDP) stays in the script, as with `step.local_grads`.
+Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick (activations
+s -> s+1); `lax.psum` over 'pipe' of the loss and metrics (last stage only) and of the
+pipe-replicated parameters' gradients (`pipeline_grads`). The table-driven schedules'
+sends are all in `ticks.exchange`. The 'data' axis (and FSDP) stays in the script.
 """
 from __future__ import annotations
 
