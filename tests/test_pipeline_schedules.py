@@ -56,7 +56,7 @@ def test_every_micro_batch_runs_once_in_dependency_order(P, M, name, V):
         if name == "zb-h1":
             assert w_at[(i, j)] >= b_at[(i, j)]
     if name != "gpipe":
-        schedules.check_lockstep(s)  # each send consumed the next tick
+        schedules.check_sends(s)  # each send read before the next one overwrites it
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
@@ -65,17 +65,23 @@ def test_memory_and_time_from_the_tables(P):
     gpipe, one_f = schedules.build("gpipe", P, M), schedules.build("1f1b", P, M)
     zb, inter = schedules.build("zb-h1", P, M), schedules.build("interleaved", P, M, 2)
     assert list(schedules.in_flight(gpipe)) == [M] * P
-    assert list(schedules.in_flight(one_f)) == [2 * (P - s) - 1 for s in range(P)]
-    assert schedules.in_flight(one_f).max() <= M / 4
-    assert schedules.in_flight(zb).max() == schedules.in_flight(one_f).max()
+    # 1F1B: stage s holds P - s (PipeDream-Flush's promise), one F or B a tick, so
+    # 2(M + P - 1) ticks; zb-h1 runs F and I in one tick and holds no more than 2P - 1.
+    assert list(schedules.in_flight(one_f)) == [P - s for s in range(P)]
+    assert one_f.ticks == 2 * (M + P - 1)
+    assert schedules.in_flight(zb).max() == 2 * P - 1
     # GPipe's bubble is the textbook (P-1)/(M+P-1), whatever F and B cost.
     for t_f, t_b in ((1.0, 2.0), (1.0, 3.0)):
         assert schedules.bubble(gpipe, t_f, t_b) == pytest.approx((P - 1) / (M + P - 1))
     base = schedules.lockstep_time(gpipe, 1.0, 2.0)
-    assert schedules.lockstep_time(one_f, 1.0, 2.0) == pytest.approx(base)
+    # In lockstep a tick where some stage runs B lasts B: at most 2 t_B / (t_F + t_B) of
+    # GPipe's time, its price for P - s; with F as long as B, exactly GPipe's.
+    assert base < schedules.lockstep_time(one_f, 1.0, 2.0) <= base * 4 / 3
+    assert schedules.lockstep_time(one_f, 1.0, 1.0) == pytest.approx(
+        schedules.lockstep_time(gpipe, 1.0, 1.0))
     assert schedules.lockstep_time(zb, 1.0, 2.0, 1.0) < base
     assert schedules.lockstep_time(inter, 1.0, 2.0) < base
-    assert schedules.ring_size(one_f) == schedules.in_flight(one_f).max()
+    assert schedules.ring_size(one_f) == P
 
 
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
@@ -84,11 +90,12 @@ def test_memory_and_time_from_the_tables(P):
 def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
     """The program's ring as the table drives it: every F (idle ones write zeros) writes
     its `write_slots` slot; every B and W must then find its own micro-batch's residuals
-    at (i V + v) mod ring. With M = 8P no spare slot is needed."""
+    at (i V + v) mod ring. With M = 8P no spare slot is needed but by 1F1B, whose stage 0
+    waits with all its P slots live for its first cotangent."""
     s = schedules.build(name, P, M, V)
     ring = schedules.ring_size(s)
     slots = ring if schedules.write_slots(s, ring, ring) is not None else ring + 1
-    assert slots == ring or M < 8 * P
+    assert slots == ring or M < 8 * P or name == "1f1b"
     writes = schedules.write_slots(s, ring, slots)
     assert writes.min() >= 0 and writes.max() < slots
     for st in range(P):
@@ -120,18 +127,18 @@ def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
 
 def test_picture_reads_the_table():
     pic = schedules.picture(schedules.build("1f1b", 2, 3))
-    assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",
-                                "    stage 1: .    F0B0 F1B1 F2B2 ."]
+    assert pic.splitlines() == ["    stage 0: F0 .  F1 B0 F2 B1 .  B2",
+                                "    stage 1: .  F0 B0 F1 B1 F2 B2 ."]
 
 
 # ------------------------------------------------------ the program's phases, alone
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
-                                         ("zb-h1", 2, 4, 1), ("interleaved", 2, 4, 2)])
+                                         ("zb-h1", 2, 4, 1), ("zb-h1", 4, 32, 1),
+                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 32, 2)])
 def test_static_plan(name, P, M, V):
     """The numbers the program reads off the table: a ring as large as the stages' most
     residual sets (one spare slot only where a tick without F finds every slot live), the
-    writes inside it, zb-h1's cotangent ring, and the sends' pairs (round the ring with
-    virtual stages, where the last stage feeds stage 0's next chunk)."""
+    writes inside it, zb-h1's cotangent ring, and the scans and their sends."""
     s = schedules.build(name, P, M, V)
     plan = ticks.static_plan(s)
     assert plan.rows.shape == (s.ticks, 6, P)
@@ -140,10 +147,32 @@ def test_static_plan(name, P, M, V):
     assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
     assert plan.writes.max() < plan.slots
     assert (plan.kept > 1) == (name == "zb-h1")
-    chain = [(i, i + 1) for i in range(P - 1)]
-    want = chain + [(P - 1, 0)] if V > 1 else chain
-    assert list(plan.fwd_perm) == want
-    assert list(plan.bwd_perm) == [(b, a) for a, b in want]
+    # The scans cover the ticks in order; every send a segment makes is a pair of
+    # neighbours, round the ring with virtual stages (the last stage feeds stage 0).
+    assert [g.start for g in plan.segments] == [0] + [g.stop for g in plan.segments[:-1]]
+    assert plan.segments[-1].stop == s.ticks
+    neighbours = {(a, (a + 1) % P) for a in range(P if V > 1 else P - 1)}
+    for g in plan.segments:
+        assert (g.stop - g.start) % g.period == 0 and len(g.sends) == g.period
+        for tick in g.sends:
+            for what, pairs in tick:
+                assert {(a, b) if what == "f" else (b, a) for a, b in pairs} <= neighbours \
+                    or what == "fb"
+    # Only useful sends: at K = 4P at most 1.2 times the sends that carry data
+    # (1F1B: one swap a tick; the others: each way only while something goes that way).
+    if M >= 4 * P:
+        assert plan.sends() <= 1.2 * schedules.messages(s)
+
+
+def test_1f1b_swaps_once_a_tick():
+    """1F1B's stage pairs only swap: one scan of two ticks a step, each with one send of
+    whichever each stage made (pairs (0,1), (2,3) at even ticks, (1,2) at odd ones)."""
+    plan = ticks.static_plan(schedules.build("1f1b", 4, 32))
+    (g,) = plan.segments
+    assert (g.period, g.phases) == (2, "FB")
+    assert g.sends == ((("fb", ((0, 1), (1, 0), (2, 3), (3, 2))),),
+                       (("fb", ((1, 2), (2, 1))),))
+    assert plan.sends() == 70  # 2 (K + P - 1) ticks, against 2K = 64 that carry data
 
 
 def test_residual_layout_keeps_what_depends_on_the_input():
@@ -188,36 +217,39 @@ def test_bad_schedules_are_one_line_errors(name, P, M, V, message):
 
 
 # ------------------------------------------------------------------------ the program
-def _batch(seed=0):
+def _batch(seed=0, n=BATCH):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (BATCH, 32, 32, 3), dtype=np.uint8),
-            rng.integers(0, CFG.num_classes, (BATCH,), dtype=np.int32),
-            np.arange(BATCH, dtype=np.int32))
+    return (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, CFG.num_classes, (n,), dtype=np.int32),
+            np.arange(n, dtype=np.int32))
 
 
 OPT = optax.adamw(1e-3, weight_decay=0.05, mask=step.decay_mask)
 
 
-def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0):
+def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0, n=BATCH):
     """(grads, metrics) of one step and the losses of `steps` training steps, through
-    the script's strategy; the single-device reference when mesh is None."""
-    host = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, OPT))
+    the script's strategy (on as many devices as the mesh has), with batches of n; the
+    single-device reference when mesh is None."""
+    host = jax.device_get(step.init_state(jax.random.key(0), sc.cfg, sc.policy, OPT))
     key = step.step_key(0, 0, 0)
-    images, labels, ids = _batch()
+    images, labels, ids = _batch(0, n)
     if mesh is None:
         grads, metrics = jax.jit(lambda p: step.local_grads(
             sc, p, host["loss_scale"], images, labels, ids, key))(host["params"])
         strategy = train_shardmap.ShardMapStrategy(sc, OPT, "data=1", devices=jax.devices()[:1])
     else:
+        size = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
         strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, fsdp=fsdp, microbatches=k,
-                                                   schedule=schedule, virtual_stages=v)
+                                                   schedule=schedule, virtual_stages=v,
+                                                   devices=jax.devices()[:size])
         state = strategy.put_state(host)
         inputs = (*strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
         grads, metrics = grads_step(strategy)(state, *inputs)
     losses = []
     state = strategy.put_state(host)
     for i in range(steps):
-        state, m = strategy.train_step(state, *strategy.put_batch(*_batch(i)),
+        state, m = strategy.train_step(state, *strategy.put_batch(*_batch(i, n)),
                                        strategy.put_replicated(step.step_key(0, 0, i)))
         losses.append(float(m["loss"]))
     return jax.device_get(grads), jax.device_get(metrics), losses
@@ -237,9 +269,9 @@ def _sc(policy, accum):
     return step.StepConfig(CFG, Policy.parse(policy), grad_clip=0.0, accum_steps=accum)
 
 
-def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None):
+def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None, n=BATCH):
     if sc is not None:  # a recipe of its own: its own reference
-        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps)
+        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps, n=n)
     elif Policy.parse(policy).needs_loss_scaling:
         # fp16: the scaled per-device loss overflows or not depending on the per-device
         # batch, so the reference is GPipe on the same mesh (tests/test_pipeline.py ties
@@ -250,7 +282,7 @@ def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None):
     else:
         ref_grads, ref_metrics, ref_losses = _reference(policy, accum, steps)
     sc = sc or _sc(policy, accum)
-    grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps)
+    grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps, n)
     tol_metrics, tol_params = tolerances(Policy.parse(policy))
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
     assert float(metrics["accuracy"]) == pytest.approx(float(ref_metrics["accuracy"]))
@@ -293,6 +325,29 @@ def test_zb_h1_equals_the_reference():
     """The default tier's one program check (~5 s here): zb-h1, whose table has every
     kind of entry (F, I, W, idle), on 4 stages."""
     _check("fp32", 1, "data=2,pipe=4", 4, "zb-h1")
+
+
+DEEP = dataclasses.replace(_sc("fp32", 1), cfg=CFG.replace(depth=6))  # splits into 3 stages
+
+
+def test_three_stages_and_five_micro_batches_equal_the_reference():
+    """1F1B on an odd number of stages (pairs (0,1) swap at even ticks, (1,2) at odd ones,
+    stage 2 alone at even ticks) and a K that is no multiple of them."""
+    _check("fp32", 1, "data=2,pipe=3", 5, "1f1b", sc=DEEP, n=20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,k,schedule,v,n", [
+    ("data=2,pipe=3", 3, "interleaved", 2, 12),   # virtual stages round three devices
+    ("data=2,pipe=3", 5, "zb-h1", 1, 20),
+])
+def test_three_stages_slow_cells(mesh, k, schedule, v, n):
+    _check("fp32", 1, mesh, k, schedule, v, sc=DEEP, n=n)
+
+
+@pytest.mark.slow
+def test_zb_h1_with_tensor_parallelism_without_fsdp():
+    _check("fp32", 1, "data=2,model=2,pipe=2", 4, "zb-h1")
 
 
 def _mixing(policy="fp32"):

@@ -58,22 +58,25 @@ class StaticPlan:
     ring: int             # micro-batch i of chunk v lives in slot (i V + v) mod ring
     slots: int            # the ring's slots: ring, or one spare for idle ticks' zeros
     kept: int             # zb-h1: slots of the output cotangents held from I to W
-    fwd_perm: tuple       # (source, target) pairs of the activations' send
-    bwd_perm: tuple       # ... and of the input cotangents' send
+    arrive: np.ndarray    # (ticks, 3, P) bool: an activation / a cotangent arrives; the
+                          # stage sends its F's output (not its B's cotangent)
+    segments: tuple       # the scans, in order (`schedules.Segment`)
+
+    def sends(self) -> int:
+        """Collective-permutes per step: what the compiled program runs."""
+        return schedules.sends(self.segments)
 
 
 def static_plan(schedule: schedules.Schedule) -> StaticPlan:
-    """The ring's sizes and slots and the sends' pairs of `schedule`."""
-    P, V = schedule.stages, schedule.virtual
+    """The ring's sizes and slots, the arrivals and the scans of `schedule`."""
+    schedules.check_sends(schedule)
+    arrivals = schedules.arrivals(schedule)  # stage s + 1's activation comes from stage s
     ring = schedules.ring_size(schedule)
     slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
-    # With virtual stages the sends go round the ring: the last stage feeds stage 0's next
-    # chunk (and gets its cotangent back).
-    pairs = range(P if V > 1 else P - 1)
     return StaticPlan(rows=schedule.rows(), writes=schedules.write_slots(schedule, ring, slots),
                       ring=ring, slots=slots, kept=schedules.kept_size(schedule),
-                      fwd_perm=tuple((s, (s + 1) % P) for s in pairs),
-                      bwd_perm=tuple(((s + 1) % P, s) for s in pairs))
+                      arrive=np.stack([*arrivals, np.roll(arrivals[0], -1, axis=1)], axis=1),
+                      segments=schedules.segments(schedule))
 
 
 # ------------------------------------------------------- phase 2: the parameters' prep
@@ -335,12 +338,19 @@ def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rin
     return _add_grads(grads, jnp.maximum(w_v, 0), *g)
 
 
-def exchange(y, dx, plan: StaticPlan, pipe_axis: str):
-    """The tick's point-to-point sends, joined by every stage: the forward's output to the
-    next stage and the input cotangent to the previous one (collective-permutes over the
-    pipe axis); each arrives as the receiver's input at the next tick."""
-    recv_f = lax.ppermute(y, pipe_axis, perm=list(plan.fwd_perm))
-    recv_b = lax.ppermute(dx, pipe_axis, perm=list(plan.bwd_perm))
+def exchange(sends, y, dx, recv_f, recv_b, arrive, pipe_axis: str):
+    """The tick's point-to-point sends (`Segment.sends`, one tick's): collective-permutes
+    over the pipe axis of the F's output to the next stage ("f"), of the input cotangent
+    to the previous one ("b"), or, where stage pairs swap ("fb"), of the one this stage
+    sends (arrive[2]: its F's output). What arrives (arrive[0], arrive[1]: this stage's
+    flags) replaces a receive buffer; a buffer is kept until then, read by a later tick."""
+    for what, pairs in sends:
+        out = y if what == "f" else dx if what == "b" else jnp.where(arrive[2], y, dx)
+        new = lax.ppermute(out, pipe_axis, perm=list(pairs))
+        if "f" in what:
+            recv_f = jnp.where(arrive[0], new, recv_f)
+        if "b" in what:
+            recv_b = jnp.where(arrive[1], new, recv_b)
     return recv_f, recv_b
 
 
@@ -364,18 +374,23 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     layout = residual_layout(stage.pulled, zero, x0)
     y0, loss0, _ = layout.outputs
 
-    def tick(carry, rows):
-        row, write = rows
+    def tick(carry, xs, phases: str, sends: tuple):
+        """One tick: its F, B (zb-h1: I) and W where the segment has them, its sends."""
+        row, write, arrive = xs
         recv_f, recv_b, rings, cots, grads, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage.stage] for r in row)
-        y, rings, sums = run_f(stage, layout, f_mb, f_v, recv_f, rings, write[stage.stage],
-                               sums)
-        dx, cots, grads = run_b(stage, layout, plan, b_mb, b_v, recv_b, rings, cots, grads,
-                                seed)
-        if stage.split is not None:
+        y, dx = jnp.zeros_like(y0), jnp.zeros_like(x0)
+        if "F" in phases:
+            y, rings, sums = run_f(stage, layout, f_mb, f_v, recv_f, rings, write[stage.stage],
+                                   sums)
+        if "B" in phases:
+            dx, cots, grads = run_b(stage, layout, plan, b_mb, b_v, recv_b, rings, cots, grads,
+                                    seed)
+        if "W" in phases and stage.split is not None:
             grads = run_w(stage, layout, plan, w_mb, w_v, rings, cots, grads)
-        recv_f, recv_b = exchange(y, dx, plan, pipe_axis)
-        return (recv_f, recv_b, rings, cots, grads, sums), None
+        recv_f, recv_b = exchange(sends, y, dx, recv_f, recv_b, arrive[:, stage.stage],
+                                  pipe_axis)
+        return recv_f, recv_b, rings, cots, grads, sums
 
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
@@ -384,8 +399,25 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
                                             for t in stage.split.taps()]
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.slots, pipe_axis),
              cots0, zeros, (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
-    carry, _ = lax.scan(tick, carry, (jnp.asarray(plan.rows), jnp.asarray(plan.writes)))
-    return finish(carry, top, chunks, pull_params, M)
+    return finish(scan_segments(tick, carry, plan), top, chunks, pull_params, M)
+
+
+def scan_segments(tick, carry, plan: StaticPlan):
+    """`lax.scan` over each segment's ticks, `period` ticks a step, in order: tick(carry,
+    one tick's (row, write, arrive), the segment's phases, that tick's sends) -> carry."""
+    for g in plan.segments:
+        n = (g.stop - g.start) // g.period
+        xs = tuple(jnp.asarray(a[g.start:g.stop].reshape(n, g.period, *a.shape[1:]))
+                   for a in (plan.rows, plan.writes, plan.arrive))
+
+        def body(carry, xs, g=g):
+            for k in range(g.period):
+                carry = tick(carry, jax.tree.map(lambda a, k=k: a[k], xs), g.phases,
+                             g.sends[k])
+            return carry, None
+
+        carry, _ = lax.scan(body, carry, xs)
+    return carry
 
 
 def finish(carry, top, chunks, pull_params, microbatches: int):
