@@ -32,7 +32,7 @@ from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
-from vit_pure.pipeline.ticks import micro, schedule_grads
+from vit_pure.pipeline.ticks import eval_logits, micro, schedule_grads
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -220,8 +220,9 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis:
     divisor with the slice (an evaluation batch need not share the training batch's size).
     """
     k = math.gcd(labels.shape[0], microbatches)
-    sums = eval_sums(sc, lambda images: pipelined_logits(
-        params, images, sc.cfg, sc.policy, pipe_axis=pipe_axis, microbatches=k,
-        execution=sc.execution, tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
+    # GPipe's forward ticks as one scan (ticks.eval_logits), whatever the schedule.
+    sums = eval_sums(sc, lambda images: eval_logits(
+        sc, params, images, pipe_axis=pipe_axis, microbatches=k, tp_axis=tp_axis,
+        gather=gather), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

@@ -244,12 +244,14 @@ def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
                             None if t_i is None else t_i / v).sum())
 
 
-def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 2.0 / 3.0) -> float:
-    """The idle share of the stages' time: 1 - useful work / (P x modelled step time).
-    t_w (zb-h1): the weight matmuls' gradients, about a third of B (pipeline/split.py;
-    ViT-B/16 measured 22.5 of B's 66.7 GFLOP), the rest of B being I."""
+def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 2.0 / 3.0,
+           model=None) -> float:
+    """The idle share of the stages' time: 1 - useful work / (P x modelled step time),
+    in `model` (default `lockstep_time`; or `pairwise_time`). t_w (zb-h1): the weight
+    matmuls' gradients, about a third of B (pipeline/split.py; ViT-B/16 measured 22.5 of
+    B's 66.7 GFLOP), the rest of B being I."""
     useful = s.microbatches * (t_f + t_b)
-    return 1.0 - useful / lockstep_time(s, t_f, t_b, t_w)
+    return 1.0 - useful / (model or lockstep_time)(s, t_f, t_b, t_w)
 
 
 def messages(s: Schedule) -> int:
@@ -285,7 +287,8 @@ def describe(depth: int, stages: int, microbatches: int, schedule: str = "gpipe"
     lines = [f"pipeline: {stages} stages x {per} blocks, {schedule} schedule"
              + (f" ({virtual} chunks per stage)" if virtual > 1 else "")
              + f", {microbatches} micro-batches, {table.ticks} ticks, bubble "
-             f"{bubble(table):.3f} (t_B = 2 t_F), residual sets held per stage "
+             f"{bubble(table):.3f} in lockstep, {bubble(table, model=pairwise_time):.3f} with "
+             f"pairwise sends (t_B = 2 t_F), residual sets held per stage "
              f"{'/'.join(str(int(h)) for h in held)}"]
     chunk = per // virtual
     for s in range(stages):

@@ -428,3 +428,43 @@ def finish(carry, top, chunks, pull_params, microbatches: int):
     g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
     (grads,) = pull_params((g_top, g_chunks))
     return grads, {"loss": loss / microbatches, "accuracy": acc / microbatches}
+
+
+# ------------------------------------------------------------------- evaluation
+def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches: int,
+                tp_axis: str | None = None, gather=None):
+    """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
+    forward ticks of GPipe's table (stage s runs micro-batch t - s at tick t) as one
+    `lax.scan`, so the compiled program does not grow with K. Each stage runs the blocks
+    it stores (whatever the training schedule: no gather over 'pipe'); idle ticks compute
+    on what they hold and are masked, as GPipe's."""
+    P, K = lax.axis_size(pipe_axis), microbatches
+    table = schedules.build("gpipe", P, K)
+    T = K + P - 1  # the forward ticks
+    arrive = np.stack([schedules.arrivals(table)[0][:T]] * 3, axis=1)  # [2] unused: "f"
+    sends = (("f", tuple((s, s + 1) for s in range(P - 1))),)
+    top, chunks, _ = prepare_params(params, sc.policy, gather, P, 1, pipe_axis)
+    blocks = jax.tree.map(lambda a: a[0], chunks)
+    stage = lax.axis_index(pipe_axis)
+    per = jax.tree.leaves(blocks)[0].shape[0]
+    x_mb = micro(lax.pcast(images, pipe_axis, to="varying"), K)
+
+    def tick(carry, xs):
+        recv, logits = carry
+        row, arrive = xs
+        mb = jnp.maximum(row[stage], 0)
+        x = lax.cond(stage == 0, lambda r: vary_like(
+            embed(top, x_mb[mb], sc.cfg, sc.policy, None, sc.execution), r), lambda r: r, recv)
+        y = encoder(blocks, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
+                    layer_offset=stage * per)
+        keep = (stage == P - 1) & (row[stage] >= 0)
+        logits = logits.at[mb].set(jnp.where(keep, head(top, y, sc.cfg, sc.policy), logits[mb]))
+        recv, _ = exchange(sends, y, y, recv, recv, arrive[:, stage], pipe_axis)
+        return (recv, logits), None
+
+    x0 = embed(top, x_mb[0], sc.cfg, sc.policy, None, sc.execution)
+    out0 = head(top, x0, sc.cfg, sc.policy)  # its type only (XLA drops it)
+    logits0 = vary_like(jnp.zeros((K, *out0.shape), out0.dtype), out0)
+    (_, logits), _ = lax.scan(tick, (jnp.zeros_like(x0), logits0),
+                              (jnp.asarray(table.fwd[:T]), jnp.asarray(arrive)))
+    return logits.reshape(images.shape[0], -1)
