@@ -10,6 +10,8 @@ devices) against `jax.grad` of the mean loss on one device, within the tolerance
 tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`.
 """
 import dataclasses
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +206,19 @@ def test_residual_layout_keeps_what_depends_on_the_input():
     again = pulled(zero, zero, jnp.zeros_like(x))[1]
     np.testing.assert_allclose(layout.unpack(again, stored)(1.0)[0], pull(1.0)[0], rtol=1e-6)
     assert not np.allclose(again(1.0)[0], pull(1.0)[0])  # the trace again alone differs
+
+
+def test_the_docs_draw_what_the_program_runs():
+    """docs/parallelism.md's schedule pictures ("NAME, S = P, K = M[, V = V]:" then one
+    line a stage) are the start-up log's (`describe`) of the tables the program runs."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    found = re.findall(r"^(\S+), S = (\d+), K = (\d+)(?:, V = (\d+))?:\n((?:    stage .*\n)+)",
+                       text, re.M)
+    assert {f[0] for f in found} == {"1f1b", "zb-h1", "interleaved"}
+    for name, P, M, V, drawn in found:
+        P, V = int(P), int(V or 1)
+        log = schedules.describe(P * V * 2, P, int(M), name, V).splitlines()
+        assert drawn.splitlines() == log[-P:], name
 
 
 @pytest.mark.parametrize("name,P,M,V,message", [
