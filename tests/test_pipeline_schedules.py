@@ -90,24 +90,21 @@ def test_memory_and_time_from_the_tables(P):
                                          ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
                                          ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2)])
 def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
-    """The program's ring as the table drives it: every F (idle ones write zeros) writes
-    its `write_slots` slot; every B and W must then find its own micro-batch's residuals
-    at (i V + v) mod ring. With M = 8P no spare slot is needed but by 1F1B, whose stage 0
-    waits with all its P slots live for its first cotangent."""
+    """The program's ring as the table drives it: every F writes its slot (an idle tick
+    writes back what the slot holds); every B and W must then find its own micro-batch's
+    residuals at (i V + v) mod ring, a ring of as many slots as the most sets held."""
     s = schedules.build(name, P, M, V)
-    ring = schedules.ring_size(s)
-    slots = ring if schedules.write_slots(s, ring, ring) is not None else ring + 1
-    assert slots == ring or M < 8 * P or name == "1f1b"
-    writes = schedules.write_slots(s, ring, slots)
-    assert writes.min() >= 0 and writes.max() < slots
+    plan = ticks.static_plan(s)
+    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
     for st in range(P):
         held = {}
         for t in range(s.ticks):
             f = s.fwd[t, st]
-            held[int(writes[t, st])] = None if f == IDLE else (f, s.fwd_chunk[t, st])
+            if f != IDLE:
+                held[int(plan.writes[t, st])] = (f, s.fwd_chunk[t, st])
             for mb, ch in ((s.bwd[t, st], s.bwd_chunk[t, st]), (s.wgt[t, st], s.wgt_chunk[t, st])):
                 if mb != IDLE:
-                    assert held.get((mb * V + ch) % ring) == (mb, ch), (name, st, t)
+                    assert held.get((mb * V + ch) % plan.ring) == (mb, ch), (name, st, t)
 
 
 @pytest.mark.parametrize("P,M", [(4, 32), (4, 4), (2, 4), (8, 16)])
@@ -139,15 +136,13 @@ def test_picture_reads_the_table():
                                          ("interleaved", 2, 4, 2), ("interleaved", 4, 32, 2)])
 def test_static_plan(name, P, M, V):
     """The numbers the program reads off the table: a ring as large as the stages' most
-    residual sets (one spare slot only where a tick without F finds every slot live), the
-    writes inside it, zb-h1's cotangent ring, and the scans and their sends."""
+    residual sets, the writes inside it, zb-h1's cotangent ring, the scans and sends."""
     s = schedules.build(name, P, M, V)
     plan = ticks.static_plan(s)
     assert plan.rows.shape == (s.ticks, 6, P)
     assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
-    assert plan.slots in (plan.ring, plan.ring + 1)
     assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
-    assert plan.writes.max() < plan.slots
+    assert plan.writes.max() < plan.ring
     assert (plan.kept > 1) == (name == "zb-h1")
     # The scans cover the ticks in order; every send a segment makes is a pair of
     # neighbours, round the ring with virtual stages (the last stage feeds stage 0).

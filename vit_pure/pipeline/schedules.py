@@ -385,32 +385,6 @@ def kept_size(s: Schedule) -> int:
     return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
 
 
-def write_slots(s: Schedule, ring: int, slots: int) -> np.ndarray | None:
-    """(ticks, stages) int32: the slot of a ring of `slots` (>= `ring`) that each stage's
-    F writes its residuals into at each tick: micro-batch i of chunk v's, (i V + v) mod
-    ring, or at a tick without F (the program writes zeros then) a slot that holds no
-    live residual set, the ones that tick's B and W read included. None if at some tick
-    without F every slot is live."""
-    P, V = s.stages, s.virtual
-    release = s.wgt if s.split_backward else s.bwd
-    release_chunk = s.wgt_chunk if s.split_backward else s.bwd_chunk
-    out = np.zeros((s.ticks, P), np.int32)
-    for st in range(P):
-        live: set[int] = set()
-        for t in range(s.ticks):
-            if s.fwd[t, st] != IDLE:
-                out[t, st] = (s.fwd[t, st] * V + s.fwd_chunk[t, st]) % ring
-                live.add(int(out[t, st]))
-            else:
-                free = [k for k in range(slots) if k not in live]
-                if not free:
-                    return None
-                out[t, st] = free[0]
-            if release[t, st] != IDLE:
-                live.discard((release[t, st] * V + release_chunk[t, st]) % ring)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Ticks start .. stop - 1, run by one `lax.scan` of `period` ticks a step. `sends`

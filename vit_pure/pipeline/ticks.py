@@ -34,6 +34,8 @@ from vit_pure.pipeline import schedules
 from vit_pure.pipeline.split import Split, input_free, vary_like, zeros_ring
 from vit_pure.step import StepConfig, train_metrics
 
+IDLE = schedules.IDLE
+
 
 def micro(x, k: int):
     """(b, ...) -> (k, b/k, ...): micro-batch i is rows i*b/k ... (i+1)*b/k - 1."""
@@ -54,9 +56,8 @@ def _bits(a):
 class StaticPlan:
     """What the program reads off the table before tracing anything (numpy, no jax)."""
     rows: np.ndarray      # (ticks, 6, P): F, F's chunk, B, B's chunk, W, W's chunk
-    writes: np.ndarray    # (ticks, P): the ring slot each stage's F writes at each tick
-    ring: int             # micro-batch i of chunk v lives in slot (i V + v) mod ring
-    slots: int            # the ring's slots: ring, or one spare for idle ticks' zeros
+    writes: np.ndarray    # (ticks, P): the ring slot each stage's F writes (idle: 0)
+    ring: int             # slots; micro-batch i of chunk v lives in slot (i V + v) mod ring
     kept: int             # zb-h1: slots of the output cotangents held from I to W
     arrive: np.ndarray    # (ticks, 3, P) bool: an activation / a cotangent arrives; the
                           # stage sends its F's output (not its B's cotangent)
@@ -72,9 +73,10 @@ def static_plan(schedule: schedules.Schedule) -> StaticPlan:
     schedules.check_sends(schedule)
     arrivals = schedules.arrivals(schedule)  # stage s + 1's activation comes from stage s
     ring = schedules.ring_size(schedule)
-    slots = ring if schedules.write_slots(schedule, ring, ring) is not None else ring + 1
-    return StaticPlan(rows=schedule.rows(), writes=schedules.write_slots(schedule, ring, slots),
-                      ring=ring, slots=slots, kept=schedules.kept_size(schedule),
+    f, v = schedule.fwd, schedule.fwd_chunk
+    writes = np.where(f != IDLE, (f * schedule.virtual + v) % ring, 0).astype(np.int32)
+    return StaticPlan(rows=schedule.rows(), writes=writes,
+                      ring=ring, kept=schedules.kept_size(schedule),
                       arrive=np.stack([*arrivals, np.roll(arrivals[0], -1, axis=1)], axis=1),
                       segments=schedules.segments(schedule))
 
@@ -243,10 +245,10 @@ def _unless(pred, fn, *xs):
     return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
 
 
-def _slot(mb, v, virtual: int, n: int):
-    """Micro-batch mb of chunk v's slot of an n-slot ring (idle, mb = -1: slot n, the
-    spare of the cotangents' ring, the residuals' last: read, unused)."""
-    return jnp.where(mb >= 0, (mb * virtual + v) % n, n)
+def _slot(mb, v, virtual: int, n: int, idle: int):
+    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (the
+    cotangents' ring: its spare slot n; the residuals': any, read and unused)."""
+    return jnp.where(mb >= 0, (mb * virtual + v) % n, idle)
 
 
 def _add_grads(acc, v, g_cp, g_top):
@@ -264,8 +266,8 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
     the ring with its residuals written at slot `write`, the loss and accuracy sums).
     Stage 0 embeds its first chunk's input; every other F reads the received activation.
-    The ring is written outside the branch, in place: an idle tick writes zeros into a
-    slot that holds no live residual set."""
+    The ring is written outside the branch, in place: an idle tick writes back what the
+    slot holds, so the ring needs no slot beyond the live residual sets."""
     y0, loss0, _ = layout.outputs
 
     def do_f(x):
@@ -280,7 +282,7 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
                  lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
     y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-    rings = [r.at[write].set(a) for r, a in zip(rings, res)]
+    rings = [r.at[write].set(jnp.where(f_mb >= 0, a, r[write])) for r, a in zip(rings, res)]
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
@@ -307,7 +309,7 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
             (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
         return dx, dys, stage.sc.policy.cast_to_compute(g_cp), g_top
 
-    dx, dys, *g = _unless(b_mb >= 0, do_b, [r[_slot(b_mb, b_v, V, plan.ring)] for r in rings],
+    dx, dys, *g = _unless(b_mb >= 0, do_b, [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings],
                           recv_b)
     grads = _add_grads(grads, jnp.maximum(b_v, 0), *g)
 
@@ -317,7 +319,7 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
 
     g_top = _unless((stage.stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
     grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
-    cots = [c.at[_slot(b_mb, b_v, V, plan.kept)].set(d) for c, d in zip(cots, dys)]
+    cots = [c.at[_slot(b_mb, b_v, V, plan.kept, plan.kept)].set(d) for c, d in zip(cots, dys)]
     return dx, cots, grads
 
 
@@ -333,8 +335,8 @@ def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rin
                                      w_v, w_mb)
         return stage.sc.policy.cast_to_compute(g[0]), g[1]
 
-    g = _unless(w_mb >= 0, do_w, [r[_slot(w_mb, w_v, V, plan.ring)] for r in rings],
-                [c[_slot(w_mb, w_v, V, plan.kept)] for c in cots])
+    g = _unless(w_mb >= 0, do_w, [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings],
+                [c[_slot(w_mb, w_v, V, plan.kept, plan.kept)] for c in cots])
     return _add_grads(grads, jnp.maximum(w_v, 0), *g)
 
 
@@ -397,7 +399,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
     cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept + 1)
                                             for t in stage.split.taps()]
-    carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.slots, pipe_axis),
+    carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.ring, pipe_axis),
              cots0, zeros, (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     return finish(scan_segments(tick, carry, plan), top, chunks, pull_params, M)
 
