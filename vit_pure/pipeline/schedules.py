@@ -148,7 +148,7 @@ def _zb_h1(P: int, M: int, costs) -> tuple:
     T = fwd.shape[0]
     load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
     busiest = load.max(axis=1)
-    cap = 2 * P - 1  # 1F1B's peak (stage 0's): no stage holds more residual sets
+    cap = 2 * P - 1  # its base table's peak (stage 0's): no stage holds more
     wgt = np.full((T, P), IDLE)
     pending, held = [[] for _ in range(P)], [0] * P
     for t in range(T):
