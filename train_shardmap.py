@@ -433,7 +433,7 @@ def build_parser():
     g.add_argument("--pipeline-schedule", default="gpipe", choices=pipeline.SCHEDULES,
                    help="pipeline schedule (vit_pure/pipeline/schedules.py): gpipe (all "
                         "forwards, then all backwards), 1f1b (each stage holds at most "
-                        "2S-1 micro-batches, not K), interleaved (with --virtual-stages), "
+                        "S micro-batches, not K), interleaved (with --virtual-stages), "
                         "zb-h1 (weight gradients fill the bubble)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved schedule: V chunks of layers per stage (default 1)")

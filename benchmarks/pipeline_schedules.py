@@ -17,11 +17,14 @@ GPU). Columns, per device:
     compile s   the plan's lower + compile of the step
     p2p         the compiled program's collective-permutes over 'pipe': executions per
                 step and MiB per step (loop trip counts included)
+    data        the sends that carry data, per stage and step (the table's 2 K V)
     held        residual sets (one micro-batch's activations through one chunk) the
                 busiest stage holds, from the schedule's table
     bubble      idle share of the stages' time in lockstep, from the table and the costs
     step / GPipe  the modelled lockstep step time (`schedules.lockstep_time`: each tick
                 as long as its busiest stage) over GPipe's at the same K
+    pairwise    the same where a send waits only for its two stages
+                (`schedules.pairwise_time`, as NCCL's send / recv), over GPipe's
 
 The F / B / I / W costs of the model come from one compiled stage (depth/P blocks at the
 micro-batch's size, the matmul output dtype the script picks for --hardware, XLA:CPU
@@ -29,7 +32,7 @@ micro-batch's size, the matmul output dtype the script picks for --hardware, XLA
 (pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
 compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
 compiled alone, from the activations and output cotangents F and I keep for it, as
-pipeline/program.py runs them. Fake CPU devices share this machine's cores, so no step
+pipeline/ticks.py runs them. Fake CPU devices share this machine's cores, so no step
 time is measured here.
 """
 from __future__ import annotations
@@ -60,6 +63,8 @@ def row_argv(job: dict) -> list[str]:
     flags = ["--pipeline-schedule", job["schedule"]]
     if job["schedule"] == "interleaved":
         flags += ["--virtual-stages", str(job["virtual"])]
+    if job.get("image_size"):
+        flags += ["--image-size", str(job["image_size"])]
     return ["--model", job["model"], "--batch", str(job["batch"]), "--dtype", job["dtype"],
             "--accum-steps", "1", "--mesh", f"data=1,pipe={job['stages']}", "--microbatches",
             str(job["microbatches"]), *flags, "--plan", str(job["stages"]),
@@ -77,10 +82,11 @@ def run_row(job: dict) -> dict:
 
 # ==================================================================== the stage's costs
 def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
-                hardware: str = "h100") -> dict:
+                hardware: str = "h100", image_size: int | None = None) -> dict:
     """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring),
     with the matmul output dtype the training script picks for `hardware`."""
     cfg = PRESETS[cfg_name]
+    cfg = cfg.replace(image_size=image_size) if image_size else cfg
     policy = backend.resolve(dtype, "default", None, "cpu" if hardware == "cpu" else "gpu",
                              flags=frozenset()).policy
     per = cfg.depth // stages
@@ -101,7 +107,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
         y, pull = jax.vjp(f, p, x)
         return pull(jnp.ones_like(y))
 
-    # I and W as pipeline/program.py runs them (split.py): I is F's pull-back with the
+    # I and W as pipeline/ticks.py runs them (split.py): I is F's pull-back with the
     # weight matmuls' weights held constant; W compiled alone, from I's kept arrays.
     split = Split(f, blocks, x)
 
@@ -115,18 +121,21 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
             "W": flops(lambda p, a, d: split.weight_grads(p, a, d), blocks, acts, dys)}
 
 
-def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple[float, float, int]:
-    """(lockstep time in FLOPs, bubble, residual sets the busiest stage holds)."""
+def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple:
+    """(lockstep time in FLOPs, bubble, residual sets the busiest stage holds, the
+    pairwise time)."""
     s = schedules.build(name, P, M, V)  # the table the program runs
-    t = schedules.lockstep_time(s, c["F"], c["B"], c["W"], c["I"])
+    costs = (c["F"], c["B"], c["W"], c["I"])
+    t = schedules.lockstep_time(s, *costs)
     useful = M * (c["F"] + c["I"] + c["W"]) if s.split_backward else M * (c["F"] + c["B"])
-    return t, 1.0 - useful / t, int(schedules.in_flight(s).max())
+    return (t, 1.0 - useful / t, int(schedules.in_flight(s).max()),
+            schedules.pairwise_time(s, *costs))
 
 
 # ============================================================================ the parent
 def table(rows: list[dict]) -> str:
     head = ["P", "K", "schedule", "peak GiB", "temp GiB", "compile s", "p2p (count, MiB)",
-            "held", "bubble", "step / GPipe"]
+            "data", "held", "bubble", "step / GPipe", "pairwise"]
     out = []
     for r in rows:
         fixed = [r["stages"], r["microbatches"], r["label"]]
@@ -137,8 +146,9 @@ def table(rows: list[dict]) -> str:
         out.append(fixed + [f"{m['total'] / GIB:.2f}", f"{m['temp'] / GIB:.2f}",
                             f"{r['compile_s']:.1f}",
                             f"{r['p2p_count']}, {r['p2p_bytes'] / 2**20:.0f}",
-                            r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}"])
-    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9))
+                            r["data"], r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}",
+                            f"{r['pairwise']:.3f}"])
+    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9, 10, 11))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="vit-b16", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=128, help="global batch (data=1)")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="the model's resolution (default: the preset's)")
     p.add_argument("--hardware", default="h100")
     p.add_argument("--stages", type=int, nargs="+", default=[4], help="pipe sizes P")
     p.add_argument("--mult", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -168,9 +180,10 @@ def model_columns(row: dict, costs: dict) -> dict:
     """The table's columns of one row: held, bubble, step / GPipe."""
     P, M, V = row["stages"], row["microbatches"], row["virtual"]
     base = modelled("gpipe", P, M, 1, costs)[0]
-    t, bub, held = modelled(row["schedule"], P, M, V, costs)
+    t, bub, held, pair = modelled(row["schedule"], P, M, V, costs)
+    data = schedules.messages(schedules.build(row["schedule"], P, M, V))
     return {"label": row["schedule"] + (f" V={V}" if V > 1 else ""), "held": held,
-            "bubble": bub, "relative": t / base}
+            "bubble": bub, "relative": t / base, "data": data, "pairwise": pair / base}
 
 
 def from_json(paths: list[str]) -> None:
@@ -198,7 +211,7 @@ def main(argv=None) -> dict:
     print(f"# {record['command']}\n# {record['machine']}", flush=True)
     for P in args.stages:
         costs = stage_costs(args.model, P, max(1, args.batch // (8 * P)), args.dtype,
-                            args.hardware)
+                            args.hardware, args.image_size)
         record.setdefault("stage_costs", {})[P] = costs
         print(f"# P={P}: one stage's FLOPs at {max(1, args.batch // (8 * P))} examples: "
               + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in costs.items()), flush=True)
@@ -207,6 +220,7 @@ def main(argv=None) -> dict:
             for name in args.schedules:
                 V = args.virtual if name == "interleaved" else 1
                 job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
+                       "image_size": args.image_size,
                        "hardware": args.hardware, "stages": P, "microbatches": M,
                        "schedule": name, "virtual": V}
                 row = dict(job)

@@ -2,7 +2,9 @@
 
 The layout rule of the kit: collectives are written in exactly three kinds of place, the
 two training scripts, the model's two tensor-parallel operators (`_copy_to_tp`,
-`_reduce_from_tp`) and the pipeline schedules (vit_pure/pipeline/program.py). Nothing else
+`_reduce_from_tp`) and the pipeline schedules (vit_pure/pipeline/program.py for GPipe; in
+vit_pure/pipeline/ticks.py, the table-driven program, only its sends' function `exchange`
+and the parameters' preparation). Nothing else
 dtype policy, the step math, accumulation, data) may emit one, not even implicitly: an
 implicit broadcast of a replicated value to "varying" inside shard_map is free in the
 forward pass but its transpose is a psum in the backward pass, the gradient pitfall.
@@ -39,7 +41,8 @@ COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gath
 ALLOWED = {
     "train_pmap.py": None,  # any function
     "train_shardmap.py": None,
-    "program.py": None,  # vit_pure/pipeline/program.py: the schedules' program
+    "program.py": None,  # vit_pure/pipeline/program.py: GPipe and the pipe-axis sums
+    "ticks.py": {"exchange", "prepare_params"},  # the table-driven program's sends, gather
     "model.py": {"_copy_to_tp", "_reduce_from_tp"},
 }
 CFG = PRESETS["tiny"]
@@ -87,7 +90,7 @@ def _step_jaxpr(strategy, sc, optimizer):
     ("data=4,model=2", True, "bf16", False, "gpipe"),      # TP + FSDP, m=f32 custom VJPs
     ("data=2,model=4", False, "c=bf16,m=bf16", True, "gpipe"),  # TP in a layer scan
     ("data=2,model=2,pipe=2", True, "bf16", False, "gpipe"),  # pipeline + TP + FSDP, m=f32
-    # the table-driven program (vit_pure/pipeline/program.py): explicit vjps in lax.cond
+    # the table-driven program (vit_pure/pipeline/ticks.py): explicit vjps in lax.cond
     # branches, ppermutes outside them; interleaved adds the blocks' all-gather over 'pipe'
     ("data=2,model=2,pipe=2", True, "bf16", False, "interleaved"),
     # zb-h1 re-runs the chunk through pipeline/split.py's interpreter: the model's

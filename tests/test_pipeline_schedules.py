@@ -10,8 +10,11 @@ devices) against `jax.grad` of the mean loss on one device, within the tolerance
 tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`.
 """
 import dataclasses
+import pathlib
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,7 +25,7 @@ import train_shardmap
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.pipeline import schedules
+from vit_pure.pipeline import schedules, ticks
 from vit_pure.pipeline.schedules import IDLE
 
 CFG = PRESETS["tiny"]
@@ -55,7 +58,7 @@ def test_every_micro_batch_runs_once_in_dependency_order(P, M, name, V):
         if name == "zb-h1":
             assert w_at[(i, j)] >= b_at[(i, j)]
     if name != "gpipe":
-        schedules.check_lockstep(s)  # each send consumed the next tick
+        schedules.check_sends(s)  # each send read before the next one overwrites it
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
@@ -64,40 +67,44 @@ def test_memory_and_time_from_the_tables(P):
     gpipe, one_f = schedules.build("gpipe", P, M), schedules.build("1f1b", P, M)
     zb, inter = schedules.build("zb-h1", P, M), schedules.build("interleaved", P, M, 2)
     assert list(schedules.in_flight(gpipe)) == [M] * P
-    assert list(schedules.in_flight(one_f)) == [2 * (P - s) - 1 for s in range(P)]
-    assert schedules.in_flight(one_f).max() <= M / 4
-    assert schedules.in_flight(zb).max() == schedules.in_flight(one_f).max()
+    # 1F1B: stage s holds P - s (PipeDream-Flush's promise), one F or B a tick, so
+    # 2(M + P - 1) ticks; zb-h1 runs F and I in one tick and holds no more than 2P - 1.
+    assert list(schedules.in_flight(one_f)) == [P - s for s in range(P)]
+    assert one_f.ticks == 2 * (M + P - 1)
+    assert schedules.in_flight(zb).max() == 2 * P - 1
     # GPipe's bubble is the textbook (P-1)/(M+P-1), whatever F and B cost.
     for t_f, t_b in ((1.0, 2.0), (1.0, 3.0)):
         assert schedules.bubble(gpipe, t_f, t_b) == pytest.approx((P - 1) / (M + P - 1))
     base = schedules.lockstep_time(gpipe, 1.0, 2.0)
-    assert schedules.lockstep_time(one_f, 1.0, 2.0) == pytest.approx(base)
+    # In lockstep a tick where some stage runs B lasts B: at most 2 t_B / (t_F + t_B) of
+    # GPipe's time, its price for P - s; with F as long as B, exactly GPipe's.
+    assert base < schedules.lockstep_time(one_f, 1.0, 2.0) <= base * 4 / 3
+    assert schedules.lockstep_time(one_f, 1.0, 1.0) == pytest.approx(
+        schedules.lockstep_time(gpipe, 1.0, 1.0))
     assert schedules.lockstep_time(zb, 1.0, 2.0, 1.0) < base
     assert schedules.lockstep_time(inter, 1.0, 2.0) < base
-    assert schedules.ring_size(one_f) == schedules.in_flight(one_f).max()
+    assert schedules.ring_size(one_f) == P
 
 
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
                                          ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
                                          ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2)])
 def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
-    """The program's ring as the table drives it: every F (idle ones write zeros) writes
-    its `write_slots` slot; every B and W must then find its own micro-batch's residuals
-    at (i V + v) mod ring. With M = 8P no spare slot is needed."""
+    """The program's ring as the table drives it: every F writes its slot (an idle tick
+    writes back what the slot holds); every B and W must then find its own micro-batch's
+    residuals at (i V + v) mod ring, a ring of as many slots as the most sets held."""
     s = schedules.build(name, P, M, V)
-    ring = schedules.ring_size(s)
-    slots = ring if schedules.write_slots(s, ring, ring) is not None else ring + 1
-    assert slots == ring or M < 8 * P
-    writes = schedules.write_slots(s, ring, slots)
-    assert writes.min() >= 0 and writes.max() < slots
+    plan = ticks.static_plan(s)
+    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
     for st in range(P):
         held = {}
         for t in range(s.ticks):
             f = s.fwd[t, st]
-            held[int(writes[t, st])] = None if f == IDLE else (f, s.fwd_chunk[t, st])
+            if f != IDLE:
+                held[int(plan.writes[t, st])] = (f, s.fwd_chunk[t, st])
             for mb, ch in ((s.bwd[t, st], s.bwd_chunk[t, st]), (s.wgt[t, st], s.wgt_chunk[t, st])):
                 if mb != IDLE:
-                    assert held.get((mb * V + ch) % ring) == (mb, ch), (name, st, t)
+                    assert held.get((mb * V + ch) % plan.ring) == (mb, ch), (name, st, t)
 
 
 @pytest.mark.parametrize("P,M", [(4, 32), (4, 4), (2, 4), (8, 16)])
@@ -119,8 +126,94 @@ def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
 
 def test_picture_reads_the_table():
     pic = schedules.picture(schedules.build("1f1b", 2, 3))
-    assert pic.splitlines() == ["    stage 0: F0   F1   F2B0 B1   B2",
-                                "    stage 1: .    F0B0 F1B1 F2B2 ."]
+    assert pic.splitlines() == ["    stage 0: F0 .  F1 B0 F2 B1 .  B2",
+                                "    stage 1: .  F0 B0 F1 B1 F2 B2 ."]
+
+
+# ------------------------------------------------------ the program's phases, alone
+@pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
+                                         ("zb-h1", 2, 4, 1), ("zb-h1", 4, 32, 1),
+                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 32, 2)])
+def test_static_plan(name, P, M, V):
+    """The numbers the program reads off the table: a ring as large as the stages' most
+    residual sets, the writes inside it, zb-h1's cotangent ring, the scans and sends."""
+    s = schedules.build(name, P, M, V)
+    plan = ticks.static_plan(s)
+    assert plan.rows.shape == (s.ticks, 6, P)
+    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
+    assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
+    assert plan.writes.max() < plan.ring
+    assert (plan.kept > 1) == (name == "zb-h1")
+    # The scans cover the ticks in order; every send a segment makes is a pair of
+    # neighbours, round the ring with virtual stages (the last stage feeds stage 0).
+    assert [g.start for g in plan.segments] == [0] + [g.stop for g in plan.segments[:-1]]
+    assert plan.segments[-1].stop == s.ticks
+    neighbours = {(a, (a + 1) % P) for a in range(P if V > 1 else P - 1)}
+    for g in plan.segments:
+        assert (g.stop - g.start) % g.period == 0 and len(g.sends) == g.period
+        for tick in g.sends:
+            for what, pairs in tick:
+                assert {(a, b) if what == "f" else (b, a) for a, b in pairs} <= neighbours \
+                    or what == "fb"
+    # Only useful sends: at K = 4P at most 1.2 times the sends that carry data
+    # (1F1B: one swap a tick; the others: each way only while something goes that way).
+    if M >= 4 * P:
+        assert plan.sends() <= 1.2 * schedules.messages(s)
+
+
+def test_1f1b_swaps_once_a_tick():
+    """1F1B's stage pairs only swap: one scan of two ticks a step, each with one send of
+    whichever each stage made (pairs (0,1), (2,3) at even ticks, (1,2) at odd ones)."""
+    plan = ticks.static_plan(schedules.build("1f1b", 4, 32))
+    (g,) = plan.segments
+    assert (g.period, g.phases) == (2, "FB")
+    assert g.sends == ((("fb", ((0, 1), (1, 0), (2, 3), (3, 2))),),
+                       (("fb", ((1, 2), (2, 1))),))
+    assert plan.sends() == 70  # 2 (K + P - 1) ticks, against 2K = 64 that carry data
+
+
+def test_residual_layout_keeps_what_depends_on_the_input():
+    """The ring's layout alone: a weight's reshape is traced again at B, not kept; the
+    activation and a PRNG key (as its raw bits) are kept; unpacking what F kept, into the
+    pull-back traced again on another input, gives F's own pull-back."""
+    w = jnp.arange(6.0).reshape(3, 2)
+
+    def pulled(v, mb, x):
+        key = jax.random.fold_in(jax.random.key(7), mb)
+
+        def f(x):
+            h = jnp.tanh(x @ w.T)  # (2, 3): w.T a residual made from no input
+            noisy = jax.checkpoint(lambda h, k: h * jax.random.uniform(k, h.shape))
+            return noisy(h, key).sum()
+        out, pull = jax.vjp(f, x)
+        return (out, out, out), pull, [x * 2]
+
+    zero, x0 = jnp.int32(0), jnp.ones((2, 2))
+    layout = ticks.residual_layout(pulled, zero, x0)
+    assert True in layout.fixed and False in layout.fixed
+    assert any(i is not None for i in layout.impls)  # the key, kept as bits
+    assert all(not jnp.issubdtype(e.dtype, jax.dtypes.prng_key) for e in layout.entries)
+    assert len(layout.entries) == layout.n_pull + 1  # + the one kept operand
+    x = jnp.array([[0.5, -1.0], [2.0, 0.25]])
+    _, pull, acts = pulled(zero, jnp.int32(3), x)
+    stored = layout.pack(pull, acts)
+    np.testing.assert_array_equal(stored[-1], x * 2)
+    again = pulled(zero, zero, jnp.zeros_like(x))[1]
+    np.testing.assert_allclose(layout.unpack(again, stored)(1.0)[0], pull(1.0)[0], rtol=1e-6)
+    assert not np.allclose(again(1.0)[0], pull(1.0)[0])  # the trace again alone differs
+
+
+def test_the_docs_draw_what_the_program_runs():
+    """docs/parallelism.md's schedule pictures ("NAME, S = P, K = M[, V = V]:" then one
+    line a stage) are the start-up log's (`describe`) of the tables the program runs."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    found = re.findall(r"^(\S+), S = (\d+), K = (\d+)(?:, V = (\d+))?:\n((?:    stage .*\n)+)",
+                       text, re.M)
+    assert {f[0] for f in found} == {"1f1b", "zb-h1", "interleaved"}
+    for name, P, M, V, drawn in found:
+        P, V = int(P), int(V or 1)
+        log = schedules.describe(P * V * 2, P, int(M), name, V).splitlines()
+        assert drawn.splitlines() == log[-P:], name
 
 
 @pytest.mark.parametrize("name,P,M,V,message", [
@@ -134,36 +227,39 @@ def test_bad_schedules_are_one_line_errors(name, P, M, V, message):
 
 
 # ------------------------------------------------------------------------ the program
-def _batch(seed=0):
+def _batch(seed=0, n=BATCH):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (BATCH, 32, 32, 3), dtype=np.uint8),
-            rng.integers(0, CFG.num_classes, (BATCH,), dtype=np.int32),
-            np.arange(BATCH, dtype=np.int32))
+    return (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, CFG.num_classes, (n,), dtype=np.int32),
+            np.arange(n, dtype=np.int32))
 
 
 OPT = optax.adamw(1e-3, weight_decay=0.05, mask=step.decay_mask)
 
 
-def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0):
+def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0, n=BATCH):
     """(grads, metrics) of one step and the losses of `steps` training steps, through
-    the script's strategy; the single-device reference when mesh is None."""
-    host = jax.device_get(step.init_state(jax.random.key(0), CFG, sc.policy, OPT))
+    the script's strategy (on as many devices as the mesh has), with batches of n; the
+    single-device reference when mesh is None."""
+    host = jax.device_get(step.init_state(jax.random.key(0), sc.cfg, sc.policy, OPT))
     key = step.step_key(0, 0, 0)
-    images, labels, ids = _batch()
+    images, labels, ids = _batch(0, n)
     if mesh is None:
         grads, metrics = jax.jit(lambda p: step.local_grads(
             sc, p, host["loss_scale"], images, labels, ids, key))(host["params"])
         strategy = train_shardmap.ShardMapStrategy(sc, OPT, "data=1", devices=jax.devices()[:1])
     else:
+        size = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
         strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, fsdp=fsdp, microbatches=k,
-                                                   schedule=schedule, virtual_stages=v)
+                                                   schedule=schedule, virtual_stages=v,
+                                                   devices=jax.devices()[:size])
         state = strategy.put_state(host)
         inputs = (*strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
         grads, metrics = grads_step(strategy)(state, *inputs)
     losses = []
     state = strategy.put_state(host)
     for i in range(steps):
-        state, m = strategy.train_step(state, *strategy.put_batch(*_batch(i)),
+        state, m = strategy.train_step(state, *strategy.put_batch(*_batch(i, n)),
                                        strategy.put_replicated(step.step_key(0, 0, i)))
         losses.append(float(m["loss"]))
     return jax.device_get(grads), jax.device_get(metrics), losses
@@ -183,9 +279,9 @@ def _sc(policy, accum):
     return step.StepConfig(CFG, Policy.parse(policy), grad_clip=0.0, accum_steps=accum)
 
 
-def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None):
+def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None, n=BATCH):
     if sc is not None:  # a recipe of its own: its own reference
-        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps)
+        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps, n=n)
     elif Policy.parse(policy).needs_loss_scaling:
         # fp16: the scaled per-device loss overflows or not depending on the per-device
         # batch, so the reference is GPipe on the same mesh (tests/test_pipeline.py ties
@@ -196,7 +292,7 @@ def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None):
     else:
         ref_grads, ref_metrics, ref_losses = _reference(policy, accum, steps)
     sc = sc or _sc(policy, accum)
-    grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps)
+    grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps, n)
     tol_metrics, tol_params = tolerances(Policy.parse(policy))
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
     assert float(metrics["accuracy"]) == pytest.approx(float(ref_metrics["accuracy"]))
@@ -241,6 +337,29 @@ def test_zb_h1_equals_the_reference():
     _check("fp32", 1, "data=2,pipe=4", 4, "zb-h1")
 
 
+DEEP = dataclasses.replace(_sc("fp32", 1), cfg=CFG.replace(depth=6))  # splits into 3 stages
+
+
+def test_three_stages_and_five_micro_batches_equal_the_reference():
+    """1F1B on an odd number of stages (pairs (0,1) swap at even ticks, (1,2) at odd ones,
+    stage 2 alone at even ticks) and a K that is no multiple of them."""
+    _check("fp32", 1, "data=2,pipe=3", 5, "1f1b", sc=DEEP, n=20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,k,schedule,v,n", [
+    ("data=2,pipe=3", 3, "interleaved", 2, 12),   # virtual stages round three devices
+    ("data=2,pipe=3", 5, "zb-h1", 1, 20),
+])
+def test_three_stages_slow_cells(mesh, k, schedule, v, n):
+    _check("fp32", 1, mesh, k, schedule, v, sc=DEEP, n=n)
+
+
+@pytest.mark.slow
+def test_zb_h1_with_tensor_parallelism_without_fsdp():
+    _check("fp32", 1, "data=2,model=2,pipe=2", 4, "zb-h1")
+
+
 def _mixing(policy="fp32"):
     return dataclasses.replace(_sc(policy, 1), mixup_alpha=0.8, cutmix_alpha=1.0)
 
@@ -265,3 +384,38 @@ def test_rematerialised_blocks_equal_the_reference(schedule):
     array, which the ring keeps as raw bits), so the step equals the reference's."""
     sc = dataclasses.replace(_sc("fp32", 1), execution=Execution(remat="block"))
     _check("fp32", 1, "data=4,pipe=2", 2, schedule, sc=sc)
+
+
+@pytest.mark.parametrize("mesh,k,sc", [("data=2,model=2,pipe=2", 6, _sc("fp32", 1)),
+                                       ("data=2,pipe=3", 5, DEEP)])
+def test_evaluation_equals_the_unpipelined_one(mesh, k, sc):
+    """Evaluation runs GPipe's forward ticks as one scan: the sums equal `local_eval`'s,
+    padding masked (8 per device and K = 6 asked for: gcd(8, 6) = 2 micro-batches)."""
+    n = 20 if "pipe=3" in mesh else BATCH
+    host = jax.device_get(step.init_state(jax.random.key(0), sc.cfg, sc.policy, OPT))
+    images, labels, _ = _batch(0, n)
+    mask = np.ones(n, np.float32)
+    mask[-3:] = 0
+    want = jax.device_get(step.local_eval(sc, host["params"], images, labels, mask))
+    size = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
+    strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, microbatches=k,
+                                               schedule="1f1b", devices=jax.devices()[:size])
+    got = strategy.eval_step(strategy.put_state(host),
+                             *strategy.put_batch(images, labels, mask))
+    assert float(got["count"]) == n - 3
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    assert float(got["correct"]) == float(want["correct"])
+
+
+def test_evaluation_compiles_the_same_program_at_any_k():
+    """The forward ticks are one scan: the lowered evaluation step has as many matmuls at
+    K = 8 as at K = 2 (GPipe's unrolled training loop grows with K)."""
+    def dots(k):
+        strategy = train_shardmap.ShardMapStrategy(_sc("fp32", 1), OPT, "data=1,pipe=2",
+                                                   microbatches=k, devices=jax.devices()[:2])
+        host = jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT))
+        images, labels, _ = _batch(0)
+        args = (strategy.put_state(host), *strategy.put_batch(images, labels,
+                                                              np.ones(BATCH, np.float32)))
+        return strategy.eval_step.lower(*args).as_text().count("dot_general")
+    assert dots(8) == dots(2) > 0

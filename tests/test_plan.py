@@ -201,13 +201,14 @@ def test_pipeline_schedule_in_the_plan(pipe):
             f"{schedules.bubble(table):.3f}") in p.report()
     assert f"point-to-point: {sends} sends" in p.report()
     assert p.record()["pipeline"]["held"] == 4
-    # K = 32: 1F1B holds 7 of 32 micro-batches; a card between its estimate and GPipe's.
+    # K = 32: 1F1B holds 4 of 32 micro-batches (P - s on stage s); a card between its
+    # estimate and GPipe's.
     many = dataclasses.replace(p, pipeline=schedules.summary("gpipe", 4, 32))
     est = many._one_f_one_b_bytes()
     assert est < many.memory_bytes
     gib = (est + many.memory_bytes) / 2 / 2**30
     small = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=gib))
-    assert "or --pipeline-schedule 1f1b: it holds 7 of 32" in small.verdict()[0]
+    assert "or --pipeline-schedule 1f1b: it holds 4 of 32" in small.verdict()[0]
     assert f"give {est / 2**30:.1f} GiB, which fits" in small.verdict()[0]
     tiny = dataclasses.replace(many, hardware=ic.with_overrides(H100, memory_gib=1e-6))
     assert "does not fit" in tiny.verdict()[0] and "1f1b" not in tiny.verdict()[0]

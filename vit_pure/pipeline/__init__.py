@@ -1,5 +1,6 @@
-"""Pipeline parallelism over the 'pipe' mesh axis: the schedules' tables (schedules.py)
-and the one shard_map program that runs them (program.py)."""
+"""Pipeline parallelism over the 'pipe' mesh axis: the schedules' tables (schedules.py),
+GPipe and the entry points (program.py), the table-driven program phase by phase with
+every send in `ticks.exchange` (ticks.py), zb-h1's split of the backward (split.py)."""
 from vit_pure.pipeline.program import (
                                        bubble_fraction,
                                        check_pipeline,

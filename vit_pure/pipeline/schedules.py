@@ -1,46 +1,27 @@
 """Pipeline schedules as data: one table per schedule, read by everything else.
 
-A schedule says, for every *tick* t and every pipeline stage s (a device on the 'pipe'
-axis), which micro-batch that stage runs forward, which backward and, for a zero-bubble
-schedule, which weight-gradient pass; with virtual stages, through which chunk of its
-layers. The same `Schedule` value drives the compiled program (pipeline/program.py reads
-it row by row inside a `lax.scan` over ticks), the picture in the start-up log
-(`picture`), the plan's bubble and memory (`bubble`, `in_flight`, `lockstep_time`) and
-the tests. Nothing here imports jax.
+For every *tick* t and pipeline stage s (a device on the 'pipe' axis), a table says which
+micro-batch the stage runs forward (F), which backward (B; zb-h1: I, the input gradient)
+and which weight gradient (W, zb-h1), through which chunk of its layers. The same
+`Schedule` drives the program (pipeline/ticks.py), the start-up picture, the plan's bubble
+and memory, and the tests. A stage's F output goes to the next stage, its B's input
+cotangent to the previous one (with V chunks, round the ring); nothing here imports jax.
 
-Ticks are *lockstep* ticks: in one SPMD program every device meets the others at the
-point-to-point sends that end a tick, so a tick lasts as long as its busiest stage. A
-stage may do one forward (F) and one backward (B) in the same tick, of different
-micro-batches; zero-bubble splits B into I (the input gradient, sent upstream at once)
-and W (the weight gradient, which nobody waits for, so it fills idle time). What a stage
-sends follows from the table: the output of its F to the next stage (with virtual stages
-the last device sends chunk v to device 0's chunk v + 1), the input cotangent of its B
-(or I) to the previous one; it arrives at the start of the next tick.
+    gpipe        all M forwards, then all M backwards: 2 (M + P - 1) ticks, M residual
+                 sets held per stage.
+    1f1b         one F or B per stage per tick: micro-batch i's F at tick s + 2i, its B at
+                 2P - 1 - s + 2i (PipeDream-Flush's order in unit ticks): 2 (M + P - 1)
+                 ticks, stage s holds P - s; stage pairs only swap, one send a tick.
+    interleaved  V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-
+                 batches go round V times in groups of P (Megatron's order); F and B of
+                 different micro-batches may share a tick.
+    zb-h1        the F-and-B-per-tick 1F1B table (stage s holds 2(P - s) - 1) with B split
+                 into I and W (pipeline/split.py); each W in the first tick where it
+                 lengthens the tick by at most a quarter of a W, or where the stage would
+                 otherwise hold more than 2P - 1 residual sets.
 
-The schedules (P stages, M micro-batches, V chunks per stage; one letter per tick):
-
-    gpipe        all M forwards, then all M backwards (autodiff of the forward loop):
-                 2 (M + P - 1) ticks; every micro-batch's activations live until its
-                 backward: M residual sets per stage.
-    1f1b         stage s starts micro-batch i at tick i + s and runs its backward at tick
-                 i + 2P - 2 - s (the last stage runs F and B of a micro-batch in one
-                 tick): M + 2P - 2 ticks, each as long as F + B in the steady state, so
-                 the same step time as GPipe; stage s holds at most 2(P - s) - 1
-                 micro-batches (the lockstep round trip), not M.
-    interleaved  each device holds V chunks of L/(PV) layers, chunk v of device s being
-                 virtual stage vP + s; micro-batches go round the devices V times, in
-                 groups of P (Megatron's order). The ramp shrinks to about (P-1)/V of a
-                 full stage's work, at V times the point-to-point messages.
-    zb-h1        1F1B's F and I; each W runs in the first tick where it lengthens the tick
-                 by at most a quarter of a W (where other stages are busier: the bubbles),
-                 or at the latest when the stage would otherwise hold more residual sets
-                 than 1F1B's stage 0 does. I is the backward with the weight matmuls'
-                 weights held constant, W those matmuls' weight gradients alone, from the
-                 activations F keeps and the output cotangents I keeps (pipeline/split.py;
-                 for ViT-B/16 W is about a third of B, I two thirds). The placement does not
-                 hang on the costs' exact values: for P = 2, 4, 8 and M = P .. 8P the table
-                 is the same for any t_I / t_F from 1 to 2 and t_W / t_F from 0.5 to 1.
-"""
+Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
+send waits for its two stages only). `segments`: the program's scans and their sends."""
 from __future__ import annotations
 
 import dataclasses
@@ -130,9 +111,24 @@ def _greedy(P: int, M: int, V: int, fwd_order, bwd_order, cap) -> tuple:
     return tuple(table[:, :, k] for k in range(4))
 
 
-def _1f1b(P: int, M: int) -> tuple:
+def _1f1b_lockstep(P: int, M: int) -> tuple:
+    """F and B in one tick where both are ready (zb-h1's base): stage s holds 2(P - s) - 1."""
     order = [[(i, 0) for i in range(M)] for _ in range(P)]
     return _greedy(P, M, 1, order, order, [2 * (P - s) - 1 for s in range(P)])
+
+
+def _1f1b(P: int, M: int) -> tuple:
+    """One F or B per stage per tick, in step: stage s runs micro-batch i's F at tick
+    s + 2i and its B at tick 2P - 1 - s + 2i, so F on the ticks of one parity and B on the
+    other. That is PipeDream-Flush's 1F1B in unit ticks (stage s holds P - s, 2(M + P - 1)
+    ticks), and at each tick stage pairs (s, s+1) only swap: one send a tick."""
+    T = 2 * (M + P - 1)
+    fwd, bwd = np.full((T, P), IDLE), np.full((T, P), IDLE)
+    for s in range(P):
+        for i in range(M):
+            fwd[s + 2 * i, s] = i
+            bwd[2 * P - 1 - s + 2 * i, s] = i
+    return fwd, np.zeros_like(fwd), bwd, np.zeros_like(bwd)
 
 
 def _interleaved(P: int, M: int, V: int) -> tuple:
@@ -147,12 +143,12 @@ def _interleaved(P: int, M: int, V: int) -> tuple:
 
 
 def _zb_h1(P: int, M: int, costs) -> tuple:
-    fwd, fc, bwd, bc = _1f1b(P, M)
+    fwd, fc, bwd, bc = _1f1b_lockstep(P, M)
     t_f, t_i, t_w = costs
     T = fwd.shape[0]
     load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
     busiest = load.max(axis=1)
-    cap = 2 * P - 1  # 1F1B's peak (stage 0's): no stage holds more residual sets
+    cap = 2 * P - 1  # its base table's peak (stage 0's): no stage holds more
     wgt = np.full((T, P), IDLE)
     pending, held = [[] for _ in range(P)], [0] * P
     for t in range(T):
@@ -248,17 +244,19 @@ def lockstep_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
                             None if t_i is None else t_i / v).sum())
 
 
-def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 2.0 / 3.0) -> float:
-    """The idle share of the stages' time: 1 - useful work / (P x modelled step time).
-    t_w (zb-h1): the weight matmuls' gradients, about a third of B (pipeline/split.py;
-    ViT-B/16 measured 22.5 of B's 66.7 GFLOP), the rest of B being I."""
+def bubble(s: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 2.0 / 3.0,
+           model=None) -> float:
+    """The idle share of the stages' time: 1 - useful work / (P x modelled step time),
+    in `model` (default `lockstep_time`; or `pairwise_time`). t_w (zb-h1): the weight
+    matmuls' gradients, about a third of B (pipeline/split.py; ViT-B/16 measured 22.5 of
+    B's 66.7 GFLOP), the rest of B being I."""
     useful = s.microbatches * (t_f + t_b)
-    return 1.0 - useful / lockstep_time(s, t_f, t_b, t_w)
+    return 1.0 - useful / (model or lockstep_time)(s, t_f, t_b, t_w)
 
 
 def messages(s: Schedule) -> int:
     """Point-to-point sends per stage per step that carry data (activations forward,
-    cotangents backward); the compiled program sends once each way every tick."""
+    cotangents backward), at most; what the program runs is `ticks.StaticPlan.sends`."""
     return int(2 * s.microbatches * s.virtual)
 
 
@@ -289,11 +287,17 @@ def describe(depth: int, stages: int, microbatches: int, schedule: str = "gpipe"
     lines = [f"pipeline: {stages} stages x {per} blocks, {schedule} schedule"
              + (f" ({virtual} chunks per stage)" if virtual > 1 else "")
              + f", {microbatches} micro-batches, {table.ticks} ticks, bubble "
-             f"{bubble(table):.3f} (t_B = 2 t_F), residual sets held per stage "
+             f"{bubble(table):.3f} in lockstep, {bubble(table, model=pairwise_time):.3f} with "
+             f"pairwise sends (t_B = 2 t_F), residual sets held per stage "
              f"{'/'.join(str(int(h)) for h in held)}"]
+    chunk = per // virtual
     for s in range(stages):
         parts = ["patch+class+position embedding"] if s == 0 else []
-        parts.append(f"blocks {s * per}..{(s + 1) * per - 1}")
+        # Chunk v of stage s is virtual stage vP + s: the blocks it runs, in order.
+        runs = [(v * stages + s) * chunk for v in range(virtual)]
+        parts.append("blocks " + ", ".join(
+            (f"{a}" if chunk == 1 else f"{a}..{a + chunk - 1}")
+            + (f" ({'abcdefgh'[v]})" if virtual > 1 else "") for v, a in enumerate(runs)))
         if s == stages - 1:
             parts.append("final LayerNorm, head, loss")
         lines.append(f"    stage {s}: " + ", ".join(parts))
@@ -304,21 +308,44 @@ def describe(depth: int, stages: int, microbatches: int, schedule: str = "gpipe"
 
 
 # ------------------------------------------------------------- what the program needs
-def check_lockstep(s: Schedule) -> None:
-    """RuntimeError unless every send is consumed the tick after it is made: the program
-    keeps one receive buffer each way, so a value left waiting would be overwritten."""
+def arrivals(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """(ticks, stages) bool each: where a stage receives an activation from the previous
+    stage (its F ran that tick, for a later virtual stage), and where it receives an input
+    cotangent from the next one (its B ran that tick, for an earlier virtual stage). The
+    value arrives at the end of the tick and is kept until the next one arrives."""
     P, V = s.stages, s.virtual
-    f_at = {(s.fwd[t, st], s.fwd_chunk[t, st] * P + st): t
-            for t in range(s.ticks) for st in range(P) if s.fwd[t, st] != IDLE}
-    b_at = {(s.bwd[t, st], s.bwd_chunk[t, st] * P + st): t
-            for t in range(s.ticks) for st in range(P) if s.bwd[t, st] != IDLE}
-    for (i, j), t in f_at.items():
-        if j > 0 and f_at[(i, j - 1)] != t - 1:
-            raise RuntimeError(f"{s.name}: forward of micro-batch {i} at virtual stage {j} "
-                               f"(tick {t}) does not follow its input's tick")
-        if j < P * V - 1 and b_at[(i, j)] != b_at[(i, j + 1)] + 1:
-            raise RuntimeError(f"{s.name}: backward of micro-batch {i} at virtual stage {j} "
-                               f"does not follow its cotangent's tick")
+    fwd = np.zeros((s.ticks, P), bool)
+    bwd = np.zeros((s.ticks, P), bool)
+    for t in range(s.ticks):
+        for st in range(P):
+            if s.fwd[t, st] != IDLE and s.fwd_chunk[t, st] * P + st < P * V - 1:
+                fwd[t, (st + 1) % P] = True
+            if s.bwd[t, st] != IDLE and s.bwd_chunk[t, st] * P + st > 0:
+                bwd[t, (st - 1) % P] = True
+    return fwd, bwd
+
+
+def check_sends(s: Schedule) -> None:
+    """RuntimeError unless every value sent is read before the next one from the same
+    neighbour arrives: the program keeps one receive buffer each way."""
+    P = s.stages
+    arrive = dict(zip("FB", arrivals(s)))
+    at = {}  # (kind, micro, virtual stage) -> tick
+    for t in range(s.ticks):
+        for st in range(P):
+            for kind, mb, ch in (("F", s.fwd[t, st], s.fwd_chunk[t, st]),
+                                 ("B", s.bwd[t, st], s.bwd_chunk[t, st])):
+                if mb != IDLE:
+                    at[(kind, int(mb), int(ch) * P + st)] = t
+    for (kind, i, j), t in at.items():
+        src = (kind, i, j - 1 if kind == "F" else j + 1)
+        if src not in at:  # stage 0's first chunk; the last virtual stage's B
+            continue
+        sent, st = at[src], j % P
+        if not sent < t or arrive[kind][sent + 1:t, st].any():
+            raise RuntimeError(f"{s.name}: {'forward' if kind == 'F' else 'backward'} of "
+                               f"micro-batch {i} at virtual stage {j} (tick {t}) does not "
+                               f"find its input (sent at tick {sent})")
 
 
 def _least_ring(s: Schedule, take, take_chunk, release, release_chunk, least: int) -> int:
@@ -358,30 +385,77 @@ def kept_size(s: Schedule) -> int:
     return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
 
 
-def write_slots(s: Schedule, ring: int, slots: int) -> np.ndarray | None:
-    """(ticks, stages) int32: the slot of a ring of `slots` (>= `ring`) that each stage's
-    F writes its residuals into at each tick: micro-batch i of chunk v's, (i V + v) mod
-    ring, or at a tick without F (the program writes zeros then) a slot that holds no
-    live residual set, the ones that tick's B and W read included. None if at some tick
-    without F every slot is live."""
-    P, V = s.stages, s.virtual
-    release = s.wgt if s.split_backward else s.bwd
-    release_chunk = s.wgt_chunk if s.split_backward else s.bwd_chunk
-    out = np.zeros((s.ticks, P), np.int32)
-    for st in range(P):
-        live: set[int] = set()
-        for t in range(s.ticks):
-            if s.fwd[t, st] != IDLE:
-                out[t, st] = (s.fwd[t, st] * V + s.fwd_chunk[t, st]) % ring
-                live.add(int(out[t, st]))
-            else:
-                free = [k for k in range(slots) if k not in live]
-                if not free:
-                    return None
-                out[t, st] = free[0]
-            if release[t, st] != IDLE:
-                live.discard((release[t, st] * V + release_chunk[t, st]) % ring)
-    return out
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Ticks start .. stop - 1, run by one `lax.scan` of `period` ticks a step. `sends`
+    holds, for each tick of a period, its collective-permutes: (what, pairs) with what
+    "f" (the F's output), "b" (B's input cotangent) or "fb" (each stage sends the one
+    its tick made: a stage pair that swaps); `phases` the work any of its ticks runs."""
+    start: int
+    stop: int
+    period: int
+    sends: tuple
+    phases: str
+
+
+def _one_to_one(pairs) -> bool:
+    return len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+
+
+def segments(schedule: Schedule) -> tuple:
+    """The table's ticks cut into scans whose sends are the same at every step. A table
+    whose stage pairs only swap (1F1B) runs as one scan of two ticks a step, one send a
+    tick; any other as runs of ticks that send the same ways (forward, back, both or
+    none: zb-h1's last ticks run W alone), each way's pairs one send."""
+    P, V, T = schedule.stages, schedule.virtual, schedule.ticks
+    fwd, bwd, wgt = schedule.fwd, schedule.bwd, schedule.wgt
+    f = [{(s, (s + 1) % P) for s in range(P) if fwd[t, s] != IDLE
+          and schedule.fwd_chunk[t, s] * P + s < P * V - 1} for t in range(T)]
+    b = [{(s, (s - 1) % P) for s in range(P) if bwd[t, s] != IDLE
+          and schedule.bwd_chunk[t, s] * P + s > 0} for t in range(T)]
+
+    def phases(a, z):
+        return "".join(k for k, arr in zip("FBW", (fwd, bwd, wgt)) if (arr[a:z] != IDLE).any())
+
+    swaps = [set().union(*(f[t] | b[t] for t in range(k, T, 2))) for k in (0, 1)]
+    if T % 2 == 0 and all(_one_to_one(list(f[t]) + list(b[t])) for t in range(T)) and \
+            all(_one_to_one(x) for x in swaps):
+        return (Segment(0, T, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
+                                       for x in swaps), phases(0, T)),)
+    out, t = [], 0
+    while t < T:
+        z = t
+        while z < T and (bool(f[z]), bool(b[z])) == (bool(f[t]), bool(b[t])):
+            z += 1
+        ways = [(w, tuple(sorted(set().union(*sets[t:z])))) for w, sets in (("f", f), ("b", b))]
+        out.append(Segment(t, z, 1, (tuple(x for x in ways if x[1]),), phases(t, z)))
+        t = z
+    return tuple(out)
+
+
+def sends(segments) -> int:
+    """Collective-permutes per step of a program run as `segments`."""
+    return sum((g.stop - g.start) // g.period * sum(len(x) for x in g.sends) for g in segments)
+
+
+def pairwise_time(s: Schedule, t_f: float, t_b: float, t_w: float = 0.0,
+                  t_i: float | None = None) -> float:
+    """The step's modelled time where each send is a meeting of its two stages only (as
+    NCCL's send / recv are), not of the whole mesh: a stage's tick ends when its work is
+    done and, for each pair it sends or receives on, its partner's is. Costs as in
+    `lockstep_time` (a whole stage's; 1/V of them per chunk)."""
+    v = s.virtual
+    t_back = ((t_b - t_w if t_i is None else t_i) if s.split_backward else t_b) / v
+    work = ((s.fwd != IDLE) * t_f / v + (s.bwd != IDLE) * t_back + (s.wgt != IDLE) * t_w / v)
+    end = np.zeros(s.stages)
+    for g in segments(s):
+        for t in range(g.start, g.stop):
+            ready = end + work[t]
+            end = ready.copy()
+            for _, pairs in g.sends[(t - g.start) % g.period]:
+                for a, b in pairs:
+                    end[a] = end[b] = max(end[a], end[b], ready[a], ready[b])
+    return float(end.max())
 
 
 def summary(name: str, stages: int, microbatches: int, virtual: int = 1) -> dict:

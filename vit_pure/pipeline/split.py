@@ -1,41 +1,24 @@
 """The zero-bubble split of a backward pass into I (input gradient) and W (weight gradient).
 
-A stage's backward pass B does two kinds of work. The *input* side: the cotangent chain
-from the stage's output back to its input, through every layer (sent upstream at once, so
-the previous stage can go on). The *weight* side: for each weight matmul y_l = a_l @ w_l,
-the weight gradient a_l^T dy_l from its activation operand a_l and its output cotangent
-dy_l; nobody waits for it, so a zero-bubble schedule runs it later, as W, in a tick that
-has room for it. This module splits a chunk function that way without touching the model:
+B does two kinds of work: the cotangent chain from the stage's output back to its input
+(sent upstream at once) and, for each weight matmul y_l = a_l @ w_l, the weight gradient
+a_l^T dy_l, which nobody waits for: a zero-bubble schedule runs it later, as W.
 
     split = Split(fn, params, x, *others)   # traces fn(params, x, *others) once
     out, pull, acts = split.forward(params, x, *others)        # F
     g_params, dx, dys = split.input_grads(pull(cotangent))     # I
     g_weights = split.weight_grads(params, acts, dys, *others)  # W
 
-`Split` traces `fn` to a jaxpr and evaluates it with a small interpreter (walk the
-equations, bind each primitive again; calls of jitted functions are walked into, so
-jnp.einsum's dot_general is seen). A *weight matmul* is an equation that multiplies an
-operand made from the parameters alone (a weight, cast / reshaped) with an operand made
-from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around one
-dot_general, vit_pure/policy.py), taken whole. The parameters that feed weight matmuls
-and nothing else are the *weights*; the others (LayerNorm, biases, position tables, a
-weight also used elsewhere) are *cheap* and stay in I.
-
-  F  `jax.vjp` of fn over (cheap params, x, taps) with the weights held constant: each
-     weight matmul's output gets a zero *tap* added, and its activation operand a_l is
-     returned beside the outputs (kept until W). Held constant, a weight's pull-back keeps
-     only what the input side needs.
-  I  that pull-back: the input cotangent dx, the cheap parameters' gradients and, as the
-     taps' cotangents, every weight matmul's output cotangent dy_l.
-  W  `jax.vjp` over the weights of [matmul_l(a_l, w_l(weights))], pulled back from the
-     dy_l: each weight gradient through whatever made the operand from the parameter (its
-     cast, reshape); nothing of the cotangent chain runs again, and the unused input side
-     of each matmul's pull-back is dead code XLA removes.
-
-Anything else is bound whole: a custom VJP or JVP, a rematerialised (`jax.checkpoint`) or
-scanned block, so the matmuls inside them stay in I (correct, only not deferred). The
-interpreter binds whatever primitives fn has, the tensor-parallel psum / pcast of the
-model's operators included: it adds no collective of its own.
+`Split` traces fn to a jaxpr and binds its equations again (calls of jitted functions
+walked into). A *weight matmul* multiplies an operand made from the parameters alone with
+one made from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around
+one). Parameters feeding only weight matmuls are the *weights*; the rest stay in I.
+F is `jax.vjp` over (other params, x, a zero tap added to each weight matmul's output) with
+the weights held constant, returning each matmul's activation a_l; I is its pull-back (the
+taps' cotangents are the dy_l); W is `jax.vjp` over the weights of the matmuls alone,
+pulled back from the dy_l: no cotangent chain again. Anything not walked into (a custom
+VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls staying in I. No collective of
+its own: the model's tensor-parallel ones are bound where the model wrote them.
 
 Beside it, the small typing helpers the program's rings need (`vary_like`, `zeros_ring`,
 `input_free`).

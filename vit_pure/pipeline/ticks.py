@@ -1,0 +1,472 @@
+"""The table-driven pipeline program (1f1b, interleaved, zb-h1), phase by phase.
+
+`schedule_grads` runs one schedule's table (pipeline/schedules.py) inside shard_map:
+
+    plan = static_plan(table)                   numbers read off the table, no jax
+    top, chunks, pull_params = prepare_params(...)   the FSDP gather (virtual stages: and
+                                                the blocks' all-gather), kept for its vjp
+    stage = Stage(...)                          the micro-batches and the chunk function
+    layout = residual_layout(stage)             what the ring keeps of a chunk's pull-back
+    carry = lax.scan(tick, ...)                 per tick: run_f, run_b, run_w, exchange
+    finish(...)                                 the gradients pulled back, cast, returned
+
+Every point-to-point send of these schedules is in ONE function, `exchange`: the
+`lax.ppermute`s over the pipe axis that end a tick (activations forward, input cotangents
+back). The only other collectives here are the all-gather of `prepare_params` (virtual
+stages) and, bound inside the chunk, the model's tensor-parallel psums over 'model'.
+
+The parameters used on one stage only (embedding, head) are varying over the pipe axis
+before the ticks (the caller's pcast): a replicated one would get an implicit psum over
+'pipe' from the pull-back inside the B branch, which only the devices on that branch would
+join (a deadlock). Their gradients are summed over 'pipe' once, after (the caller's).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
+from vit_pure.pipeline import schedules
+from vit_pure.pipeline.split import Split, input_free, vary_like, zeros_ring
+from vit_pure.step import StepConfig, train_metrics
+
+IDLE = schedules.IDLE
+
+
+def micro(x, k: int):
+    """(b, ...) -> (k, b/k, ...): micro-batch i is rows i*b/k ... (i+1)*b/k - 1."""
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+def _is_key(a) -> bool:
+    return jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
+def _bits(a):
+    """a, or a PRNG key array's raw bits (what the residual ring holds of a key)."""
+    return jax.random.key_data(a) if _is_key(a) else a
+
+
+# ------------------------------------------------------------------- phase 1: the plan
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticPlan:
+    """What the program reads off the table before tracing anything (numpy, no jax)."""
+    rows: np.ndarray      # (ticks, 6, P): F, F's chunk, B, B's chunk, W, W's chunk
+    writes: np.ndarray    # (ticks, P): the ring slot each stage's F writes (idle: 0)
+    ring: int             # slots; micro-batch i of chunk v lives in slot (i V + v) mod ring
+    kept: int             # zb-h1: slots of the output cotangents held from I to W
+    arrive: np.ndarray    # (ticks, 3, P) bool: an activation / a cotangent arrives; the
+                          # stage sends its F's output (not its B's cotangent)
+    segments: tuple       # the scans, in order (`schedules.Segment`)
+
+    def sends(self) -> int:
+        """Collective-permutes per step: what the compiled program runs."""
+        return schedules.sends(self.segments)
+
+
+def static_plan(schedule: schedules.Schedule) -> StaticPlan:
+    """The ring's sizes and slots, the arrivals and the scans of `schedule`."""
+    schedules.check_sends(schedule)
+    arrivals = schedules.arrivals(schedule)  # stage s + 1's activation comes from stage s
+    ring = schedules.ring_size(schedule)
+    f, v = schedule.fwd, schedule.fwd_chunk
+    writes = np.where(f != IDLE, (f * schedule.virtual + v) % ring, 0).astype(np.int32)
+    return StaticPlan(rows=schedule.rows(), writes=writes,
+                      ring=ring, kept=schedules.kept_size(schedule),
+                      arrive=np.stack([*arrivals, np.roll(arrivals[0], -1, axis=1)], axis=1),
+                      segments=schedules.segments(schedule))
+
+
+# ------------------------------------------------------- phase 2: the parameters' prep
+def prepare_params(params, policy, gather, stages: int, virtual: int, pipe_axis: str):
+    """(top, chunks, pull_params): the non-block parameters in the compute dtype, this
+    stage's blocks as (V, L/(PV), ...) chunks, and the pull-back of that preparation
+    (after the ticks it takes the gradients back to params' layout: the FSDP
+    reduce-scatters, with virtual stages the blocks' reduce-scatter over 'pipe')."""
+    per = jax.tree.leaves(params["blocks"])[0].shape[0]
+    chunk = per // virtual
+    stage = lax.axis_index(pipe_axis)
+
+    def prepare(p):
+        top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
+        blocks = p["blocks"]
+        if gather is not None:
+            layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
+                                     gather, "blocks") for i in range(per)]
+            blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+        if virtual == 1:  # cast layer by layer in the chunk: no compute-dtype copy held
+            return top, jax.tree.map(lambda a: a[None], blocks)
+        # All-gather over 'pipe' of the blocks (in the compute dtype), then this stage's
+        # chunks: virtual stage v P + s (layers (vP + s) c ...) runs on stage s.
+        whole = lax.all_gather(policy.cast_to_compute(blocks), pipe_axis, axis=0, tiled=True)
+        starts = (jnp.arange(virtual) * stages + stage) * chunk
+        return top, jax.tree.map(lambda a: jnp.stack(
+            [lax.dynamic_slice_in_dim(a, starts[v], chunk) for v in range(virtual)]), whole)
+
+    (top, chunks), pull_params = jax.vjp(prepare, params)
+    return top, chunks, pull_params
+
+
+# ------------------------------------------------- phase 3: micro-batches and the chunk
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage:
+    """One stage's micro-batches and chunk function (closed over by the tick's branches).
+    u8 / ids / labels / targets / keys: the slice cut into M micro-batches (keys None
+    without dropout); top / chunks: `prepare_params`'s; split: zb-h1's (else None)."""
+    sc: StepConfig
+    stages: int
+    virtual: int
+    stage: jax.Array
+    u8: jax.Array
+    ids: jax.Array
+    labels: jax.Array
+    targets: jax.Array
+    keys: jax.Array | None
+    prepare_images: object
+    top: dict
+    chunks: dict
+    tp_axis: str | None
+    split: Split | None = None
+
+    @property
+    def chunk(self) -> int:
+        return jax.tree.leaves(self.chunks)[0].shape[1]
+
+    def embed_mb(self, top, mb):
+        """Micro-batch mb prepared and embedded (stage 0 runs it in the tick of its F, and
+        again in the pull-back at its B: nothing of either is kept between)."""
+        images = self.prepare_images(self.u8[mb], self.labels[mb], self.ids[mb])
+        keys = None if self.keys is None else self.keys[mb]
+        return embed(top, images, self.sc.cfg, self.sc.policy, keys, self.sc.execution)
+
+    def layers(self, v):
+        return [jax.tree.map(lambda a, i=i: a[v, i], self.chunks) for i in range(self.chunk)]
+
+    def fn(self, cp, top, x, v, mb):
+        """Chunk v on this stage over micro-batch mb: (output, loss (0 but on the last
+        virtual stage), accuracy)."""
+        sc = self.sc
+        y = encoder(cp, x, sc.cfg, sc.policy, None if self.keys is None else self.keys[mb],
+                    execution=sc.execution, tp_axis=self.tp_axis,
+                    layer_offset=(v * self.stages + self.stage) * self.chunk)
+        m = train_metrics(sc, head(top, y, sc.cfg, sc.policy), self.labels[mb], self.targets[mb])
+        last = (self.stage == self.stages - 1) & (v == self.virtual - 1)
+        return y, jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
+
+    def pulled(self, v, mb, x):
+        """F: (outputs, pull-back, the weight matmuls' operands kept for W (zb-h1))."""
+        if self.split is not None:
+            return self.split.forward((self.layers(v), self.top), x, v, mb)
+        return *jax.vjp(lambda cp, t, x: self.fn(cp, t, x, v, mb), self.layers(v),
+                        self.top, x), []
+
+
+def make_stage(sc: StepConfig, schedule, top, chunks, images_u8, labels, targets, example_ids,
+               drop_key, prepare_images, pipe_axis: str, tp_axis: str | None):
+    """(the `Stage` of this device, a zero index of the table's type, an embedded
+    micro-batch): the last two only for traces (mb and v vary over the pipe axis, as the
+    table's entries do; XLA drops what the traces compute)."""
+    M = schedule.microbatches
+    ex_keys = dropout_keys(sc.cfg, True, drop_key, example_ids, labels.shape[0])
+    # The raw images are held through the ticks, each micro-batch prepared where it is
+    # embedded (`prepare_images`: its rows of the whole slice's augmentation).
+    stage = Stage(sc, schedule.stages, schedule.virtual, lax.axis_index(pipe_axis),
+                  micro(lax.pcast(images_u8, pipe_axis, to="varying"), M),
+                  micro(example_ids, M), micro(labels, M), micro(targets, M),
+                  None if ex_keys is None else micro(ex_keys, M), prepare_images, top, chunks,
+                  tp_axis)
+    zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
+    x0 = stage.embed_mb(top, zero)
+    if schedule.split_backward:  # zb-h1: B split into I and W (pipeline/split.py)
+        split = Split(lambda p, x, v, mb: stage.fn(*p, x, v, mb), (stage.layers(zero), top),
+                      x0, zero, zero)
+        stage = dataclasses.replace(stage, split=split)
+    return stage, zero, x0
+
+
+# ----------------------------------------------------------- phase 4: the residual ring
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidualLayout:
+    """Which of a chunk's pull-back residuals the ring keeps, and how to rebuild the
+    pull-back at B from them. A residual that depends on neither the chunk's input nor the
+    micro-batch (a weight, its reshape or cast) is `fixed`: not kept, traced again at B.
+    A PRNG key residual (a rematerialised block's dropout keys) is kept as its raw bits:
+    a ring of keys would not keep the varying type that the branches need."""
+    fixed: tuple          # per pull-back leaf: True = traced again at B, not kept
+    tree: object          # the pull-back's tree structure
+    impls: tuple          # per kept pull-back leaf: its PRNG key implementation, or None
+    entries: tuple        # one traced value per ring entry: its shape and type
+    outputs: tuple        # the traced F's outputs: (y, loss, accuracy)
+    x: jax.Array          # the traced F's input (its shape and type)
+
+    @property
+    def n_pull(self) -> int:
+        """The ring's first n_pull entries are the pull-back's; the rest W's operands."""
+        return self.fixed.count(False)
+
+    def pack(self, pull, acts) -> list:
+        """What the ring keeps of one F: its non-fixed residuals (keys as bits), acts."""
+        leaves = jax.tree.leaves(pull)
+        return [_bits(a) for a, f in zip(leaves, self.fixed) if not f] + list(acts)
+
+    def unpack(self, again, stored):
+        """The pull-back of the F whose ring entries are `stored`, from `again`, the
+        pull-back of the same chunk traced again at B (on any input: its fixed leaves)."""
+        it = iter(a if k is None else jax.random.wrap_key_data(a, impl=k)
+                  for a, k in zip(stored[:self.n_pull], self.impls))
+        leaves = jax.tree.leaves(again)
+        return jax.tree.unflatten(self.tree, [a if f else next(it)
+                                              for a, f in zip(leaves, self.fixed)])
+
+    def rings(self, slots: int, axis: str) -> list:
+        """The ring: `slots` zero copies of each entry, varying over `axis`."""
+        return [zeros_ring(a, slots, axis) for a in self.entries]
+
+
+def residual_layout(pulled, zero, x0) -> ResidualLayout:
+    """The layout of `pulled(v, mb, x) -> (outputs, pull-back, acts)`'s residuals, from
+    traces at v = mb = `zero` and x = `x0`."""
+    fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    out, pull, acts = pulled(zero, zero, x0)
+    leaves, tree = jax.tree.flatten(pull)
+    kept = [a for a, f in zip(leaves, fixed) if not f]
+    layout = ResidualLayout(tuple(fixed), tree, tuple(
+        jax.random.key_impl(a) if _is_key(a) else None for a in kept), (), tuple(out), x0)
+    return dataclasses.replace(layout, entries=tuple(layout.pack(pull, acts)))
+
+
+# ------------------------------------------------------------------ phase 5: the tick
+def _unless(pred, fn, *xs):
+    """lax.cond: fn(*xs) where pred holds, zeros of its type elsewhere."""
+    return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
+
+
+def _slot(mb, v, virtual: int, n: int, idle: int):
+    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (the
+    cotangents' ring: its spare slot n; the residuals': any, read and unused)."""
+    return jnp.where(mb >= 0, (mb * virtual + v) % n, idle)
+
+
+def _add_grads(acc, v, g_cp, g_top):
+    """acc (chunks', top's float32 sums) plus chunk v's gradients; a None gradient (zb-h1's
+    I or W leaves some) adds nothing."""
+    g_chunks, g_tops = acc
+    for i, g_layer in enumerate(g_cp):
+        g_chunks = jax.tree.map(lambda g, a, i=i: a if g is None else a.at[v, i].add(
+            g.astype(a.dtype)), g_layer, g_chunks, is_leaf=lambda g: g is None)
+    return g_chunks, jax.tree.map(lambda g, a: a if g is None else a + g.astype(a.dtype),
+                                  g_top, g_tops, is_leaf=lambda g: g is None)
+
+
+def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write, sums):
+    """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
+    the ring with its residuals written at slot `write`, the loss and accuracy sums).
+    Stage 0 embeds its first chunk's input; every other F reads the received activation.
+    The ring is written outside the branch, in place: an idle tick writes back what the
+    slot holds, so the ring needs no slot beyond the live residual sets."""
+    y0, loss0, _ = layout.outputs
+
+    def do_f(x):
+        (y, loss, acc), pull, acts = stage.pulled(f_v, f_mb, x)
+        return y, [vary_like(a, r[0]) for a, r in zip(layout.pack(pull, acts), rings)], \
+            loss, acc
+
+    def no_f(x):
+        zero = jnp.zeros_like(loss0)
+        return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
+
+    x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
+                 lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
+    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
+    rings = [r.at[write].set(jnp.where(f_mb >= 0, a, r[write])) for r, a in zip(rings, res)]
+    return y, rings, (sums[0] + loss, sums[1] + acc)
+
+
+def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, recv_b, rings,
+          cots, grads, seed):
+    """B (zb-h1: I) of micro-batch b_mb through chunk b_v (idle where b_mb < 0): the
+    pull-back of the received cotangent (the loss's seed / M on the last virtual stage)
+    through the ring's residuals. Returns (the input cotangent to send, the cotangents'
+    ring with zb-h1's weight-matmul output cotangents written, the gradient sums)."""
+    _, loss0, _ = layout.outputs
+    P, V, M = stage.stages, stage.virtual, stage.u8.shape[0]
+
+    def cotangent(dy):
+        last = (stage.stage == P - 1) & (b_v == V - 1)
+        return (jnp.where(last, jnp.zeros_like(dy), dy),
+                jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0), jnp.zeros_like(loss0))
+
+    def do_b(res, dy):
+        again = stage.pulled(b_v, b_mb, jnp.zeros_like(layout.x))[1]  # XLA keeps the fixed
+        pulled = layout.unpack(again, res)(cotangent(dy))
+        if stage.split is None:
+            g_cp, g_top, dx, dys = *pulled, []
+        else:  # zb-h1's I: the weights' gradients are None (W's)
+            (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
+        return dx, dys, stage.sc.policy.cast_to_compute(g_cp), g_top
+
+    dx, dys, *g = _unless(b_mb >= 0, do_b, [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings],
+                          recv_b)
+    grads = _add_grads(grads, jnp.maximum(b_v, 0), *g)
+
+    def do_embed(dx):  # stage 0's input cotangent through the embedding (run again)
+        _, pull = jax.vjp(lambda t: stage.embed_mb(t, b_mb), stage.top)
+        return pull(vary_like(dx, layout.x))[0]
+
+    g_top = _unless((stage.stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
+    grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
+    cots = [c.at[_slot(b_mb, b_v, V, plan.kept, plan.kept)].set(d) for c, d in zip(cots, dys)]
+    return dx, cots, grads
+
+
+def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rings, cots,
+          grads):
+    """zb-h1's W of micro-batch w_mb through chunk w_v (idle where w_mb < 0): each weight
+    matmul's weight gradient from its activation operand (kept at F in the residual ring)
+    and its output cotangent (kept at I); no cotangent chain again. Returns the sums."""
+    V = stage.virtual
+
+    def do_w(res, dys):
+        g = stage.split.weight_grads((stage.layers(w_v), stage.top), res[layout.n_pull:], dys,
+                                     w_v, w_mb)
+        return stage.sc.policy.cast_to_compute(g[0]), g[1]
+
+    g = _unless(w_mb >= 0, do_w, [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings],
+                [c[_slot(w_mb, w_v, V, plan.kept, plan.kept)] for c in cots])
+    return _add_grads(grads, jnp.maximum(w_v, 0), *g)
+
+
+def exchange(sends, y, dx, recv_f, recv_b, arrive, pipe_axis: str):
+    """The tick's point-to-point sends (`Segment.sends`, one tick's): collective-permutes
+    over the pipe axis of the F's output to the next stage ("f"), of the input cotangent
+    to the previous one ("b"), or, where stage pairs swap ("fb"), of the one this stage
+    sends (arrive[2]: its F's output). What arrives (arrive[0], arrive[1]: this stage's
+    flags) replaces a receive buffer; a buffer is kept until then, read by a later tick."""
+    for what, pairs in sends:
+        out = y if what == "f" else dx if what == "b" else jnp.where(arrive[2], y, dx)
+        new = lax.ppermute(out, pipe_axis, perm=list(pairs))
+        if "f" in what:
+            recv_f = jnp.where(arrive[0], new, recv_f)
+        if "b" in what:
+            recv_b = jnp.where(arrive[1], new, recv_b)
+    return recv_f, recv_b
+
+
+# ---------------------------------------------------------- phase 6: scan and finish
+def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
+                   seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
+                   gather=None):
+    """One pipelined forward and backward pass run from `schedule`'s table (1f1b,
+    interleaved, zb-h1): the gradients of `seed` x the mean loss (seed: the loss scale),
+    laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
+    The phases are this module's (its docstring); each tick runs F, B (zb-h1: I), W and
+    the sends, each a `lax.cond` on the stage's column of the table."""
+    P, M, V = schedule.stages, schedule.microbatches, schedule.virtual
+    per = jax.tree.leaves(params["blocks"])[0].shape[0]  # layers this stage holds
+    if per * P != sc.cfg.depth or per % V:
+        raise ValueError(f"pipeline: {per} layers per stage do not split into {V} chunks")
+    plan = static_plan(schedule)
+    top, chunks, pull_params = prepare_params(params, sc.policy, gather, P, V, pipe_axis)
+    stage, zero, x0 = make_stage(sc, schedule, top, chunks, images_u8, labels, targets,
+                                 example_ids, drop_key, prepare_images, pipe_axis, tp_axis)
+    layout = residual_layout(stage.pulled, zero, x0)
+    y0, loss0, _ = layout.outputs
+
+    def tick(carry, xs, phases: str, sends: tuple):
+        """One tick: its F, B (zb-h1: I) and W where the segment has them, its sends."""
+        row, write, arrive = xs
+        recv_f, recv_b, rings, cots, grads, sums = carry
+        f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage.stage] for r in row)
+        y, dx = jnp.zeros_like(y0), jnp.zeros_like(x0)
+        if "F" in phases:
+            y, rings, sums = run_f(stage, layout, f_mb, f_v, recv_f, rings, write[stage.stage],
+                                   sums)
+        if "B" in phases:
+            dx, cots, grads = run_b(stage, layout, plan, b_mb, b_v, recv_b, rings, cots, grads,
+                                    seed)
+        if "W" in phases and stage.split is not None:
+            grads = run_w(stage, layout, plan, w_mb, w_v, rings, cots, grads)
+        recv_f, recv_b = exchange(sends, y, dx, recv_f, recv_b, arrive[:, stage.stage],
+                                  pipe_axis)
+        return recv_f, recv_b, rings, cots, grads, sums
+
+    # The gradients add up in float32 over the micro-batches, cast once at the end.
+    zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
+    # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
+    cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept + 1)
+                                            for t in stage.split.taps()]
+    carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.ring, pipe_axis),
+             cots0, zeros, (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
+    return finish(scan_segments(tick, carry, plan), top, chunks, pull_params, M)
+
+
+def scan_segments(tick, carry, plan: StaticPlan):
+    """`lax.scan` over each segment's ticks, `period` ticks a step, in order: tick(carry,
+    one tick's (row, write, arrive), the segment's phases, that tick's sends) -> carry."""
+    for g in plan.segments:
+        n = (g.stop - g.start) // g.period
+        xs = tuple(jnp.asarray(a[g.start:g.stop].reshape(n, g.period, *a.shape[1:]))
+                   for a in (plan.rows, plan.writes, plan.arrive))
+
+        def body(carry, xs, g=g):
+            for k in range(g.period):
+                carry = tick(carry, jax.tree.map(lambda a, k=k: a[k], xs), g.phases,
+                             g.sends[k])
+            return carry, None
+
+        carry, _ = lax.scan(body, carry, xs)
+    return carry
+
+
+def finish(carry, top, chunks, pull_params, microbatches: int):
+    """The scan's sums cast to the parameters' dtypes and pulled back through their
+    preparation: (grads laid out like params, {"loss", "accuracy"} means)."""
+    _, _, _, _, (g_chunks, g_top), (loss, acc) = carry
+    g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
+    g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
+    (grads,) = pull_params((g_top, g_chunks))
+    return grads, {"loss": loss / microbatches, "accuracy": acc / microbatches}
+
+
+# ------------------------------------------------------------------- evaluation
+def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches: int,
+                tp_axis: str | None = None, gather=None):
+    """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
+    forward ticks of GPipe's table (stage s runs micro-batch t - s at tick t) as one
+    `lax.scan`, so the compiled program does not grow with K. Each stage runs the blocks
+    it stores (whatever the training schedule: no gather over 'pipe'); idle ticks compute
+    on what they hold and are masked, as GPipe's."""
+    P, K = lax.axis_size(pipe_axis), microbatches
+    table = schedules.build("gpipe", P, K)
+    T = K + P - 1  # the forward ticks
+    arrive = np.stack([schedules.arrivals(table)[0][:T]] * 3, axis=1)  # [2] unused: "f"
+    sends = (("f", tuple((s, s + 1) for s in range(P - 1))),)
+    top, chunks, _ = prepare_params(params, sc.policy, gather, P, 1, pipe_axis)
+    blocks = jax.tree.map(lambda a: a[0], chunks)
+    stage = lax.axis_index(pipe_axis)
+    per = jax.tree.leaves(blocks)[0].shape[0]
+    x_mb = micro(lax.pcast(images, pipe_axis, to="varying"), K)
+
+    def tick(carry, xs):
+        recv, logits = carry
+        row, arrive = xs
+        mb = jnp.maximum(row[stage], 0)
+        x = lax.cond(stage == 0, lambda r: vary_like(
+            embed(top, x_mb[mb], sc.cfg, sc.policy, None, sc.execution), r), lambda r: r, recv)
+        y = encoder(blocks, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
+                    layer_offset=stage * per)
+        keep = (stage == P - 1) & (row[stage] >= 0)
+        logits = logits.at[mb].set(jnp.where(keep, head(top, y, sc.cfg, sc.policy), logits[mb]))
+        recv, _ = exchange(sends, y, y, recv, recv, arrive[:, stage], pipe_axis)
+        return (recv, logits), None
+
+    x0 = embed(top, x_mb[0], sc.cfg, sc.policy, None, sc.execution)
+    out0 = head(top, x0, sc.cfg, sc.policy)  # its type only (XLA drops it)
+    logits0 = vary_like(jnp.zeros((K, *out0.shape), out0.dtype), out0)
+    (_, logits), _ = lax.scan(tick, (jnp.zeros_like(x0), logits0),
+                              (jnp.asarray(table.fwd[:T]), jnp.asarray(arrive)))
+    return logits.reshape(images.shape[0], -1)
