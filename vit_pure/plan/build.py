@@ -76,6 +76,7 @@ from vit_pure.plan.overlap import classify_overlap
 from vit_pure.plan.report import Plan
 from vit_pure.run import cli
 from vit_pure.run.accum import StepMemory
+from vit_pure.run.monitor import compiling
 from vit_pure.run.settings import PlanConfig
 from vit_pure.xla import kernels
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
@@ -185,12 +186,16 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     XLA:GPU's combining and dtypes are modelled (module docstring)."""
     t0 = time.perf_counter()
     gpu = strategy_platform(strategy) == "gpu"
-    lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer, global_batch))
-    # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default tiles
-    # fail for some shapes ("Couldn't find output tile sizes").
-    compiled = lowered.compile(
-        compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
-        else {"xla_disable_hlo_passes": f"{CPU_COMBINER},{CPU_BARRIER_EXPANDER}"})
+    with compiling(_print, f"the training step for {sc.cfg.name}, global batch {global_batch}, "
+                           f"on {math.prod(mesh_of(strategy).values())} {'GPU' if gpu else 'CPU'} "
+                           f"devices"):
+        lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer,
+                                                             global_batch))
+        # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default
+        # tiles fail for some shapes ("Couldn't find output tile sizes").
+        compiled = lowered.compile(
+            compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
+            else {"xla_disable_hlo_passes": f"{CPU_COMBINER},{CPU_BARRIER_EXPANDER}"})
     compile_s = time.perf_counter() - t0
     module = parse_module(compiled.as_text())
     mesh = mesh_of(strategy)
@@ -281,6 +286,10 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
         with open(pc.plan_json, "w") as f:
             json.dump(record, f, indent=1)
     return record
+
+
+def _print(text: str, **_record) -> None:
+    print(text, flush=True)
 
 
 def _fake_devices(n: int) -> list:

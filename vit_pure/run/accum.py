@@ -51,6 +51,7 @@ import numpy as np
 
 from vit_pure.errors import UsageError
 from vit_pure.run import distributed
+from vit_pure.run.monitor import compiling
 from vit_pure.run.settings import RunConfig
 from vit_pure.step import StepConfig, step_input_shapes
 
@@ -260,7 +261,10 @@ def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optim
                     and _predict(measured, k) > SKIP_IF_PREDICTED_OVER * budget.bytes_per_device):
                 continue  # clearly too big: not worth a compile
             strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-        mem = step_memory(strategy, inputs, k)
+        what = (f"the training step for {sc.cfg.name}, global batch {rc.batch}, K={k} "
+                f"micro-batches per device (--accum-steps auto measures its memory)")
+        with compiling(log, what, accum_steps=k):
+            mem = step_memory(strategy, inputs, k)
         measured.append(mem)
         if mem.total <= budget.bytes_per_device:
             break

@@ -36,6 +36,8 @@ from vit_pure.run.monitor import (
     NoBar,
     Profiler,
     Throughput,
+    compile_seconds,
+    compiling,
     log_memory,
     progress_bar,
 )
@@ -115,11 +117,14 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # after checking that --batch and --eval-batch split over processes and devices.
     # The step is measured for the images the loop feeds (the dataset's, resized on the
     # device to the model's input size), so the loop's first step reuses that compile.
+    compiled = compile_seconds()
     strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=train.images.shape[1:], log=log)
+    # --accum-steps auto compiled the step that runs: the first step's figure counts it.
+    compiled_before = compile_seconds() - compiled if rc.accum_steps == "auto" else 0.0
     eval_batch = rc.eval_batch
     host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
-                                    init_params)
+                                    init_params, log)
     del init_params
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
         _log_setup(log, rc.data, sc, strategy, ckpts, plan, host_state, step)
@@ -127,13 +132,20 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
                        min_scale=host_state["loss_scale"].min_scale)
     del host_state
-    speed = Throughput(rc.batch, step)
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
-    points = LogPoints(log, strategy, losses, speed)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
+    if not compiled_before:  # compiled here, said before and after, not inside step 1
+        batch = next(inputs)
+        inputs = itertools.chain([batch], inputs)
+        with compiling(log, f"the training step for {sc.cfg.name}, global batch {rc.batch}, "
+                            f"K={sc.accum_steps} micro-batches per device") as done:
+            mixing.train_step(strategy, step).lower(state, *batch).compile()
+        compiled_before = done["seconds"]
+    speed = Throughput(rc.batch, step, compiled_before)
+    points = LogPoints(log, strategy, losses, speed)
 
     # ---- The step loop. The host waits for the step it has just dispatched only once, at
     # the first (its time and compile apart, then the memory): it reads a step's metrics
@@ -340,16 +352,20 @@ class MixSchedule:
             self.unmixed = self.make_strategy(
                 dataclasses.replace(strategy.sc, mixup_alpha=0.0, cutmix_alpha=0.0))
             self.log(f"mixup / cutmix off from step {step + 1} on, for the last "
-                     f"{self.epochs} epochs (--mix-off-epochs)", event="mix_off", step=step)
+                     f"{self.epochs} epochs (--mix-off-epochs); compiling the unmixed training "
+                     f"step", event="mix_off", step=step)
         return self.unmixed.train_step
 
 
 def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoints,
-                 resume_from: pathlib.Path | None,
-                 init_params: dict | None = None) -> tuple[dict, int]:
+                 resume_from: pathlib.Path | None, init_params: dict | None = None,
+                 log: Logger | None = None) -> tuple[dict, int]:
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
+        if log is not None:  # one small compile per weight shape: seconds on a CPU
+            log(f"initialising the {sc.cfg.name} state"
+                + (" around the --init-from weights" if init_params is not None else ""))
         host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
                                 ema=sc.ema_decay > 0, params=init_params)
         step = 0
@@ -387,11 +403,16 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
 
 def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
     """Wait for the run's first step, and say how long it took and how much of that was
-    compiling (which no img/s figure counts)."""
+    compiling (which no img/s figure counts). The compile figure counts the step's compile
+    wherever it happened: before the loop (its own "compiling" lines, or --accum-steps
+    auto's) and in the step (JSON: compile_s the whole, compile_before_s before the loop)."""
     jax.block_until_ready(metrics)
     seconds, compiling = speed.first_step()
-    log(f"step {step} done in {seconds:.2f} s, {compiling:.2f} s of it compiling (left out "
-        f"of img/s)", event="first_step", step=step, seconds=seconds, compile_s=compiling)
+    before = speed.compiled_before
+    log(f"step {step} done in {seconds:.2f} s; compiling the training step took "
+        f"{before + compiling:.2f} s, {compiling:.2f} s of it in the step (left out of "
+        f"img/s)", event="first_step", step=step, seconds=seconds,
+        compile_s=before + compiling, compile_before_s=before)
 
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,
