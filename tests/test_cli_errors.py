@@ -269,7 +269,10 @@ def test_missing_data_dir_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(download.URL_ENV, (tmp_path / "no-such-archive.tar.gz").as_uri())
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     code = _main("shardmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d")])
-    _assert_one_line(code, capsys.readouterr().err, "pass --data-dir DIR")
+    captured = capsys.readouterr()
+    _assert_one_line(code, captured.err, "without a network, pass --data-dir DIR")
+    assert captured.out == ""  # the error is the only line
+    assert not (tmp_path / "d").exists()  # the failed download left nothing behind
 
 
 def test_disk_full_at_a_save_is_one_line(tmp_path, capsys, monkeypatch):
