@@ -242,26 +242,26 @@ def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optim
     for all local devices together: on a shared machine). `image_shape`: one training
     image as the loop will feed it (see `train_step_inputs`).
     """
-    requested = rc.accum_steps
+    requested = rc.schedule.accum_steps
     k = 1 if requested == "auto" else requested
     strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-    strategy.check_batch(rc.batch, accum_steps=k)
-    strategy.check_batch(rc.eval_batch, "--eval-batch")
+    strategy.check_batch(rc.schedule.batch, accum_steps=k)
+    strategy.check_batch(rc.data.eval_batch, "--eval-batch")
     if requested != "auto":
         return strategy, strategy.sc
 
-    per_device = rc.batch // strategy.batch_divisor
-    budget = resolve_budget(rc.memory_budget, budget)
-    inputs = train_step_inputs(strategy, strategy.sc, optimizer, rc.batch, image_shape)
+    per_device = rc.schedule.batch // strategy.batch_divisor
+    budget = resolve_budget(rc.schedule.memory_budget, budget)
+    inputs = train_step_inputs(strategy, strategy.sc, optimizer, rc.schedule.batch, image_shape)
     measured: list[StepMemory] = []
-    ks = [k for k in candidates(per_device) if _allows(strategy, rc.batch, k)]
+    ks = [k for k in candidates(per_device) if _allows(strategy, rc.schedule.batch, k)]
     for k in ks:
         if k > 1:
             if (k != ks[-1] and len(measured) >= 2
                     and _predict(measured, k) > SKIP_IF_PREDICTED_OVER * budget.bytes_per_device):
                 continue  # clearly too big: not worth a compile
             strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-        what = (f"the training step for {sc.cfg.name}, global batch {rc.batch}, K={k} "
+        what = (f"the training step for {sc.cfg.name}, global batch {rc.schedule.batch}, K={k} "
                 f"micro-batches per device (--accum-steps auto measures its memory)")
         with compiling(log, what, accum_steps=k):
             mem = step_memory(strategy, inputs, k)

@@ -14,6 +14,8 @@ from vit_pure.config import (
     REMAT_SAVE_NAMES,
     remat_saved_names,
 )
+from vit_pure.data.cifar10 import check_subset
+from vit_pure.errors import DataError
 
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
 DEFAULT_EFFICIENCY = 0.4
@@ -22,14 +24,15 @@ DEFAULT_EFFICIENCY = 0.4
 # Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
 # Each maps flag destinations to values; flags given on the command line override them.
 RECIPES: dict[str, dict[str, Any]] = {
-    # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
-    # ../shared/data/cifar10-subset): the ViT behind a convolutional stem, with locality
-    # self-attention, 60 epochs, evaluated with an EMA of the weights on each image and its
-    # mirror; docs/training.md "Accuracy" has its result and how it was chosen.
+    # A 10-minute CPU run on a 4,000-image subset of CIFAR-10 (--subset 4000,1000: the data
+    # is downloaded once into --data-dir, or read from a folder holding that subset): the
+    # ViT behind a convolutional stem, with locality self-attention, 60 epochs, evaluated
+    # with an EMA of the weights on each image and its mirror; docs/training.md "Accuracy"
+    # has its result and how it was chosen.
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
-                      cpu_devices=2, scan=False, accum_steps=1),
+                      cpu_devices=2, scan=False, accum_steps=1, subset=(4000, 1000)),
     # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
     # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
     # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one
@@ -220,6 +223,11 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default="./data", metavar="DIR",
                    help="where CIFAR-10 is, or is downloaded to when missing (its "
                         "cifar-10-batches-py folder, or the folder holding it)")
+    g.add_argument("--subset", type=_subset, default=None, metavar="TRAIN,TEST",
+                   help="train and test on a subset of CIFAR-10: the first TRAIN/5 images of "
+                        "each training batch and the first TEST test images (4000,1000 is the "
+                        "cpu-quick recipe's; a folder that holds only that subset gives the "
+                        "same; --dataset cifar10 only) (default: all of it)")
     g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
                    help="--dataset synthetic: training images (default: 45000)")
     g.add_argument("--synthetic-val", type=int, default=None, metavar="N",
@@ -377,6 +385,20 @@ def _randaugment(text: str) -> tuple[int, int]:
     if len(values) != 2 or values[0] < 0 or not 0 <= values[1] <= 10:
         raise argparse.ArgumentTypeError(f"expected N,M with N >= 0 and 0 <= M <= 10, got {text!r}")
     return values
+
+
+def _subset(text: str) -> tuple[int, int]:
+    """--subset: "TRAIN,TEST", two image counts (data.cifar10.check_subset's ranges)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected TRAIN,TEST image counts, e.g. 4000,1000, "
+                                         f"got {text!r}")
+    subset = (int(parts[0]), int(parts[1]))
+    try:
+        check_subset(subset)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None
+    return subset
 
 
 def _accum_steps(text: str):

@@ -82,7 +82,7 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
     stop = StopRequest()
     try:
         with stop.handling_signals():
-            if rc.eval_only:
+            if rc.logging.eval_only:
                 result = evaluate_checkpoint(rc, sc, make_strategy, log)
             else:
                 result = _run(rc, sc, make_strategy, log, is_main, stop, profiler, init_params)
@@ -103,12 +103,13 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # One function on purpose: the whole loop reads top to bottom, like
     # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
-    splits = data_lib.load_dataset(rc.dataset, rc.data_dir, log=log, **rc.dataset_sizes)
+    data = rc.data
+    splits = data_lib.load_dataset(data.dataset, data.data_dir, log=log, **data.dataset_sizes)
     train = splits["train"]
     plan = plan_steps(rc.schedule, rc.logging, len(train))
     # The schedule depends on total_steps, so a resumed run must have the same total (the
     # checkpoint's trajectory check sees to it); --stop-after leaves it alone.
-    optimizer, schedule = make_optimizer(rc.optim, plan.total_steps)
+    optimizer, schedule = make_optimizer(rc.schedule.optim, plan.total_steps)
     # The checkpoint to start from, and whether it belongs to this run: before compiling.
     ckpts = Checkpoints(rc, sc, train, plan.steps_per_epoch, plan.total_steps, log, is_main)
     _agree_on_trajectory(ckpts.trajectory)  # several processes: the same run in every one
@@ -121,8 +122,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=train.images.shape[1:], log=log)
     # --accum-steps auto compiled the step that runs: the first step's figure counts it.
-    compiled_before = compile_seconds() - compiled if rc.accum_steps == "auto" else 0.0
-    eval_batch = rc.eval_batch
+    compiled_before = compile_seconds() - compiled if rc.schedule.accum_steps == "auto" else 0.0
+    eval_batch = rc.data.eval_batch
     host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
                                     init_params, log)
     del init_params
@@ -137,14 +138,17 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
-    if not compiled_before:  # compiled here, said before and after, not inside step 1
+    train_step = mixing.train_step(strategy, step)
+    if not compiled_before and hasattr(train_step, "lower"):  # a jitted step (both scripts')
+        # Compiled here, said before and after, not silently inside step 1; the step's call
+        # then finds it in jit's cache.
         batch = next(inputs)
         inputs = itertools.chain([batch], inputs)
-        with compiling(log, f"the training step for {sc.cfg.name}, global batch {rc.batch}, "
+        with compiling(log, f"the training step for {sc.cfg.name}, global batch {plan.batch}, "
                             f"K={sc.accum_steps} micro-batches per device") as done:
-            mixing.train_step(strategy, step).lower(state, *batch).compile()
+            train_step.lower(state, *batch).compile()
         compiled_before = done["seconds"]
-    speed = Throughput(rc.batch, step, compiled_before)
+    speed = Throughput(rc.schedule.batch, step, compiled_before)
     points = LogPoints(log, strategy, losses, speed)
 
     # ---- The step loop. The host waits for the step it has just dispatched only once, at
@@ -154,7 +158,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     while step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None:
         epoch = step // plan.steps_per_epoch
         if step == first_step or step % plan.steps_per_epoch == 0:
-            bar = plan.progress_bar(step, epoch, is_main and rc.progress)
+            bar = plan.progress_bar(step, epoch, is_main and rc.logging.progress)
         profiler.before_step(step + 1, state)
         previous = metrics
         train_step = mixing.train_step(strategy, step)  # --mix-off-epochs: the unmixed one
@@ -194,7 +198,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
                 else:
                     log(f"checkpoint of step {step} not written: its loss is not finite",
                         event="checkpoint_skipped", step=step)
-        if (end_of_epoch and rc.eval_every and (epoch + 1) % rc.eval_every == 0
+        if (end_of_epoch and rc.logging.eval_every and (epoch + 1) % rc.logging.eval_every == 0
                 and step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None):
             with speed.paused(metrics):
                 points.read(ckpts.describe_last())
@@ -219,7 +223,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
 # --------------------------------------------------------------------------- the helpers
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """How many steps, in how many epochs, and how often the loop logs."""
+    """How many steps of how many images, in how many epochs, and how often the loop logs."""
+    batch: int                      # the global batch of a step
     steps_per_epoch: int
     total_steps: int
     epochs: int
@@ -249,7 +254,8 @@ def plan_steps(schedule: ScheduleSettings, logging: LogSettings, n_train: int) -
     if logging.profile_range is not None and logging.profile_range[0] > total_steps:
         first, last = logging.profile_range
         raise UsageError(f"--profile-steps {first}:{last}: {ends}")
-    return StepPlan(steps_per_epoch, total_steps, epochs=-(-total_steps // steps_per_epoch),
+    return StepPlan(s.batch, steps_per_epoch, total_steps,
+                    epochs=-(-total_steps // steps_per_epoch),
                     log_every=1 if total_steps <= 100 else logging.log_every)
 
 
@@ -263,14 +269,14 @@ def _device_inputs(data: DataSettings, strategy: Strategy, train: data_lib.Split
     same global batch and feeds only its own rows. Placing a batch while the steps before
     it run keeps the host-to-device copy off the device's critical path.
     """
-    example_ids = np.arange(data.batch, dtype=np.int32)
+    example_ids = np.arange(plan.batch, dtype=np.int32)
 
     def placed():
         step = start
         while step < plan.total_steps:
             epoch, index = divmod(step, plan.steps_per_epoch)
             for images, labels in data_lib.train_batches(
-                    train, data.batch, seed=data.seed, epoch=epoch, start=index,
+                    train, plan.batch, seed=data.seed, epoch=epoch, start=index,
                     repeat=data.repeat_aug):
                 if step == plan.total_steps:
                     return
@@ -392,10 +398,10 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
     policy = sc.policy
     pool = "" if sc.cfg.pool == "cls" else f" (pool {sc.cfg.pool}: {sc.cfg.seq_len} tokens)"
     log(f"model {sc.cfg.name}{pool}: {count_params(host_state['params']):,} params, policy "
-        f"{policy} (matmul precision {policy.matmul_precision}), global batch {data.batch}, "
+        f"{policy} (matmul precision {policy.matmul_precision}), global batch {plan.batch}, "
         f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch, {plan.epochs} epochs)",
         event="config", model=sc.cfg.name, pool=sc.cfg.pool, policy=str(policy),
-        batch=data.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
+        batch=plan.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
