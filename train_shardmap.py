@@ -286,6 +286,10 @@ class ShardMapStrategy:
         schedule = ("\n" + pipeline.describe(self.sc.cfg.depth, self.stages, self.microbatches,
                                               self.schedule, self.virtual_stages)
                     if self.stages > 1 else "")
+        if 1 < self.stages and self.microbatches < self.stages:  # most ticks idle
+            schedule += (f"\nwarning: --microbatches {self.microbatches} is fewer than the "
+                         f"{self.stages} pipeline stages, so each stage waits most of the "
+                         f"step (the bubble above); give --microbatches {self.stages} or more")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
                 f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"

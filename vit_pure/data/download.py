@@ -158,7 +158,7 @@ def _fetch(url: str, dest: pathlib.Path, log, timeout: float, why: str = "") -> 
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
-        raise DataError(f"could not download CIFAR-10 from {url} ({one_line(reason)}); "
+        raise DataError(f"{why}could not download it from {url} ({one_line(reason)}); "
                         f"without a network, {HOW_TO_PROVIDE}") from None
     if total and done != total:
         raise DataError(f"download from {url} ended early ({done} of {total} bytes); try again")

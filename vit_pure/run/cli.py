@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from typing import Any, Callable
@@ -107,9 +108,11 @@ def require_positive(parser, args, *names: str) -> None:
 def main_guard(fn: Callable[[], Any]) -> int:
     """Run a script's main; bad input becomes one line on stderr and exit code 2.
 
-    A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
-    normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
-    second signal, which stops at once without saving.
+    A run stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143), whether it
+    saved a checkpoint (loop.run returns "stopped") or had no --ckpt-dir (Interrupted): the
+    shell's "stopped by this signal", so no wrapper takes it for a finished run; its log
+    says whether it saved. A second signal stops at once without saving: 130. A run that
+    --stop-after ends exits 0.
 
     In a multi-process job every failure is also reported to the other processes, which
     stop with it (distributed.Watch), and the process leaves at once: Python's clean-up
@@ -117,7 +120,7 @@ def main_guard(fn: Callable[[], Any]) -> int:
     exception is reported the same way before its traceback.
     """
     try:
-        fn()
+        result = fn()
     except (DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _leave(2, str(e))
@@ -134,6 +137,9 @@ def main_guard(fn: Callable[[], Any]) -> int:
             traceback.print_exc()
             return _leave(1, "")
         raise
+    stopped = result.get("stopped") if isinstance(result, dict) else None
+    if stopped and stopped["reason"] in signal.Signals.__members__:  # saved, then stopped
+        return 128 + signal.Signals[stopped["reason"]]
     return 0
 
 
