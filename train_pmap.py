@@ -14,6 +14,9 @@ from __future__ import annotations
 import functools
 import sys
 
+# isort: off
+import vit_pure  # noqa: F401 (before jax: JAX's CUDA plugin without a GPU, vit_pure/quiet.py)
+# isort: on
 import jax
 import jax.numpy as jnp
 import numpy as np

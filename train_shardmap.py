@@ -58,6 +58,9 @@ import collections
 import functools
 import sys
 
+# isort: off
+import vit_pure  # noqa: F401 (before jax: JAX's CUDA plugin without a GPU, vit_pure/quiet.py)
+# isort: on
 import jax
 import jax.numpy as jnp
 import optax
@@ -121,7 +124,8 @@ def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
     if total != n_devices:
         what = "data*model" if sizes[PIPE] == 1 else "data*model*pipe"
         raise cli.UsageError(
-            f"--mesh {text}: {what} = {total} but there are {n_devices} devices")
+            f"--mesh {text}: {what} = {total} but there "
+            + ("is 1 device" if n_devices == 1 else f"are {n_devices} devices"))
     return sizes
 
 

@@ -58,7 +58,7 @@ from jax._src import xla_bridge  # no public "have the backends started?"
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import step
+from vit_pure import quiet, step
 from vit_pure.model import init_params
 from vit_pure.pipeline import schedules
 from vit_pure.plan import fabrics, nccl, targets
@@ -255,7 +255,8 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     # is installed (deviceless: no GPU needed); else XLA:CPU on fake CPU devices.
     target = targets.gpu_target(hw.name) if hw.platform == "gpu" else None
     if target is not None:
-        devices = targets.gpu_devices(target, n, hw.devices_per_node)
+        with quiet.filtered():  # the plugin's start-up lines where no GPU is (quiet.py)
+            devices = targets.gpu_devices(target, n, hw.devices_per_node)
         compiled_for = (f"{hw.name}: XLA:GPU for {devices[0].device_kind}, deviceless "
                         f"(vit_pure/plan/targets/{targets.GPU_TARGETS[hw.name]})")
     else:

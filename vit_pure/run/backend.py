@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 
 import jax
@@ -50,6 +49,7 @@ import jax.numpy as jnp
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
+from vit_pure.quiet import nvidia_gpu_visible  # noqa: F401 (backend.nvidia_gpu_visible)
 from vit_pure.step import StepConfig
 
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic.
@@ -203,11 +203,6 @@ def cudnn_attention_runs(device) -> bool:
 
 # How to get JAX's CUDA build (the plugin and NVIDIA's libraries, the version of jax).
 CUDA_INSTALL = "pip install -r requirements-gpu.txt"
-
-
-def nvidia_gpu_visible(device_file: str = "/dev/nvidia0", which=shutil.which) -> bool:
-    """Whether this machine shows an NVIDIA GPU: its device file, or nvidia-smi on the PATH."""
-    return os.path.exists(device_file) or which("nvidia-smi") is not None
 
 
 def cuda_missing_note(platform: str, gpu_visible: bool, jax_platforms: str) -> str | None:

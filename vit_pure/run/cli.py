@@ -9,6 +9,9 @@ import sys
 import traceback
 from typing import Any, Callable
 
+import jax
+
+from vit_pure import quiet
 from vit_pure.config import get_preset
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
 from vit_pure.policy import Policy
@@ -64,7 +67,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 def start_runtime(args: argparse.Namespace) -> None:
     """The flags' side effects on the JAX runtime, in the order they must happen, before
     anything touches a device (the scripts' main() calls this right after parse_args):
-    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed).
+    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed),
+    then starting JAX's backends (vit_pure/quiet.py: where JAX's CUDA plugin has no GPU,
+    the lines it prints then are left out).
     """
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
@@ -78,6 +83,8 @@ def start_runtime(args: argparse.Namespace) -> None:
         except ValueError as e:  # JAX's cluster detection found nothing to fill in
             raise UsageError(f"--distributed: {e} (give --coordinator, --num-processes and "
                              f"--process-id outside SLURM / Open MPI / Cloud TPU)") from None
+    with quiet.filtered():  # the backends start now, without the CUDA plugin's noise
+        jax.devices()
 
 
 def use_cpu_devices(n: int) -> None:
