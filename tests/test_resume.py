@@ -81,6 +81,8 @@ def test_shardmap_resume_mid_epoch_is_bitwise_exact(straight, tmp_path, capsys):
     got = train_shardmap.main(BASE + MESH + ["--ckpt-dir", str(tmp_path), "--resume"])
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / 'step_00000003'}: step 3, epoch 1 with 3 of its 5" in out
+    resumed = next(ln for ln in out.splitlines() if ln.startswith("resumed from"))
+    assert resumed.endswith("FSDP off)") and "layout:" not in resumed, resumed
     assert_bitwise(got["state"], straight["shard"]["state"])
     assert_bitwise(checkpoint.load_numpy(tmp_path / "step_00000006"),
                    checkpoint.load_numpy(straight["root"] / "shard" / "step_00000006"))

@@ -18,11 +18,10 @@ The matmul output dtype is a speed choice with two right answers, one per backen
 (measured, docs/performance.md):
 
   * ``m=`` the compute dtype (bf16 out): the GEMM accumulates in float32 internally and
-    rounds once on the way out; the bias add then runs in bf16. On an H100 this was
-    1.19x faster than f32 outputs, in 22% less memory (half the bytes of every matmul
-    output, fewer converts), and plain
-    autodiff already runs the backward matmuls in bf16. What MaxText, Flax (``dtype=``),
-    jmp and PyTorch autocast do.
+    rounds once on the way out; the bias add then runs in bf16. On a GPU it is the faster
+    one and takes less memory (half the bytes of every matmul output, fewer converts;
+    the measurement is in docs/precision.md), and plain autodiff already runs the
+    backward matmuls in bf16. What MaxText, Flax (``dtype=``), jmp and PyTorch autocast do.
   * ``m=f32``: the product comes back in float32 (``preferred_element_type``) and the
     bias add runs in float32. On XLA:CPU a bf16-output dot is upcast to float32 entirely,
     so this is the faster one there; its backward pass needs the custom VJP in `matmul`.

@@ -143,7 +143,7 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the optimizer and --recipe."""
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
-                   help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
+                   help="a named training recipe (vit_pure/run/flags.py RECIPES); flags given "
                         "explicitly override it (default: none)")
     g.add_argument("--batch", type=int, default=128,
                    help="global batch (divisible by the device count)")
@@ -339,7 +339,8 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                         "for GPUs)")
     g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
                    help="fraction of the peak the step's matmuls reach (measure it with "
-                        "bench.py on one device: its 'MFU (datasheet)'); the plan is also "
+                        "python -m benchmarks.bench on one device: its 'MFU (datasheet)'); "
+                        "the plan is also "
                         "shown at the hardware's measured MFU where the kit has one")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="override the peak matmul TFLOP/s (default: the hardware's)")

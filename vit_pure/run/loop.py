@@ -393,7 +393,8 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
                ckpts: Checkpoints, plan: StepPlan, host_state: dict, step: int) -> None:
     """The strategy's layout and the run's configuration, at the top of the log."""
     layout = strategy.describe()
-    ckpts.set_writer(strategy.name, layout.split("\n")[0])  # the checkpoints' meta says it
+    # The checkpoints' meta says it: the layout's first line, less the table's heading.
+    ckpts.set_writer(strategy.name, layout.split("\n")[0].removesuffix("; layout:"))
     log(f"{strategy.name}: {layout}")
     policy = sc.policy
     pool = "" if sc.cfg.pool == "cls" else f" (pool {sc.cfg.pool}: {sc.cfg.seq_len} tokens)"

@@ -171,7 +171,7 @@ class Checkpoints:
         epoch, done = divmod(step, self.steps_per_epoch)
         self.log(f"resumed from {path}: step {step}, epoch {epoch + 1} with {done} of its "
                  f"{self.steps_per_epoch} batches done; written by {where.get('strategy', '?')}"
-                 f" ({where.get('layout', '?')})",
+                 f" ({where.get('layout', '?').removesuffix('; layout:')})",
                  event="resume", step=step, checkpoint=str(path))
         self.last, self.saved_step = path, step
         self.last_loss = meta.get("metrics", {}).get("loss")
