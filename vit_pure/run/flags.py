@@ -23,20 +23,31 @@ DEFAULT_EFFICIENCY = 0.4
 
 # Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
 # Each maps flag destinations to values; flags given on the command line override them.
+# Beside each: what it is, then its command, machine, date and result, the one place these
+# are kept (README and docs/training.md "The recipes" point here; how each recipe was
+# chosen is in docs/notes/).
 RECIPES: dict[str, dict[str, Any]] = {
     # A 10-minute CPU run on a 4,000-image subset of CIFAR-10 (--subset 4000,1000: the data
     # is downloaded once into --data-dir, or read from a folder holding that subset): the
     # ViT behind a convolutional stem, with locality self-attention, 60 epochs, evaluated
-    # with an EMA of the weights on each image and its mirror; docs/training.md "Accuracy"
-    # has its result and how it was chosen.
+    # with an EMA of the weights on each image and its mirror.
+    #   python train_shardmap.py --recipe cpu-quick --data-dir ../shared/data/cifar10-subset
+    #   2-core Intel Xeon, avx512_bf16 + amx_bf16 (bf16), 2026-11-26: 58.5% test (EMA; val
+    #     57.5%), 5 min 5 s wall, compilation and evaluation included.
+    #   2-core x86-64 with avx512_bf16 (bf16), 2026-11-26: 58.6% test, 2 min 31 s.
+    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-23: 59.1% test (val 57.5%), 6 min 4 s;
+    #     --seed 1 and 2: 58.9% and 57.3% (mean of the three 58.4%).
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
                       cpu_devices=2, scan=False, accum_steps=1, subset=(4000, 1000)),
     # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
     # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
-    # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one
-    # H100: 68.5% val, 71.1% test, 130 s including compilation (docs/training.md, "Accuracy").
+    # cutmix off for the last tenth, evaluated with an EMA of the weights.
+    #   python train_shardmap.py --recipe gpu-small-data --data-dir ../shared/data/cifar10-subset
+    #   one H100 80GB HBM3, jax 0.11.2, 2026-11-23 (the recipe's flags given one by one,
+    #     tests/test_recipe.py holds the two together): 71.1% test (EMA), 68.5% val, 130 s
+    #     wall including compilation and every evaluation; 100,000 img/s, peak 0.7 GiB.
     "gpu-small-data": dict(model="vit-cifar-quick", dtype="bf16", batch=512, epochs=2400,
                            lr=4e-3, randaugment=(2, 9), mixup=0.8, cutmix=1.0, ema=0.999,
                            mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1),
