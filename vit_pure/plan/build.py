@@ -276,6 +276,10 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     optimizer, _ = step.make_optimizer(pc.optim, 1000)
     strategy = make_strategy(sc, optimizer, devices)
     strategy.check_batch(pc.batch, accum_steps=k)
+    stages = getattr(strategy, "stages", 1)
+    if stages > 1 and strategy.microbatches < stages:  # most of the pipeline's ticks idle
+        notes.append(f"warning: --microbatches {strategy.microbatches} is fewer than the "
+                     f"{stages} pipeline stages; give --microbatches {stages} or more")
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
                  f"remat {sc.execution.remat}, accumulation {k}")
     plan = build_plan(strategy, sc, optimizer, pc.batch, hw, script=script,
