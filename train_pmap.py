@@ -12,8 +12,17 @@ device applies the same update and the replicas never drift apart.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
+# isort: off
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv) and (
+        "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")):
+    # The first line, before JAX loads (seconds on a busy CPU). The restart with huge
+    # pages (vit_pure/run/hostmem.py) sets that tunable, so it is said once.
+    print(f"{os.path.basename(__file__)}: starting", flush=True)
+import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU, quiet.py)
+# isort: on
 import jax
 import jax.numpy as jnp
 import numpy as np

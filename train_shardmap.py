@@ -6,58 +6,38 @@
 
 The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device count):
 
-* 'data': the batch is split over it (data parallelism). With `--fsdp` the weight
-  matrices and their optimizer state are split over it too (ZeRO-3 / fully sharded data
-  parallelism): each layer all-gathers its weights just before use, and the gradients come
-  back reduce-scattered, each device keeping and updating only its own shard.
-* 'model': tensor parallelism, Megatron style. Attention heads and MLP hidden units are
-  split over it: q/k/v and fc1 are column-parallel, the attention output projection and
-  fc2 row-parallel. The two operators that make this work are in vit_pure/model.py
-  (`_copy_to_tp`, Megatron's "f", and `_reduce_from_tp`, its "g").
-* 'pipe': pipeline parallelism (GPipe), `--mesh ...,pipe=S --microbatches K`. The
-  encoder blocks' layer axis is split over it (P('pipe', ...) on 'layers'): each stage
-  holds depth/S contiguous blocks; the embedding runs on the first stage, the final
-  norm, head and loss on the last. Each device's batch slice runs as K micro-batches; the
-  schedule and its collectives (a `lax.ppermute` of activations per tick, psums over
-  'pipe') are in vit_pure/pipeline/. The pipe-replicated embedding and head get their
-  gradient on one stage only; `pipeline.pipeline_grads` sums it over 'pipe' explicitly.
-  With `--fsdp` each stage gathers its own layers once per step, before the tick loop
-  (so `--remat block` does not gather them again in the backward pass).
+* 'data': the batch is split over it (data parallelism); with `--fsdp` the weight
+  matrices and their optimizer state too (ZeRO-3): `fsdp_gather` all-gathers each layer's
+  weights just before use, and its backward pass reduce-scatters their gradients.
+* 'model': Megatron-style tensor parallelism over heads and MLP units; its two operators
+  are in vit_pure/model.py (`_copy_to_tp`, "f", and `_reduce_from_tp`, "g").
+* 'pipe': pipeline parallelism, `--microbatches K`: each stage holds depth/S blocks; the
+  schedules and their collectives are in vit_pure/pipeline/.
 
 Which array is split over which axis comes from the parameters' logical axis names and the
-two small rule tables `TP_RULES` and `FSDP_RULES` below.
-
-FSDP AND THE BACKWARD PASS. Each layer's weights are all-gathered (`fsdp_gather`) inside
-the layer loop, just before the layer runs. The backward pass needs them again; by
-default autodiff keeps the gathered copies (they are residuals of the matmuls), so the
-forward gathers once and peak memory holds every layer's whole weights for a moment.
-With `--remat block` each block is recomputed in the backward pass, its gather included:
-the weights are gathered a second time there and only one layer's whole weights exist
-at a time (ZeRO-3's memory profile, for one more all-gather per weight). Inside `shard_map`
-the step sees only its device's block of every array, and nothing moves between devices
-unless a collective says so: the data-parallel and FSDP ones are in this file, the two
-tensor-parallel operators in vit_pure/model.py, the pipeline's in vit_pure/pipeline/.
-
-THE GRADIENT PITFALL. With `check_vma=True` (the default), shard_map tracks which values
-vary across each mesh axis. Parameters enter replicated (P() over 'data'): *invariant*.
-Multiplying them with the per-device (varying) batch implicitly broadcasts them to
-varying, and the transpose of that broadcast, in the backward pass, is a psum. So
-`jax.grad` of the local loss already returns the *sum* of the devices' gradients, and the
-pmap-style `pmean(grad(local_loss))` comes out N times too large, silently. This script
-makes the broadcast explicit instead: `lax.pcast(params, 'data', to='varying')` before
-taking the gradient (so autodiff reduces nothing), then one `lax.pmean(grads, 'data')`,
-written here. FSDP-sharded parameters already vary over 'data' (each device holds another
-shard); their reduction is the reduce-scatter written in `fsdp_gather`'s backward pass.
-tests/test_train.py pins the naive recipe's factor of N down; tests/test_model_parallel.py
-checks every layout against a single-device reference.
+two rule tables `TP_RULES` and `FSDP_RULES` below. Inside `shard_map` nothing moves between
+devices unless a collective says so: the data-parallel and FSDP ones are in this file.
+The gradient pitfall (a replicated parameter's gradient comes back already summed over
+'data') and how this file avoids it are at `global_grads`; tests/test_train.py pins the
+naive recipe's factor of N down, tests/test_model_parallel.py checks every layout against
+a single-device reference.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import functools
+import os
 import sys
 
+# isort: off
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv) and (
+        "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")):
+    # The first line, before JAX loads (seconds on a busy CPU). The restart with huge
+    # pages (vit_pure/run/hostmem.py) sets that tunable, so it is said once.
+    print(f"{os.path.basename(__file__)}: starting", flush=True)
+import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU, quiet.py)
+# isort: on
 import jax
 import jax.numpy as jnp
 import optax
@@ -121,7 +101,8 @@ def parse_mesh(text: str | None, n_devices: int) -> dict[str, int]:
     if total != n_devices:
         what = "data*model" if sizes[PIPE] == 1 else "data*model*pipe"
         raise cli.UsageError(
-            f"--mesh {text}: {what} = {total} but there are {n_devices} devices")
+            f"--mesh {text}: {what} = {total} but there "
+            + ("is 1 device" if n_devices == 1 else f"are {n_devices} devices"))
     return sizes
 
 
@@ -174,6 +155,14 @@ def fsdp_gather(shard: jax.Array, axis: int, dtype) -> jax.Array:
     that the backward collective, its float32 accumulation and the division that makes it
     the mean over 'data' are all in the code, not implied. tests/test_model_parallel.py
     checks the result against data-parallel and single-device gradients.
+
+    The backward pass needs the whole weights again. By default autodiff keeps the gathered
+    copies (they are residuals of the matmuls), so the forward gathers once and peak memory
+    holds every layer's whole weights for a moment. With `--remat block` each block is
+    recomputed in the backward pass, this gather included: the weights are gathered a
+    second time there and only one layer's whole weights exist at a time (ZeRO-3's memory
+    profile, for one more all-gather per weight). In a pipeline each stage gathers its own
+    layers once per step, before the tick loop.
     """
     # All-gather over 'data': the D shards of this weight, concatenated along `axis`.
     return lax.all_gather(shard.astype(dtype), DATA, axis=axis, tiled=True)
@@ -286,6 +275,10 @@ class ShardMapStrategy:
         schedule = ("\n" + pipeline.describe(self.sc.cfg.depth, self.stages, self.microbatches,
                                               self.schedule, self.virtual_stages)
                     if self.stages > 1 else "")
+        if 1 < self.stages and self.microbatches < self.stages:  # most ticks idle
+            schedule += (f"\nwarning: --microbatches {self.microbatches} is fewer than the "
+                         f"{self.stages} pipeline stages, so each stage waits most of the "
+                         f"step (the bubble above); give --microbatches {self.stages} or more")
         return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} "
                 f"{self.mesh.devices.flat[0].platform} devices, tensor parallel "
                 f"{'on' if self.tp_axis else 'off'}, FSDP {fsdp}; layout:\n{self.layout}\n"
@@ -323,9 +316,15 @@ class ShardMapStrategy:
             return DATA in mesh_axes(spec)
 
         def global_grads(state, images, labels, example_ids, key):
-            # Mark the data-replicated params as varying over 'data' *before*
-            # differentiating, so autodiff inserts no hidden reduction (see THE GRADIENT
-            # PITFALL above). FSDP shards already vary over 'data'.
+            # THE GRADIENT PITFALL. With check_vma=True shard_map tracks which values vary
+            # across each mesh axis. Replicated params (P() over 'data') are *invariant*;
+            # multiplying them with the per-device (varying) batch broadcasts them to
+            # varying, and the transpose of that broadcast in the backward pass is a psum:
+            # grad of the local loss would already be the *sum* over devices, and the
+            # pmap-style pmean(grad(local_loss)) N times too large, silently. So mark them
+            # varying *before* differentiating (autodiff then reduces nothing), and write
+            # the one pmean below. FSDP shards already vary over 'data' (each device holds
+            # another shard); their reduction is fsdp_gather's reduce-scatter.
             params = jax.tree.map(
                 lambda x, s: x if over_data(s) else lax.pcast(x, DATA, to="varying"),
                 state["params"], specs)

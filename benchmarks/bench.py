@@ -169,7 +169,7 @@ def script_setup(argv: list[str] | None = None, total_steps: int = 1000,
     backend's defaults."""
     if args is None:
         args = cli.parse_args(parser or cli.build_parser("bench"), argv)
-    optimizer, _ = step.make_optimizer(RunConfig.from_args(args).optim, total_steps)
+    optimizer, _ = step.make_optimizer(RunConfig.from_args(args).schedule.optim, total_steps)
     return settings.step_config(args), optimizer
 
 

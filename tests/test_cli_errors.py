@@ -23,8 +23,9 @@ import pytest
 
 import train_pmap
 import train_shardmap
+from vit_pure import step
 from vit_pure.data import download
-from vit_pure.run import checkpoint_arrays, checks, cli
+from vit_pure.run import checkpoint_arrays, checks, cli, settings
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A run that would finish in seconds, were its input good (a case that runs fails).
@@ -218,6 +219,10 @@ AFTER_PARSE = [
     (["--accum-steps", "3"], "--accum-steps 3 does not divide the per-device batch 2"),
     (["--synthetic-train", "8"], "--batch 16 is larger than the 8 training images"),
     (["--eval-only", "--ckpt-dir", "{tmp}"], "--eval-only: no intact checkpoint in {tmp}"),
+    (["--eval-only", "--ckpt-dir", "{tmp}/none"], "--ckpt-dir {tmp}/none: no such directory"),
+    (["--init-from", "{tmp}/none.npz"], "--init-from {tmp}/none.npz: no such file or folder"),
+    (["--subset", "4001,1000"], "argument --subset: expected TRAIN,TEST with TRAIN a multiple"),
+    (["--subset", "4000"], "argument --subset: expected TRAIN,TEST image counts"),
     # past the end of a run whose length --epochs gives (64 images / 16 = 4 steps an epoch)
     (["--steps", "100", "--epochs", "1", "--stop-after", "5"],
      "--stop-after 5: the run ends sooner, at step 4 (1 epoch x 4 steps)"),
@@ -269,7 +274,10 @@ def test_missing_data_dir_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(download.URL_ENV, (tmp_path / "no-such-archive.tar.gz").as_uri())
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     code = _main("shardmap", TINY + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d")])
-    _assert_one_line(code, capsys.readouterr().err, "pass --data-dir DIR")
+    captured = capsys.readouterr()
+    _assert_one_line(code, captured.err, "without a network, pass --data-dir DIR")
+    assert captured.out == ""  # the error is the only line
+    assert not (tmp_path / "d").exists()  # the failed download left nothing behind
 
 
 def test_disk_full_at_a_save_is_one_line(tmp_path, capsys, monkeypatch):
@@ -285,6 +293,35 @@ def test_disk_full_at_a_save_is_one_line(tmp_path, capsys, monkeypatch):
                      f"cannot write the step-1 checkpoint in {tmp_path / 'ck'} "
                      f"(No space left on device)")
     assert os.listdir(tmp_path / "ck") == []
+
+
+@pytest.mark.parametrize("microbatches, warned", [(2, True), (4, False)])
+def test_fewer_microbatches_than_stages_is_warned(microbatches, warned):
+    """Not an error, but never silent: the layout's description says it and what to give."""
+    args = cli.parse_args(train_shardmap.build_parser(), BASE + [
+        "--mesh", "data=2,pipe=4", "--microbatches", str(microbatches)])
+    sc = settings.step_config(args)
+    strategy = train_shardmap.ShardMapStrategy(
+        sc, step.make_optimizer(settings.RunConfig.from_args(args).schedule.optim, 1)[0],
+        args.mesh, microbatches=args.microbatches)
+    text = strategy.describe()
+    assert ("warning: --microbatches 2 is fewer than the 4 pipeline stages" in text) == warned
+    assert ("give --microbatches 4 or more" in text) == warned
+
+
+def test_eval_only_reads_a_read_only_ckpt_dir(tmp_path, capsys, monkeypatch):
+    """--eval-only only reads --ckpt-dir: a folder this user may not write passes the
+    start-up check (and fails later only for what it holds); training there does not."""
+    (tmp_path / "ro").mkdir()
+    access = os.access
+    monkeypatch.setattr(checks.os, "access",
+                        lambda p, mode: access(p, mode) and not mode & os.W_OK)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    ro = str(tmp_path / "ro")
+    code = _main("shardmap", BASE + ["--eval-only", "--ckpt-dir", ro])
+    _assert_one_line(code, capsys.readouterr().err, f"--eval-only: no intact checkpoint in {ro}")
+    code = _main("shardmap", BASE + ["--ckpt-dir", ro])
+    _assert_one_line(code, capsys.readouterr().err, f"--ckpt-dir {ro}: cannot create or write")
 
 
 def test_data_dir_that_is_a_file_is_one_line(tmp_path, capsys):

@@ -474,7 +474,7 @@ def test_download_md5_mismatch_keeps_nothing(tmp_path, http_server):
         D.load_cifar10(data_dir, url=f"{base}/cifar-10-python.tar.gz", md5="0" * 32,
                        log=lambda s: None)
     assert_one_line_error(e, "md5 mismatch", md5, "0" * 32)
-    assert list(data_dir.iterdir()) == []
+    assert not data_dir.exists()  # not even the folder it created
 
 
 def test_download_incomplete_archive_keeps_nothing(tmp_path, http_server):
@@ -492,7 +492,7 @@ def test_download_incomplete_archive_keeps_nothing(tmp_path, http_server):
         D.load_cifar10(data_dir, url=f"{base}/cifar-10-python.tar.gz",
                        md5=hashlib.md5(archive.read_bytes()).hexdigest(), log=lambda s: None)
     assert_one_line_error(e, "test_batch")
-    assert list(data_dir.iterdir()) == []
+    assert not data_dir.exists()
 
 
 def test_download_unreachable_fails_fast(tmp_path):
@@ -503,10 +503,10 @@ def test_download_unreachable_fails_fast(tmp_path):
     with pytest.raises(D.DataError) as e:
         D.load_cifar10(data_dir, url=url, log=lines.append)
     assert time.monotonic() - t0 < 5
-    assert_one_line_error(e, url, "--data-dir", "torchvision.datasets.CIFAR10",
-                          "--dataset synthetic")
-    assert any("downloading" in line for line in lines)
-    assert list(data_dir.iterdir()) == []
+    assert_one_line_error(e, url, "without a network", "--data-dir",
+                          "torchvision.datasets.CIFAR10", "--dataset synthetic")
+    assert lines == []  # the error is the only line: nothing was downloading
+    assert not data_dir.exists()
 
 
 def test_download_silent_server_times_out(tmp_path, monkeypatch):
@@ -524,7 +524,68 @@ def test_download_silent_server_times_out(tmp_path, monkeypatch):
     finally:
         listener.close()
     assert_one_line_error(e, "timed out", "--data-dir", "--dataset synthetic")
-    assert list((tmp_path / "data").iterdir()) == []
+    assert not (tmp_path / "data").exists()
+
+
+def test_download_into_an_existing_folder_that_fails_keeps_the_folder(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "mine.txt").write_text("kept")
+    with pytest.raises(D.DataError):
+        D.load_cifar10(data_dir, url=(tmp_path / "absent.tar.gz").as_uri(), log=lambda s: None)
+    assert [p.name for p in data_dir.iterdir()] == ["mine.txt"]
+
+
+def test_subset_takes_the_first_images_of_each_batch(tmp_path):
+    train_x, train_y, test_x, test_y = make_folder(tmp_path, n_per_batch=6, n_test=6)
+    splits = D.load_cifar10(tmp_path, download=False, subset=(10, 4), log=lambda s: None)
+    first_two = np.concatenate([np.arange(i * 6, i * 6 + 2) for i in range(5)])
+    tr, va = D.split_indices(10, 0)
+    np.testing.assert_array_equal(splits["train"].images, train_x[first_two][tr])
+    np.testing.assert_array_equal(splits["val"].labels, train_y[first_two][va])
+    np.testing.assert_array_equal(splits["test"].images, test_x[:4])
+    with pytest.raises(D.DataError) as e:  # more than the folder holds
+        D.load_cifar10(tmp_path, download=False, subset=(35, 4), log=lambda s: None)
+    assert_one_line_error(e, "--subset 35,4", "data_batch_1 holds only 6 images")
+    for bad in ((12, 4), (0, 4), (10, 0), (50_005, 4), (10, 10_001)):
+        with pytest.raises(D.DataError) as e:
+            D.check_subset(bad)
+        assert_one_line_error(e, "multiple of 5")
+
+
+def test_subset_of_the_subset_folder_is_the_folder(subset_dir):
+    """--subset 4000,1000 (the cpu-quick recipe's) read from the full CIFAR-10 is the
+    shared subset folder: the first 800 images of each training batch, the first 1,000 of
+    the test batch; read from that folder it changes nothing."""
+    whole = D.load_cifar10(subset_dir, download=False, log=lambda s: None)
+    taken = D.load_cifar10(subset_dir, download=False, subset=(4000, 1000), log=lambda s: None)
+    for name in whole:
+        np.testing.assert_array_equal(whole[name].images, taken[name].images)
+        np.testing.assert_array_equal(whole[name].labels, taken[name].labels)
+
+
+def test_cpu_recipe_from_a_bare_clone_downloads_once(tmp_path, http_server, monkeypatch,
+                                                     capsys):
+    """README's CPU command with only the clone and a network (a local server stands in):
+    --recipe cpu-quick downloads CIFAR-10 into --data-dir and trains on the recipe's subset
+    (made smaller here, and the model tiny, to fit a test); a second run downloads nothing."""
+    import train_shardmap
+    from vit_pure.run import cli
+
+    base, requests = http_server
+    _, md5, _ = make_archive(tmp_path, n_per_batch=6, n_test=6)
+    monkeypatch.setenv(DL.URL_ENV, f"{base}/cifar-10-python.tar.gz")
+    monkeypatch.setenv(DL.MD5_ENV, md5)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    argv = ["--recipe", "cpu-quick", "--data-dir", str(tmp_path / "data"), "--subset", "25,5",
+            "--model", "tiny", "--batch", "8", "--steps", "1", "--eval-every", "0",
+            "--no-final-eval", "--no-progress", "--randaugment", "0", "--cpu-devices", "8"]
+    for run in range(2):
+        assert cli.main_guard(lambda: train_shardmap.main(argv)) == 0
+        out = capsys.readouterr().out
+        assert ("downloading" in out) == (run == 0)
+        assert "train 23, val 2, test 5" in out and "step 1 done" in out
+    assert requests == ["/cifar-10-python.tar.gz"]
 
 
 def test_download_from_local_file_url(tmp_path):

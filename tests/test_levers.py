@@ -185,7 +185,7 @@ def test_unmixed_variant_sees_one_hot_targets_and_the_mixed_one_mixed_targets():
 
 
 def test_mix_schedule_switches_for_the_last_n_epochs():
-    plan = loop.StepPlan(steps_per_epoch=5, total_steps=23, epochs=5, log_every=1)
+    plan = loop.StepPlan(batch=8, steps_per_epoch=5, total_steps=23, epochs=5, log_every=1)
 
     class Fake:
         sc, train_step = SC, "mixed"
@@ -198,12 +198,12 @@ def test_mix_schedule_switches_for_the_last_n_epochs():
 
     rc = RunConfig.from_args(ts.cli.parse_args(ts.build_parser(),
                                                ["--mix-off-epochs", "2", "--mixup", "0.8"]))
-    mixing = loop.MixSchedule(rc, SC, plan, make, log=lambda *a, **k: None)
+    mixing = loop.MixSchedule(rc.schedule, SC, plan, make, log=lambda *a, **k: None)
     variants = [mixing.train_step(Fake, s) for s in range(23)]
     assert variants == ["mixed"] * 15 + ["unmixed"] * 8  # epochs 4 and 5 (the last, short)
     assert len(built) == 1 and built[0].mixup_alpha == built[0].cutmix_alpha == 0.0
     assert dataclasses.replace(built[0], mixup_alpha=SC.mixup_alpha) == SC
-    none = loop.MixSchedule(dataclasses.replace(rc, mix_off_epochs=0), SC, plan, make,
+    none = loop.MixSchedule(dataclasses.replace(rc.schedule, mix_off_epochs=0), SC, plan, make,
                             log=lambda *a, **k: None)
     assert all(none.mixes_at(s) for s in range(23))
 

@@ -103,9 +103,10 @@ def _reference_losses(argv) -> dict[int, dict]:
     """The same steps, each step's metrics read as soon as it is dispatched."""
     args = cli.parse_args(train_shardmap.build_parser(), argv)
     sc, rc = settings.step_config(args), RunConfig.from_args(args)
-    train = data_lib.load_dataset(rc.dataset, rc.data_dir, **rc.dataset_sizes)["train"]
+    data = rc.data
+    train = data_lib.load_dataset(data.dataset, data.data_dir, **data.dataset_sizes)["train"]
     plan = loop.plan_steps(rc.schedule, rc.logging, len(train))
-    optimizer, schedule = step_lib.make_optimizer(rc.optim, plan.total_steps)
+    optimizer, schedule = step_lib.make_optimizer(rc.schedule.optim, plan.total_steps)
     strategy = _strategy(sc, optimizer)
     state = strategy.put_state(step_lib.init_state(jax.random.key(args.seed), sc.cfg,
                                                    sc.policy, optimizer))
@@ -195,9 +196,10 @@ def test_inputs_placed_ahead_are_the_steps_batches(depth):
     args = cli.parse_args(train_shardmap.build_parser(), BASE)
     rc = RunConfig.from_args(args)
     train = data_lib.synthetic_cifar10(n_train=40, n_val=0, n_test=0)["train"]
-    plan = loop.StepPlan(steps_per_epoch=5, total_steps=12, epochs=3, log_every=1)
+    plan = loop.StepPlan(batch=rc.schedule.batch, steps_per_epoch=5, total_steps=12, epochs=3,
+                         log_every=1)
     strategy = _strategy(settings.step_config(args),
-                         step_lib.make_optimizer(rc.optim, 12)[0])
+                         step_lib.make_optimizer(rc.schedule.optim, 12)[0])
     got = list(loop._device_inputs(rc.data, strategy, train, plan, start=3, depth=depth))
     assert len(got) == 9
     for s, (images, labels, _, key) in enumerate(got, start=3):

@@ -357,7 +357,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(runs):
     """The processes agree on stopping (StopRequest.agreed): without it process 1 would
     leave the step loop alone and process 0 would wait in the next step's collectives."""
     root, codes = runs
-    assert (codes["stop", 0], codes["stop", 1]) == (0, 0), _output(root, "stop")
+    assert (codes["stop", 0], codes["stop", 1]) == (143, 143), _output(root, "stop")
     stopped = [r for r in _records(root / "stop" / "log0.jsonl") if r.get("event") == "stopped"]
     assert len(stopped) == 1 and stopped[0]["reason"] == "SIGTERM", _output(root, "stop")
     k = stopped[0]["step"]

@@ -66,7 +66,7 @@ def _setup(*flags, accum_steps=1):
                                               "--drop-path", "0", *flags])
     sc = settings.step_config(args, platform=H100.platform)
     sc = dataclasses.replace(sc, augment=False, accum_steps=accum_steps)
-    return sc, step.make_optimizer(RunConfig.from_args(args).optim, 100)[0]
+    return sc, step.make_optimizer(RunConfig.from_args(args).schedule.optim, 100)[0]
 
 
 def _shardmap_plan(mesh, *flags, fsdp=False, microbatches=None, accum_steps=1):

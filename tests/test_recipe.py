@@ -26,18 +26,19 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert args.randaugment == cli.RECIPES["cpu-quick"]["randaugment"]
 
 
-# The command that measured --recipe gpu-small-data (docs/training.md, "Accuracy"), less
+# The command that measured --recipe gpu-small-data (vit_pure/run/flags.py RECIPES), less
 # --data-dir and --no-progress: the recipe must stay that run.
 GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs 2400 --lr 4e-3 "
                       "--randaugment 2,9 --mixup 0.8 --cutmix 1.0 --ema 0.999 "
                       "--mix-off-epochs 240 --accum-steps 1 --eval-every 50 --log-every 500")
 
 
-# The same for --recipe cpu-quick: the flags of the measured run (docs/training.md).
+# The same for --recipe cpu-quick: the flags of the measured run (RECIPES). It read the
+# subset folder, which --subset 4000,1000 reads unchanged (tests/test_data.py).
 CPU_QUICK_RUN = ("--model vit-cifar-conv-lsa --dtype auto --batch 128 --epochs 60 --lr 2e-3 "
                  "--warmup-steps 140 --weight-decay 0.05 --label-smoothing 0.1 "
                  "--randaugment 2,5 --ema 0.99 --eval-flip --eval-every 10 --cpu-devices 2 "
-                 "--no-scan --accum-steps 1")
+                 "--no-scan --accum-steps 1 --subset 4000,1000")
 
 
 @pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),
@@ -82,6 +83,10 @@ def test_eval_only_reproduces_the_final_test_metrics(tmp_path):
 
 
 def test_eval_only_without_checkpoints_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
     code = cli.main_guard(lambda: train_pmap.main(
-        ["--eval-only", "--ckpt-dir", str(tmp_path / "none"), "--dataset", "synthetic"]))
+        ["--eval-only", "--ckpt-dir", str(tmp_path / "empty"), "--dataset", "synthetic"]))
     assert code == 2 and "no intact checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # no folder at all: refused while parsing
+        train_pmap.main(["--eval-only", "--ckpt-dir", str(tmp_path / "none")])
+    assert e.value.code == 2 and "no such directory" in capsys.readouterr().err

@@ -81,14 +81,17 @@ def test_shardmap_resume_mid_epoch_is_bitwise_exact(straight, tmp_path, capsys):
     got = train_shardmap.main(BASE + MESH + ["--ckpt-dir", str(tmp_path), "--resume"])
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / 'step_00000003'}: step 3, epoch 1 with 3 of its 5" in out
+    resumed = next(ln for ln in out.splitlines() if ln.startswith("resumed from"))
+    assert resumed.endswith("FSDP off)") and "layout:" not in resumed, resumed
     assert_bitwise(got["state"], straight["shard"]["state"])
     assert_bitwise(checkpoint.load_numpy(tmp_path / "step_00000006"),
                    checkpoint.load_numpy(straight["root"] / "shard" / "step_00000006"))
     assert got["test"] == straight["shard"]["test"]
 
 
-def test_sigterm_saves_exits_0_and_resume_is_bitwise_exact(straight, tmp_path, capsys):
-    """SIGTERM after the first step logs: the step finishes, a checkpoint is written, exit 0.
+def test_sigterm_saves_exits_143_and_resume_is_bitwise_exact(straight, tmp_path, capsys):
+    """SIGTERM after the first step logs: the step finishes, a checkpoint is written, exit
+    143 (128 + SIGTERM, as without --ckpt-dir: one rule).
     Resuming it (past a corrupt newer checkpoint) gives the straight run's state bitwise."""
     cmd = [sys.executable, "-u", "train_pmap.py", *BASE, "--cpu-devices", "8",
            "--eval-every", "1", "--ckpt-dir", str(tmp_path)]
@@ -109,7 +112,7 @@ def test_sigterm_saves_exits_0_and_resume_is_bitwise_exact(straight, tmp_path, c
             proc.kill()
             proc.wait()
     out = "".join(lines)
-    assert code == 0, out
+    assert code == 128 + signal.SIGTERM, out
     stopped = [ln for ln in lines if ln.startswith("stopped by SIGTERM after step ")]
     assert len(stopped) == 1, out
     k = int(stopped[0].split()[5].rstrip(";"))
@@ -238,7 +241,7 @@ def test_resume_in_empty_dir_starts_fresh_and_sigterm_saves(sigterm_while_loadin
                                                            capsys):
     """The same command can start a job and restart it after preemption."""
     argv = BASE + ["--ckpt-dir", str(tmp_path / "new"), "--resume"]
-    assert cli.main_guard(lambda: train_pmap.main(argv)) == 0
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 128 + signal.SIGTERM
     out = capsys.readouterr().out
     assert "no checkpoint in" in out and "starting from step 0" in out
     step_0 = tmp_path / "new" / "step_00000000"

@@ -36,11 +36,13 @@ def test_defaults_are_the_parsers():
     """What a user gets with no flags: the parser's defaults, carried unchanged."""
     args = _parse()
     rc = RunConfig.from_args(args)
-    assert (rc.batch, rc.eval_batch, rc.epochs, rc.seed) == (128, 128, 200, 0)
-    assert rc.accum_steps == "auto" and rc.final_eval and rc.progress and not rc.resume
-    assert rc.synthetic_sizes == () and rc.profile_range is None
+    data, schedule, logging = rc.data, rc.schedule, rc.logging
+    assert (schedule.batch, data.eval_batch, schedule.epochs, data.seed) == (128, 128, 200, 0)
+    assert schedule.accum_steps == "auto" and logging.final_eval and logging.progress
+    assert not rc.checkpoints.resume
+    assert rc.data.synthetic_sizes == () and rc.logging.profile_range is None
     # OptimConfig's own defaults (tests build it bare) are the parser's.
-    assert rc.optim == OptimConfig() == OptimConfig(args.lr, args.weight_decay,
+    assert rc.schedule.optim == OptimConfig() == OptimConfig(args.lr, args.weight_decay,
                                                     args.warmup_steps)
     assert dict(rc.flags)["model"] == "vit-cifar" and dict(rc.flags)["batch"] == 128
 
@@ -51,11 +53,13 @@ def test_flags_reach_the_settings():
         "96", "--lr", "0.01", "--warmup-steps", "3", "--no-final-eval", "--no-progress",
         "--profile", "/tmp/p", "--profile-steps", "2:4", "--accum-steps", "2",
         "--mix-off-epochs", "5", "--mixup", "0.8", "--repeat-aug", "2"))
-    assert (rc.batch, rc.eval_batch, rc.accum_steps, rc.repeat_aug) == (64, 32, 2, 2)
-    assert rc.dataset_sizes == {"n_train": 96}
-    assert rc.optim == OptimConfig(lr=0.01, weight_decay=0.05, warmup_steps=3)
-    assert not rc.final_eval and not rc.progress and rc.profile_range == (2, 4)
-    assert rc.mix_off_epochs == 5
+    data, schedule, logging = rc.data, rc.schedule, rc.logging
+    assert (schedule.batch, data.eval_batch) == (64, 32)
+    assert (schedule.accum_steps, data.repeat_aug) == (2, 2)
+    assert rc.data.dataset_sizes == {"n_train": 96}
+    assert rc.schedule.optim == OptimConfig(lr=0.01, weight_decay=0.05, warmup_steps=3)
+    assert not logging.final_eval and not logging.progress and logging.profile_range == (2, 4)
+    assert rc.schedule.mix_off_epochs == 5
     # The record a checkpoint keeps: JSON values, tuples as lists.
     assert dict(rc.flags)["profile_range"] == [2, 4]
 
@@ -63,7 +67,7 @@ def test_flags_reach_the_settings():
 def test_settings_are_frozen():
     rc = RunConfig.from_args(_parse())
     with pytest.raises(dataclasses.FrozenInstanceError):
-        rc.batch = 1  # type: ignore[misc]
+        rc.schedule.batch = 1  # type: ignore[misc]
 
 
 def _reads_args(path: pathlib.Path) -> list[int]:
@@ -93,17 +97,21 @@ def test_the_check_sees_an_args_parameter(tmp_path):
 
 
 def test_slices_carry_the_settings():
-    """rc.data / .schedule / .logging / .checkpoints: RunConfig's own values, frozen."""
+    """rc.data / .schedule / .logging / .checkpoints: RunConfig's values, each in one slice
+    (no field is repeated), frozen."""
     rc = RunConfig.from_args(_parse("--batch", "64", "--seed", "3", "--steps", "9",
                                     "--log-every", "7", "--ckpt-dir", "/tmp/ck",
                                     "--ckpt-every", "5"))
-    assert (rc.data.batch, rc.data.seed, rc.data.dataset) == (64, 3, "cifar10")
-    assert (rc.schedule.batch, rc.schedule.steps, rc.schedule.optim) == (64, 9, rc.optim)
+    assert (rc.data.seed, rc.data.dataset) == (3, "cifar10")
+    assert (rc.schedule.batch, rc.schedule.steps, rc.schedule.optim.lr) == (64, 9, 1e-3)
     assert (rc.logging.log_every, rc.logging.final_eval) == (7, True)
     assert (rc.checkpoints.ckpt_dir, rc.checkpoints.ckpt_every) == ("/tmp/ck", 5)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        rc.data.batch = 1  # type: ignore[misc]
+        rc.schedule.batch = 1  # type: ignore[misc]
     assert not hasattr(rc.data, "ckpt_dir") and not hasattr(rc.checkpoints, "batch")
+    names = [f.name for s in (rc.data, rc.schedule, rc.logging, rc.checkpoints)
+             for f in dataclasses.fields(s)]
+    assert len(names) == len(set(names)), names
 
 
 def test_plan_config_is_the_plan_flags():

@@ -20,9 +20,13 @@ out), xla/ (reading compiled programs), tools/ (small command-line tools). Impor
 downwards only: the reading path imports layers/, data/ and errors.py, and run/,
 plan/ and weights/ import the reading path.
 """
-from vit_pure.config import PRESETS, ViTConfig, get_preset
-from vit_pure.model import apply, count_params, init_params, param_axes
-from vit_pure.policy import LossScale, Policy
+from vit_pure import quiet
+
+quiet.import_jax_quietly()  # first: JAX's CUDA plugin where no GPU is (vit_pure/quiet.py)
+
+from vit_pure.config import PRESETS, ViTConfig, get_preset  # noqa: E402
+from vit_pure.model import apply, count_params, init_params, param_axes  # noqa: E402
+from vit_pure.policy import LossScale, Policy  # noqa: E402
 
 __all__ = ["PRESETS", "ViTConfig", "get_preset", "init_params", "apply", "param_axes",
            "count_params", "Policy", "LossScale"]

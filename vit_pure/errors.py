@@ -27,7 +27,8 @@ class Interrupted(Exception):
 
     `main_guard` prints the message and exits with 128 + the signal number (130 for
     SIGINT, 143 for SIGTERM), the shell's convention for "killed by this signal", so a
-    wrapper or scheduler does not mistake the run for a finished one.
+    wrapper or scheduler does not mistake the run for a finished one; a run that saved a
+    checkpoint before it stopped exits with the same code.
     """
 
     def __init__(self, message: str, signum: int):

@@ -3,59 +3,23 @@
     params = init_params(key, cfg)                      # dict of jax.Array, nothing else
     logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
 
-Axis letters in shape comments:
-    B batch   T tokens (patches + class token + registers)   E embedding width   H heads
-    D head dim (E = H * D)   M MLP hidden   L encoder layers   P patch pixels (p*p*C)
-    K classes
+Axis letters in shape comments: B batch, T tokens (patches, class token, registers), E width,
+H heads, D head dim (E = H * D), M MLP hidden, L layers, P patch pixels (p*p*C), K classes.
 
-Parameter layout (`init_params`); the encoder blocks are *stacked* along a leading layer
-axis L, one layout for every use (a Python loop or `lax.scan` over it, and a pipeline
-shards it):
+The encoder blocks are *stacked* along a leading layer axis L (`blocks/attn/qkv/kernel` is
+(L, E, 3, H, D), `blocks/mlp/fc1/kernel` (L, E, M)), one layout for a Python loop, a
+`lax.scan` and a pipeline; `param_axes(cfg)` gives each leaf's logical axis names, and
+docs/training.md ("The model") lists every parameter and its initialisation.
 
-    stem/conv{i}/kernel (3, 3, C_in, C_out)  stem/conv{i}/bias (C_out,)   (cfg.stem only)
-    patch_embed/kernel (P, E)   patch_embed/bias (E,)
-    cls_token (E,)      pos_embed (T - R, E)     (no cls_token with cfg.pool "gap")
-    reg_tokens (R, E)                                  (cfg.registers R > 0 only)
-    blocks/ln1/{scale,bias} (L, E)
-    blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
-    blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)
-    blocks/attn/log_scale (L, H)                                           (cfg.lsa only)
-    blocks/ln2/{scale,bias} (L, E)
-    blocks/mlp/fc1/kernel (L, E, M)            blocks/mlp/fc1/bias (L, M)
-    blocks/mlp/fc2/kernel (L, M, E)            blocks/mlp/fc2/bias (L, E)
-    blocks/ls1/gamma (L, E)    blocks/ls2/gamma (L, E)          (cfg.layer_scale only)
-    final_ln/{scale,bias} (E,)
-    head/kernel (E, K)          head/bias (K,)
+`_block` reads LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, each a
+call into vit_pure/layers/, which emit no collective. Dropout and stochastic depth draw
+every mask from `fold_in(rng, example_id)`, so 1, 2 or 8 devices give the same numbers.
 
-`param_axes(cfg)` gives the same tree with each leaf's logical axis names (for sharding
-rules). Initialisation follows common ViT practice (ViT, DeiT, timm): every weight matrix,
-the position embedding and the head from a normal with std 0.02 truncated at two standard
-deviations (rescaled so the std really is 0.02); biases and the class token zero;
-LayerNorm scale one, bias zero. The optional convolutional stem's kernels (cfg.stem;
-Xiao et al. 2021, "Early convolutions help transformers see better", arXiv:2106.14881)
-are drawn with He et al.'s fan-in scaling (std sqrt(2 / (9 C_in))), as for any
-convolution followed by a rectifier-like activation with no normalisation. Locality
-self-attention's log-temperatures (cfg.lsa) start at log(1/sqrt(D)), the plain scale.
-
-Regularisation: dropout (rate `cfg.dropout`) after the embedding and at the end of each
-residual branch (after the attention output projection and after the second MLP layer);
-stochastic depth (`cfg.drop_path`) drops a whole residual branch per example, with the
-rate growing linearly from 0 at the first block to `cfg.drop_path` at the last. Every
-random mask is drawn from `fold_in(rng, example_id)` (then the layer and the site), so it
-belongs to the example, not to the device holding it: 1, 2 or 8 devices give the same
-numbers. All dropout sites sit on full-width activations, so tensor parallelism needs no
-special care either.
-
-Tensor parallelism (`tp_axis`): inside `shard_map`, the attention heads and the MLP hidden
-units may be split over a mesh axis. The block then reads its local head count from the
-kernel shapes, and the two Megatron operators appear in `_block`: `_copy_to_tp` (identity
-forward, all-reduce of the gradient backward: "f") before each column-parallel matmul and
-`_reduce_from_tp` (all-reduce forward, identity backward: "g") after each row-parallel one.
-
-The layers: `_block` reads LayerNorm -> attention -> residual -> LayerNorm -> MLP ->
-residual, each a call into vit_pure/layers/ (norm.py, attention.py, mlp.py, dropout.py;
-remat.py names what a rematerialised block keeps). Those calls emit no collective; the
-two tensor-parallel operators around them are here.
+Tensor parallelism (`tp_axis`): inside `shard_map` the heads and MLP units may be split
+over a mesh axis; the block reads its local head count from the kernel shapes, and the two
+Megatron operators are here: `_copy_to_tp` ("f": identity forward, all-reduce of the
+gradient backward) before each column-parallel matmul, `_reduce_from_tp` ("g": all-reduce
+forward, identity backward) after each row-parallel one.
 """
 from __future__ import annotations
 

@@ -5,41 +5,21 @@ One frozen dataclass decides every cast in the kit:
     param_dtype    what the optimizer updates and checkpoints hold ("master" weights)
     compute_dtype  what the model's matmul inputs and activations are
     output_dtype   what `apply` returns (the logits)
-    matmul_dtype   what every matmul *returns* (its inputs are compute_dtype; the product
-                   is always accumulated in float32 inside the matmul, whatever this says)
+    matmul_dtype   what every matmul *returns* (the product is always accumulated in
+                   float32 inside the matmul, whatever this says)
 
-String form (the command line's `--policy`): ``p=f32,c=bf16,o=f32,m=bf16``. The short forms
-``fp32`` / ``bf16`` / ``fp16`` mean float32 master params computing in that dtype with
-float32 outputs (the usual mixed-precision recipe). Parameters themselves may also be
-stored in low precision (``p=bf16,c=bf16``); that runs, but see docs/precision.md for why
-it trains worse.
+String form (`--policy`): ``p=f32,c=bf16,o=f32,m=bf16``; ``fp32`` / ``bf16`` / ``fp16`` mean
+float32 master params computing in that dtype with float32 outputs. ``m`` is a speed choice
+with one right answer per backend (docs/precision.md): the compute dtype on accelerators
+(the GEMM rounds once on the way out; faster and smaller on a GPU), ``m=f32`` on XLA:CPU
+(which upcasts a bf16-output dot entirely; its backward needs the custom VJP in `matmul`).
+Left out, the training scripts pick it per backend (vit_pure/run/backend.py); `Policy.parse`
+alone gives ``m=f32``.
 
-The matmul output dtype is a speed choice with two right answers, one per backend
-(measured, docs/performance.md):
-
-  * ``m=`` the compute dtype (bf16 out): the GEMM accumulates in float32 internally and
-    rounds once on the way out; the bias add then runs in bf16. On an H100 this was
-    1.19x faster than f32 outputs, in 22% less memory (half the bytes of every matmul
-    output, fewer converts), and plain
-    autodiff already runs the backward matmuls in bf16. What MaxText, Flax (``dtype=``),
-    jmp and PyTorch autocast do.
-  * ``m=f32``: the product comes back in float32 (``preferred_element_type``) and the
-    bias add runs in float32. On XLA:CPU a bf16-output dot is upcast to float32 entirely,
-    so this is the faster one there; its backward pass needs the custom VJP in `matmul`.
-
-When the policy string leaves ``m`` out, the training scripts pick it per backend
-(vit_pure/run/backend.py) and say so at startup; `Policy.parse` alone gives ``m=f32``.
-
-Fixed rules, whatever the policy says:
-  * only floating leaves are cast (integer step counters, RNG keys are left alone);
-  * LayerNorm statistics, the softmax and the loss are computed in float32, and so is the
-    optimizer (on the float32 master params);
-  * matmuls take compute-dtype inputs and accumulate in float32.
-
-Float16 has a narrow exponent range, so small gradients underflow to zero; the usual cure
-is a *dynamic loss scale* (`LossScale`): multiply the loss by S before differentiating,
-divide the gradients by S afterwards, halve S and skip the step whenever a gradient is not
-finite, double it after `period` finite steps in a row.
+Fixed rules, whatever the policy says: only floating leaves are cast; LayerNorm
+statistics, the softmax, the loss and the optimizer run in float32; matmuls take
+compute-dtype inputs and accumulate in float32. Float16 needs a dynamic loss scale
+(`LossScale`, below) against underflowing gradients.
 """
 from __future__ import annotations
 
@@ -216,6 +196,11 @@ _einsum_f32_out.defvjp(_einsum_fwd, _einsum_bwd)
 @dataclasses.dataclass(frozen=True)
 class LossScale:
     """A dynamic (or, with ``dynamic=False``, constant 1) loss scale; a pytree.
+
+    Float16's narrow exponent range lets small gradients underflow to zero: multiply the
+    loss by S before differentiating, divide the gradients by S afterwards, halve S and
+    skip the step whenever a gradient is not finite, double it after `period` finite steps
+    in a row.
 
     Its two arrays (``scale``, ``good_steps``) travel through jit, pmap and shard_map
     like any other state; the settings are static.

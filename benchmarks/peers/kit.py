@@ -52,7 +52,7 @@ def build_kit(job: dict):
     cli.start_runtime(args)
     sc = settings.step_config(args)
     rc = RunConfig.from_args(args)
-    optimizer, _ = step.make_optimizer(rc.optim, 1000)
+    optimizer, _ = step.make_optimizer(rc.schedule.optim, 1000)
     devices = jax.devices()[:1]
 
     def make_strategy(sc, optimizer):

@@ -206,6 +206,7 @@ def _find_folder(data_dir: pathlib.Path) -> pathlib.Path:
 
 def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
                  md5: str | None = None, split_seed: int = 0,
+                 subset: tuple[int, int] | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Split]:
     """Read CIFAR-10 from ``data_dir/cifar-10-batches-py`` (downloading it if missing).
 
@@ -213,7 +214,14 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     fixed-seed permutation (45,000 / 5,000 on the full set; the same ratio on a
     subset), and the test batch (10,000). url/md5 default to the environment
     variables VIT_PURE_CIFAR10_URL / VIT_PURE_CIFAR10_MD5, then to the official ones.
+
+    `subset` (n_train, n_test), `--subset`: the first n_train / 5 images of each training
+    batch and the first n_test of the test batch, before the split. (4000, 1000) is the
+    CIFAR-10 subset the tests and the cpu-quick recipe use; taken from a folder that
+    already holds that subset, it is the whole folder.
     """
+    if subset is not None:
+        check_subset(subset)
     if data_dir is None or str(data_dir) == "":
         raise DataError(f"no data directory given; {HOW_TO_PROVIDE}")
     data_dir = pathlib.Path(data_dir).expanduser()
@@ -225,6 +233,15 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
 
     parts = [read_batch_file(folder / f) for f in TRAIN_FILES]
     test_images, test_labels = read_batch_file(folder / TEST_FILE)
+    if subset is not None:
+        per_batch, n_test = subset[0] // len(TRAIN_FILES), subset[1]
+        short = [(f, len(p[1])) for f, p in zip(TRAIN_FILES, parts) if len(p[1]) < per_batch]
+        if short or len(test_labels) < n_test:
+            name, n = short[0] if short else (TEST_FILE, len(test_labels))
+            raise DataError(f"--subset {subset[0]},{subset[1]}: {folder / name} holds only "
+                            f"{n} images, fewer than the subset takes from it")
+        parts = [(x[:per_batch], y[:per_batch]) for x, y in parts]
+        test_images, test_labels = test_images[:n_test], test_labels[:n_test]
     if (folder / META_FILE).exists():
         _check_meta(folder / META_FILE)
     images = np.concatenate([p[0] for p in parts])
@@ -239,6 +256,15 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     }
     log(f"CIFAR-10 from {folder}: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
     return splits
+
+
+def check_subset(subset: tuple[int, int]) -> None:
+    """DataError unless (n_train, n_test) is a subset CIFAR-10 has: n_train a positive
+    multiple of the five training batches, at most 50,000; n_test 1..10,000."""
+    n_train, n_test = subset
+    if not (0 < n_train <= 50_000 and n_train % len(TRAIN_FILES) == 0 and 0 < n_test <= 10_000):
+        raise DataError(f"--subset {n_train},{n_test}: expected TRAIN,TEST with TRAIN a "
+                        f"multiple of 5 in 5..50000 and TEST in 1..10000, e.g. 4000,1000")
 
 
 # --------------------------------------------------------------------------

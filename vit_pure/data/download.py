@@ -2,7 +2,8 @@
 check its md5, extract it safely (regular files with in-tree names only) and move a
 complete ``cifar-10-batches-py`` into place with one rename, so an interrupted download
 never leaves a partial folder behind. `data.load_cifar10` calls it when the folder is
-missing; the environment variables below point it at a mirror or a local archive.
+missing; the environment variables below point it at a mirror or a local archive. A
+download that fails leaves nothing behind, not even the --data-dir folder it created.
 """
 from __future__ import annotations
 
@@ -73,18 +74,38 @@ def download_cifar10(data_dir, *, url: str | None = None, md5: str | None = None
     md5 = (md5 or os.environ.get(MD5_ENV) or CIFAR10_MD5).lower()
     data_dir = pathlib.Path(data_dir).expanduser()
     final = data_dir / FOLDER
+    created = _first_missing(data_dir)  # removed again, with what it holds, if this fails
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot create --data-dir {data_dir}: {e.strerror or e}") from None
-    log(f"CIFAR-10 not found at {final}; downloading {url}")
+    try:
+        return _download_into(data_dir, final, url, md5, log, timeout)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _first_missing(path: pathlib.Path) -> pathlib.Path | None:
+    """The outermost folder of `path` that does not exist yet (None: it all exists)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _download_into(data_dir: pathlib.Path, final: pathlib.Path, url: str, md5: str, log,
+                   timeout: float) -> pathlib.Path:
     try:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".cifar10-download-", dir=data_dir))
     except OSError as e:
         raise DataError(f"cannot write in --data-dir {data_dir}: {e.strerror or e}") from None
     try:
         archive = tmp / "cifar-10-python.tar.gz"
-        got = _fetch(url, archive, log, timeout)
+        got = _fetch(url, archive, log, timeout, f"CIFAR-10 not found at {final}; ")
         if got != md5:
             raise DataError(f"md5 mismatch for {url}: got {got}, expected {md5} "
                             f"(corrupt or different file; nothing was kept)")
@@ -109,8 +130,9 @@ def download_cifar10(data_dir, *, url: str | None = None, md5: str | None = None
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
-    """Stream url to dest, printing progress; return the md5 hex digest."""
+def _fetch(url: str, dest: pathlib.Path, log, timeout: float, why: str = "") -> str:
+    """Stream url to dest, printing progress once the server answers (`why` first); return
+    the md5 hex digest. A failure is one line: the cause, and what to do without a network."""
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https", "file"):
         raise DataError(f"unsupported download URL {url!r} (use http, https or file)")
@@ -121,6 +143,8 @@ def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
             _resolve(parsed.hostname, port, timeout)
         with urllib.request.urlopen(url, timeout=timeout) as resp, open(dest, "wb") as f:
             total = int(resp.headers.get("Content-Length") or 0)
+            size = f" ({total / 1e6:.1f} MB, once)" if total else ""
+            log(f"{why}downloading {url}{size}")
             done, next_report, t0 = 0, 0.25, time.monotonic()
             while chunk := resp.read(1 << 20):
                 f.write(chunk)
@@ -134,8 +158,8 @@ def _fetch(url: str, dest: pathlib.Path, log, timeout: float) -> str:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
-        raise DataError(f"could not download CIFAR-10 from {url} ({one_line(reason)}); "
-                        f"{HOW_TO_PROVIDE}") from None
+        raise DataError(f"{why}could not download it from {url} ({one_line(reason)}); "
+                        f"without a network, {HOW_TO_PROVIDE}") from None
     if total and done != total:
         raise DataError(f"download from {url} ended early ({done} of {total} bytes); try again")
     return h.hexdigest()

@@ -58,7 +58,7 @@ from jax._src import xla_bridge  # no public "have the backends started?"
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vit_pure import step
+from vit_pure import quiet, step
 from vit_pure.model import init_params
 from vit_pure.pipeline import schedules
 from vit_pure.plan import fabrics, nccl, targets
@@ -76,6 +76,7 @@ from vit_pure.plan.overlap import classify_overlap
 from vit_pure.plan.report import Plan
 from vit_pure.run import cli
 from vit_pure.run.accum import StepMemory
+from vit_pure.run.monitor import compiling
 from vit_pure.run.settings import PlanConfig
 from vit_pure.xla import kernels
 from vit_pure.xla.flops import train_flops_per_image  # the kit's one FLOP convention
@@ -185,12 +186,16 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     XLA:GPU's combining and dtypes are modelled (module docstring)."""
     t0 = time.perf_counter()
     gpu = strategy_platform(strategy) == "gpu"
-    lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer, global_batch))
-    # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default tiles
-    # fail for some shapes ("Couldn't find output tile sizes").
-    compiled = lowered.compile(
-        compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
-        else {"xla_disable_hlo_passes": f"{CPU_COMBINER},{CPU_BARRIER_EXPANDER}"})
+    with compiling(_print, f"the training step for {sc.cfg.name}, global batch {global_batch}, "
+                           f"on {math.prod(mesh_of(strategy).values())} {'GPU' if gpu else 'CPU'} "
+                           f"devices"):
+        lowered = strategy.train_step.lower(*abstract_inputs(strategy, sc, optimizer,
+                                                             global_batch))
+        # GPU: GEMMs to cuBLAS, since without a device to autotune on Triton's default
+        # tiles fail for some shapes ("Couldn't find output tile sizes").
+        compiled = lowered.compile(
+            compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu
+            else {"xla_disable_hlo_passes": f"{CPU_COMBINER},{CPU_BARRIER_EXPANDER}"})
     compile_s = time.perf_counter() - t0
     module = parse_module(compiled.as_text())
     mesh = mesh_of(strategy)
@@ -257,7 +262,8 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     # is installed (deviceless: no GPU needed); else XLA:CPU on fake CPU devices.
     target = targets.gpu_target(hw.name) if hw.platform == "gpu" else None
     if target is not None:
-        devices = targets.gpu_devices(target, n, hw.devices_per_node)
+        with quiet.filtered():  # the plugin's start-up lines where no GPU is (quiet.py)
+            devices = targets.gpu_devices(target, n, hw.devices_per_node)
         compiled_for = (f"{hw.name}: XLA:GPU for {devices[0].device_kind}, deviceless "
                         f"(vit_pure/plan/targets/{targets.GPU_TARGETS[hw.name]})")
     else:
@@ -277,6 +283,10 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     optimizer, _ = step.make_optimizer(pc.optim, 1000)
     strategy = make_strategy(sc, optimizer, devices)
     strategy.check_batch(pc.batch, accum_steps=k)
+    stages = getattr(strategy, "stages", 1)
+    if stages > 1 and strategy.microbatches < stages:  # most of the pipeline's ticks idle
+        notes.append(f"warning: --microbatches {strategy.microbatches} is fewer than the "
+                     f"{stages} pipeline stages; give --microbatches {stages} or more")
     notes.append(f"policy {sc.policy}, layers {'scanned' if sc.execution.scan else 'unrolled'}, "
                  f"remat {sc.execution.remat}, accumulation {k}")
     plan = build_plan(strategy, sc, optimizer, pc.batch, hw, script=script,
@@ -288,6 +298,10 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
         with open(pc.plan_json, "w") as f:
             json.dump(record, f, indent=1)
     return record
+
+
+def _print(text: str, **_record) -> None:
+    print(text, flush=True)
 
 
 def _fake_devices(n: int) -> list:

@@ -11,24 +11,17 @@ compiles for fake CPU devices (and says so).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import re
 
 from jax.experimental import topologies
 
+from vit_pure.quiet import cuda_plugin_installed  # noqa: F401 (targets.cuda_plugin_installed)
+
 TARGETS_DIR = pathlib.Path(__file__).resolve().parent / "targets"
 # --hardware name -> its device description.
 GPU_TARGETS = {"h100": "h100-sxm.txtpb", "h200": "h200-sxm.txtpb"}
-
-
-def cuda_plugin_installed() -> bool:
-    """Whether JAX's CUDA 12 plugin can be imported (not whether a GPU is there)."""
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins namespace at all: no plugin
-        return False
 
 
 def gpu_target(name: str) -> str | None:

@@ -1,45 +1,25 @@
 """How the global batch is cut, and how many micro-batches per optimizer step
 (`--accum-steps K|auto`).
 
-Gradient accumulation itself is `step.accumulate` (a `lax.scan` over K
-micro-batches of each device's slice, the gradients summed, one all-reduce per step
-written by the script). This module decides K and builds the script's strategy with it:
+Gradient accumulation itself is `step.accumulate` (a `lax.scan` over K micro-batches of
+each device's slice, one all-reduce per step written by the script). This module decides K
+and builds the script's strategy with it:
 
     strategy, sc = build_strategy(rc, sc, make_strategy, optimizer,
                                   image_shape=train.images.shape[1:], log=log)
 
-`rc` is the run's frozen settings (run/settings.py) and `sc` the step's, a frozen
-`step.StepConfig`; K reaches the factory as `dataclasses.replace(sc, accum_steps=K)`, and
-the returned `sc` carries the chosen K.
+K reaches the factory as `dataclasses.replace(sc, accum_steps=K)`; the returned `sc`
+carries the chosen K. The batch rules, each a one-line `UsageError`, are checked here
+before anything compiles: `per_device_batch` (the global batch splits over the processes
+and the data-parallel devices) and `check_accum_steps` (each device's slice into K).
 
-The batch rules, one function each, all raising a one-line `cli.UsageError`:
-`per_device_batch` (the global batch splits over the processes, each loading an equal
-share, and over the data-parallel devices) and `check_accum_steps` (each device's slice
-splits into K micro-batches). A strategy's `check_batch` applies them, plus its own
-(the pipeline's micro-batches in train_shardmap.py); `build_strategy` calls it for
-`--batch` and `--eval-batch`, before anything compiles: the one place they are checked.
-
-* `--accum-steps K`: K must divide the per-device batch (global batch / data-parallel
-  degree).
-* `--accum-steps auto` (the default): the smallest K whose compiled training step fits in
-  device memory. The estimate is XLA's own: `train_step.lower(...).compile()
-  .memory_analysis()` gives, per device, the bytes of the step's arguments (state and
-  batch), outputs and temporaries (activations, gradients, optimizer scratch). Candidate
-  K are the divisors of the per-device batch, tried in increasing order; the first that
-  fits wins. Compiling is not free (tens of seconds per candidate for vit-cifar on a
-  2-core CPU), so once two candidates are measured the rest are predicted with
-  bytes(K) = a + b / K (the activations shrink with the micro-batch, the rest does not)
-  and skipped while the prediction is clearly over budget; the answer is always a
-  compiled, measured K, and that compilation is not wasted: jit caches it, and the
-  loop's first step reuses it.
-
-Device memory: `device.memory_stats()["bytes_limit"]` (GPU, TPU). The CPU backend reports
-none, so there the budget is the host's available RAM (/proc/meminfo MemAvailable),
-shared by all the local (fake) devices: each one's estimate is multiplied by their count.
-A safety margin (`SAFETY`) leaves room for what XLA's analysis does not see: the host's
-copy of the data, the runtime's own buffers, the next batch in flight, fragmentation.
-On a machine shared with other jobs, `--memory-budget GIB` sets the budget instead. With
-several processes each measures its own memory, and all take the largest K any chose.
+`--accum-steps auto` (the default) takes the smallest K whose compiled training step fits
+in device memory by XLA's own estimate (`memory_analysis()`: arguments, outputs and
+temporaries per device), the divisors of the per-device batch tried in increasing order,
+each compile said in the log. Once two are measured the rest are predicted with bytes(K) =
+a + b / K and skipped while clearly over budget; the answer is always a compiled, measured
+K, and jit's cache hands that compile to the loop's first step. The budget: `device_budget`.
+With several processes each measures its own memory, and all take the largest K any chose.
 """
 from __future__ import annotations
 
@@ -51,6 +31,7 @@ import numpy as np
 
 from vit_pure.errors import UsageError
 from vit_pure.run import distributed
+from vit_pure.run.monitor import compiling
 from vit_pure.run.settings import RunConfig
 from vit_pure.step import StepConfig, step_input_shapes
 
@@ -112,7 +93,14 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def device_budget(devices=None, safety: float = SAFETY, meminfo: str = "/proc/meminfo") -> Budget:
-    """The memory a training step may use on each of `devices` (default: the local ones)."""
+    """The memory a training step may use on each of `devices` (default: the local ones).
+
+    Device memory is `memory_stats()["bytes_limit"]` less what is in use (GPU, TPU). The
+    CPU backend reports none, so there it is the host's available RAM (MemAvailable),
+    shared by all the local (fake) devices. `safety` (SAFETY) leaves room for what XLA's
+    analysis does not see: the host's copy of the data, the runtime's buffers, the next
+    batch in flight, fragmentation. On a machine shared with other jobs, `--memory-budget
+    GIB` sets the budget instead (`resolve_budget`)."""
     devices = jax.local_devices() if devices is None else list(devices)
     limits = []
     for d in devices:
@@ -241,26 +229,29 @@ def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optim
     for all local devices together: on a shared machine). `image_shape`: one training
     image as the loop will feed it (see `train_step_inputs`).
     """
-    requested = rc.accum_steps
+    requested = rc.schedule.accum_steps
     k = 1 if requested == "auto" else requested
     strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-    strategy.check_batch(rc.batch, accum_steps=k)
-    strategy.check_batch(rc.eval_batch, "--eval-batch")
+    strategy.check_batch(rc.schedule.batch, accum_steps=k)
+    strategy.check_batch(rc.data.eval_batch, "--eval-batch")
     if requested != "auto":
         return strategy, strategy.sc
 
-    per_device = rc.batch // strategy.batch_divisor
-    budget = resolve_budget(rc.memory_budget, budget)
-    inputs = train_step_inputs(strategy, strategy.sc, optimizer, rc.batch, image_shape)
+    per_device = rc.schedule.batch // strategy.batch_divisor
+    budget = resolve_budget(rc.schedule.memory_budget, budget)
+    inputs = train_step_inputs(strategy, strategy.sc, optimizer, rc.schedule.batch, image_shape)
     measured: list[StepMemory] = []
-    ks = [k for k in candidates(per_device) if _allows(strategy, rc.batch, k)]
+    ks = [k for k in candidates(per_device) if _allows(strategy, rc.schedule.batch, k)]
     for k in ks:
         if k > 1:
             if (k != ks[-1] and len(measured) >= 2
                     and _predict(measured, k) > SKIP_IF_PREDICTED_OVER * budget.bytes_per_device):
                 continue  # clearly too big: not worth a compile
             strategy = make_strategy(dataclasses.replace(sc, accum_steps=k), optimizer)
-        mem = step_memory(strategy, inputs, k)
+        what = (f"the training step for {sc.cfg.name}, global batch {rc.schedule.batch}, K={k} "
+                f"micro-batches per device (--accum-steps auto measures its memory)")
+        with compiling(log, what, accum_steps=k):
+            mem = step_memory(strategy, inputs, k)
         measured.append(mem)
         if mem.total <= budget.bytes_per_device:
             break

@@ -1,38 +1,21 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Six settings have a right answer that depends on the hardware; each is measured, and
-its figures are in docs/performance.md (the section named after each). The startup log
+Each setting below has a right answer that depends on the hardware; the measurements
+behind each are in docs/performance.md (the section named after it), and the start-up log
 says what was chosen and why:
 
-  layers           `--scan` / `--no-scan` not given: an unrolled Python loop over the
-                   encoder blocks on CPU and GPU, measured faster than the layer scan on
-                   both (the scan stacks every layer's saved activations for the backward
-                   pass: device-to-device copies on a GPU). On other backends (TPU, not
-                   measured here) the scan stays: it compiles deep models faster.
-  matmul output    a `--policy` without `m=`, or `--dtype`: matmuls return the compute
-                   dtype on accelerators (a bf16-output GEMM still accumulates in float32
-                   inside; faster on an H100 than returning float32) and float32 on CPU
-                   (XLA:CPU upcasts a bf16-output dot to float32 entirely).
-  attention        `--attention` not given: cuDNN's fused attention (`cudnn`) on an NVIDIA GPU
-                   of compute capability 8.0 or more when the policy computes in bf16, else
-                   the two einsums (`einsum`): faster and smaller on an H100, with gradients
-                   within bf16 rounding of the einsums' (benchmarks/probes/attention_check.py,
-                   docs/performance.md "Attention implementations"). fp16 is not measured:
-                   einsum there.
-  dtype            `--dtype auto` (what `--recipe cpu-quick` asks for): bf16 where it is
-                   fast (accelerators; CPUs with bf16 arithmetic, avx512_bf16 or amx_bf16),
-                   else fp32. An AVX2-only CPU emulates bf16, slower than fp32 there
-                   (docs/performance.md, "On a CPU"). Asking for bf16 there explicitly still
-                   runs it, with a note.
-  dropout masks    `--dropout-masks` not given: `threefry16` on accelerators, a quarter
-                   of `bernoulli`'s Threefry hashes for the same bytes in the H100's
-                   program, where drawing the masks is integer arithmetic that a GPU
-                   measured at 8% of the step (the saving is counted from the compiled
-                   program, not yet timed on a GPU); `bernoulli` on CPU, where the two were
-                   not measured apart. Either way the masks are kept for the backward pass
-                   packed eight to a byte on accelerators (less memory and HBM traffic), a
-                   byte an element on CPU, where packing them was not measured to help
-                   (docs/performance.md, "Cutting the headline's traffic, deviceless").
+  layers           `--scan` not given: an unrolled loop over the blocks on CPU and GPU
+                   (measured faster there); the layer scan elsewhere (faster compiles).
+  matmul output    no `m=` in `--policy`: the compute dtype on accelerators (the GEMM still
+                   accumulates in float32 inside), float32 on CPU (XLA:CPU upcasts a
+                   bf16-output dot to float32 entirely).
+  attention        `--attention` not given: cuDNN's fused attention on an NVIDIA GPU of
+                   compute capability 8.0+ computing in bf16, else the two einsums.
+  dtype            `--dtype auto`: bf16 where it is fast (accelerators; CPUs with
+                   avx512_bf16 or amx_bf16), else fp32 (an AVX2-only CPU emulates bf16).
+  dropout masks    `--dropout-masks` not given: `threefry16` on accelerators (a quarter of
+                   the hashes), `bernoulli` on CPU; kept for the backward pass packed eight
+                   to a byte on accelerators, a byte an element on CPU.
 
 Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
 result is frozen into the StepConfig.
@@ -41,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 
 import jax
@@ -50,6 +32,7 @@ import jax.numpy as jnp
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
+from vit_pure.quiet import nvidia_gpu_visible  # noqa: F401 (backend.nvidia_gpu_visible)
 from vit_pure.step import StepConfig
 
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic.
@@ -203,11 +186,6 @@ def cudnn_attention_runs(device) -> bool:
 
 # How to get JAX's CUDA build (the plugin and NVIDIA's libraries, the version of jax).
 CUDA_INSTALL = "pip install -r requirements-gpu.txt"
-
-
-def nvidia_gpu_visible(device_file: str = "/dev/nvidia0", which=shutil.which) -> bool:
-    """Whether this machine shows an NVIDIA GPU: its device file, or nvidia-smi on the PATH."""
-    return os.path.exists(device_file) or which("nvidia-smi") is not None
 
 
 def cuda_missing_note(platform: str, gpu_visible: bool, jax_platforms: str) -> str | None:

@@ -1,106 +1,24 @@
 """Checkpoints: a training state of plain pytrees, saved atomically as ``.npz`` + JSON.
 
-The state is a dict of named pytrees, for example::
-
-    {"params": params, "opt_state": opt_state, "loss_scale": ls, "step": 1200,
-     "rng": jax.random.key_data(key)}
-
-``save`` writes it, ``latest`` finds the newest checkpoint that is intact, ``restore`` rebuilds
-the pytrees from a template of the same structure (the caller places them on devices). Nothing
-is pickled, so loading a checkpoint never runs code from the file.
+The state is a dict of named pytrees, e.g. ``{"params": ..., "opt_state": ..., "loss_scale":
+..., "step": 1200, "rng": jax.random.key_data(key)}``. ``save`` writes it, ``latest`` finds
+the newest intact checkpoint, ``restore`` rebuilds the pytrees from a template of the same
+structure (the caller places them on devices). Nothing is pickled, so loading a checkpoint
+never runs code from the file; the format, and how to open one with numpy and json alone,
+is docs/checkpoint-format.md.
 
 Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
-``jax.Array`` in full, and the training loop (vit_pure/run/loop.py) saves
-``strategy.host_state(state)`` (vit_pure/run/resume.py) and lays a restored state out with
-``strategy.put_state``.
-That keeps the file independent of the layout that wrote it: a checkpoint of
-``train_pmap.py`` resumes in ``train_shardmap.py`` and back, on another device count, mesh
-shape (data / tensor parallel) or FSDP setting. The price is that one host holds the
-whole state while saving (about 1 GB for vit-b16 with AdamW in float32: fine for this kit;
-per-shard formats avoid it but tie restoring to the layout).
-In the training loop's checkpoints the state holds ``params``, ``opt_state``,
-``loss_scale``, ``step`` and ``rng`` (the key data of ``jax.random.key(seed)``), and meta
-holds the data position, the total step count, the model config, the dtype policy and
-every flag (see ``resume.Checkpoints``).
+``jax.Array`` in full, the loop saves ``strategy.host_state(state)`` and lays a restored
+state out with ``strategy.put_state``. So a checkpoint of ``train_pmap.py`` resumes in
+``train_shardmap.py`` and back, on another device count, mesh or FSDP setting; the price is
+one host holding the whole state while saving (about 1 GB for vit-b16 with AdamW in
+float32). The loop's meta holds the data position, the total step count, the model config,
+the dtype policy and every flag (``resume.Checkpoints``).
 
-On-disk format, version 1
--------------------------
-::
-
-    ckpt_dir/
-      step_00001200/                 one complete checkpoint, "step_" + step as 8+ digits
-        arrays.npz                   every array of the state
-        manifest.json                what the arrays are, with checksums; meta
-      .tmp-step_00001400-4242/       a save in progress or one that crashed (pid 4242):
-                                     never read, deleted by the next save
-      .trash-step_00000800-4242/     a checkpoint being deleted or replaced: same
-
-A directory named ``step_*`` only ever appears by an ``os.rename`` of a fully written and
-fsynced temporary directory, so it is complete unless it was damaged afterwards; ``verify``
-and ``latest`` check that with the checksums.
-
-``arrays.npz`` is an ordinary uncompressed numpy ``.npz`` archive (a zip file holding one
-``<key>.npy`` file per array; ``np.load`` opens it). Each pytree leaf is one array, and its
-key is the state name followed by the leaf's pytree path, joined with ``/``: dict keys as
-they are, list/tuple positions as numbers, NamedTuple fields by name. For example::
-
-    params/blocks/attn/qkv/kernel     the layers are stacked: (depth, width, 3, heads, head dim)
-    params/patch_embed/kernel
-    opt_state/0/count                 optax.adamw: (ScaleByAdamState, EmptyState, ...)
-    opt_state/0/mu/blocks/attn/qkv/kernel
-    step                              a state entry that is a single leaf
-
-``manifest.json`` (UTF-8 JSON as Python's ``json`` writes it, so a NaN in meta is ``NaN``;
-the file has one line per array, annotated here)::
-
-    {
-     "format": "vit_pure.checkpoint",
-     "version": 1,
-     "step": 1200,
-     "meta": {...},                       the caller's JSON dict (config, metrics, ...)
-     "arrays": [                          one entry per array, in pytree order
-      {"key": "params/patch_embed/kernel",
-       "dtype": "bfloat16",               the array's real dtype (numpy or ml_dtypes name)
-       "stored_dtype": "uint16",          the dtype of the .npy in arrays.npz
-       "shape": [48, 192],
-       "sha256": "9f86d0..."},            sha256 of the stored array's raw C-order bytes
-      ...
-     ]
-    }
-
-Dtypes numpy stores natively (bool, ints, floats, complex) are stored as they are, so
-``stored_dtype == dtype``. The ml_dtypes types that jax uses (bfloat16, float8_*, int4, ...)
-would need pickle in a ``.npy`` file, so they are stored as an unsigned integer of the same
-width holding the same bits (bfloat16 -> uint16, float8_e4m3fn -> uint8): viewing the stored
-array as the real dtype restores it exactly. Python scalars in the state (``step: int``) are
-stored as 0-d int64 / float64 / bool arrays.
-
-Opening a checkpoint with numpy and json only::
-
-    import hashlib, json
-    import numpy as np
-
-    d = "ckpts/step_00001200"
-    with open(f"{d}/manifest.json") as f:
-        manifest = json.load(f)
-    arrays = {}
-    with np.load(f"{d}/arrays.npz", allow_pickle=False) as npz:
-        for e in manifest["arrays"]:
-            a = npz[e["key"]]                                   # e["stored_dtype"]
-            assert hashlib.sha256(a.tobytes()).hexdigest() == e["sha256"]
-            if e["dtype"] == "bfloat16":                        # uint16 bit patterns
-                a = (a.astype(np.uint32) << 16).view(np.float32)  # exact, as float32
-            arrays[e["key"]] = a
-
-(bfloat16 is the top half of a float32, so the shift is exact.) With ``ml_dtypes`` installed
-(jax depends on it) any such array is restored to its real dtype by
-``a.view(getattr(ml_dtypes, e["dtype"]))``; ``load_numpy`` does exactly that.
-
-One writer per ``ckpt_dir``: in a multi-process job only process 0 calls ``save`` (with
-arrays it can fetch fully), because ``save`` deletes the temporary directories it finds.
-Re-saving an existing step renames the old directory to ``.trash-*`` and the new one into
-place; a crash between those two renames leaves that step absent (``latest`` then returns the
-step before it) rather than half written.
+One writer per ``ckpt_dir``: in a multi-process job only process 0 calls ``save``, because
+``save`` deletes the temporary directories it finds. Re-saving an existing step renames the
+old directory to ``.trash-*`` and the new one into place; a crash between those two renames
+leaves that step absent (``latest`` then returns the step before it), never half written.
 """
 
 from __future__ import annotations

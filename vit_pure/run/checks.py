@@ -104,9 +104,15 @@ def check_levers(parser, args) -> None:
 
 
 def check_paths(parser, args) -> None:
-    """Where the run will write: fail now, not after the first epoch's training."""
+    """Where the run will write: fail now, not after the first epoch's training.
+    --eval-only only reads --ckpt-dir: a read-only folder will do."""
     for flag, path in (("--ckpt-dir", args.ckpt_dir), ("--profile", args.profile)):
         if path is None:
+            continue
+        if flag == "--ckpt-dir" and args.eval_only:
+            if not os.path.isdir(path):
+                parser.error(f"--ckpt-dir {path}: no such directory (--eval-only reads "
+                             f"its checkpoints)")
             continue
         if os.path.exists(path) and not os.path.isdir(path):
             parser.error(f"{flag} {path}: exists and is not a directory")
@@ -125,6 +131,9 @@ def check_paths(parser, args) -> None:
     if (args.dataset == "cifar10" and os.path.exists(args.data_dir)
             and not os.path.isdir(args.data_dir)):
         parser.error(f"--data-dir {args.data_dir}: exists and is not a directory")
+    init_from = getattr(args, "init_from", None)  # a URL is fetched later (vit_pure/weights/)
+    if init_from and "://" not in init_from and not os.path.exists(os.path.expanduser(init_from)):
+        parser.error(f"--init-from {init_from}: no such file or folder")
 
 
 def check_checkpoint_flags(parser, args) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from typing import Any, Callable
 
+import jax
+
+from vit_pure import quiet
 from vit_pure.config import get_preset
 from vit_pure.errors import CheckpointError, DataError, Interrupted, UsageError
 from vit_pure.policy import Policy
@@ -63,7 +67,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 def start_runtime(args: argparse.Namespace) -> None:
     """The flags' side effects on the JAX runtime, in the order they must happen, before
     anything touches a device (the scripts' main() calls this right after parse_args):
-    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed).
+    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed),
+    then starting JAX's backends (vit_pure/quiet.py: where JAX's CUDA plugin has no GPU,
+    the lines it prints then are left out).
     """
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
@@ -77,6 +83,8 @@ def start_runtime(args: argparse.Namespace) -> None:
         except ValueError as e:  # JAX's cluster detection found nothing to fill in
             raise UsageError(f"--distributed: {e} (give --coordinator, --num-processes and "
                              f"--process-id outside SLURM / Open MPI / Cloud TPU)") from None
+    with quiet.filtered():  # the backends start now, without the CUDA plugin's noise
+        jax.devices()
 
 
 def use_cpu_devices(n: int) -> None:
@@ -107,9 +115,11 @@ def require_positive(parser, args, *names: str) -> None:
 def main_guard(fn: Callable[[], Any]) -> int:
     """Run a script's main; bad input becomes one line on stderr and exit code 2.
 
-    A run stopped by a signal exits 0 when it saved a checkpoint (loop.run returns
-    normally), 128 + signal number when it had no --ckpt-dir (Interrupted), and 130 on a
-    second signal, which stops at once without saving.
+    A run stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143), whether it
+    saved a checkpoint (loop.run returns "stopped") or had no --ckpt-dir (Interrupted): the
+    shell's "stopped by this signal", so no wrapper takes it for a finished run; its log
+    says whether it saved. A second signal stops at once without saving: 130. A run that
+    --stop-after ends exits 0.
 
     In a multi-process job every failure is also reported to the other processes, which
     stop with it (distributed.Watch), and the process leaves at once: Python's clean-up
@@ -117,7 +127,7 @@ def main_guard(fn: Callable[[], Any]) -> int:
     exception is reported the same way before its traceback.
     """
     try:
-        fn()
+        result = fn()
     except (DataError, UsageError, FloatingPointError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _leave(2, str(e))
@@ -134,6 +144,9 @@ def main_guard(fn: Callable[[], Any]) -> int:
             traceback.print_exc()
             return _leave(1, "")
         raise
+    stopped = result.get("stopped") if isinstance(result, dict) else None
+    if stopped and stopped["reason"] in signal.Signals.__members__:  # saved, then stopped
+        return 128 + signal.Signals[stopped["reason"]]
     return 0
 
 

@@ -1,37 +1,23 @@
 """Several processes, one program: JAX's multi-process ("multi-controller") runtime.
 
 Every process (one per host, usually) runs the same script with the same flags, plus
-where it is in the job:
+where it is in the job (`--coordinator 10.0.0.1:1234 --num-processes 2 --process-id I`;
+docs/multihost.md). `initialize` connects them (`cli.start_runtime` calls it); after it
+`jax.devices()` lists every process's devices and a jitted program over a mesh of all of
+them runs on every process at once, the scripts' collectives crossing hosts (NCCL on
+GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the step; the host side
+does, all of it here or in vit_pure/run/loop.py:
 
-    host 0:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 \
-                 --num-processes 2 --process-id 0
-    host 1:  python train_shardmap.py ... --coordinator 10.0.0.1:1234 \
-                 --num-processes 2 --process-id 1
-
-`initialize` connects them (process 0 runs the coordinator at that address; the
-scripts' main() calls it through `cli.start_runtime`, right after parsing the flags).
-After it, `jax.devices()` lists the devices of *all* processes and `jax.local_devices()`
-this process's own; a jitted program over a mesh of all devices runs on every process at
-once, each process driving its own devices, and the collectives written in the scripts
-cross hosts (NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the
-step.
-
-What does change is the host side, all of it here or in vit_pure/run/loop.py:
-
-* Data: every process computes the same global batch order from (seed, epoch, step) and
-  takes only its share, rows [i*B/P, (i+1)*B/P) for process i (`local_rows`); the
-  strategy turns the P shares into one global array (`global_batch`).
-* State: every process holds the same host copy (same seed, or the same checkpoint) and
-  places only the blocks its own devices hold. Reading it back (checkpoints) gathers the
-  blocks that live on other processes (`to_host`).
-* Control flow: every process must run the same collectives in the same order, so any
-  decision that changes the sequence of steps (stop on SIGTERM, which may reach the
-  processes at different times) is agreed first (`agree_max`). Logs and checkpoint files
-  come from process 0 only; a `barrier` keeps the processes together at the end.
-* Failures: one process that fails must not leave the others waiting in a collective
-  until JAX's own timeouts abort them with a C++ trace. `Watch` (below) makes every
-  process exit in one line, with EXIT_PEER_FAILED, within seconds of another process's
-  error or death (docs/multihost.md says what a scheduler sees).
+* Data: every process computes the same global batch order and takes its own rows
+  (`local_rows`); the strategy joins the shares into one global array (`global_batch`).
+* State: every process holds the same host copy and places the blocks its devices hold;
+  reading it back (checkpoints) gathers the others' blocks (`to_host`).
+* Control flow: any decision that changes the sequence of steps (a SIGTERM reaching the
+  processes at different times) is agreed first (`agree_max`); process 0 alone logs and
+  writes checkpoints; a `barrier` keeps the processes together at the end.
+* Failures: `Watch` (below) makes every process exit in one line, with EXIT_PEER_FAILED,
+  within seconds of another process's error or death, instead of waiting in a
+  collective until JAX's timeouts abort it (docs/multihost.md says what a scheduler sees).
 """
 from __future__ import annotations
 

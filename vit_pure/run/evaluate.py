@@ -89,14 +89,14 @@ def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logge
     `--eval-only --ckpt-dir DIR` is all it needs; the strategy (script, devices, mesh) is
     this run's, since checkpoints are stored unsharded.
     """
-    if rc.ckpt_dir is None:
+    if rc.checkpoints.ckpt_dir is None:
         raise UsageError("--eval-only needs --ckpt-dir")
-    path = checkpoint.latest(pathlib.Path(rc.ckpt_dir), log=log)
+    path = checkpoint.latest(pathlib.Path(rc.checkpoints.ckpt_dir), log=log)
     if path is None:
-        raise UsageError(f"--eval-only: no intact checkpoint in {rc.ckpt_dir}")
+        raise UsageError(f"--eval-only: no intact checkpoint in {rc.checkpoints.ckpt_dir}")
     meta = checkpoint.read_meta(path)
     sc = saved_step_config(meta, sc)
-    optimizer, _ = make_optimizer(rc.optim, 1)
+    optimizer, _ = make_optimizer(rc.schedule.optim, 1)
     # A full state for the strategy's placement; only the params are read back.
     host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
     # A run trained with --ema is evaluated with its EMA weights, as its final test was.
@@ -107,9 +107,10 @@ def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logge
                                         checkpoint.restore(path, {name: shapes})[name],
                                         host_state["params"])
     strategy = make_strategy(sc, optimizer)
-    eval_batch = rc.eval_batch
+    eval_batch = rc.data.eval_batch
     strategy.check_batch(eval_batch, "--eval-batch")
-    splits = data_lib.load_dataset(rc.dataset, rc.data_dir, log=log, **rc.dataset_sizes)
+    data = rc.data
+    splits = data_lib.load_dataset(data.dataset, data.data_dir, log=log, **data.dataset_sizes)
     step = int(checkpoint.restore(path, {"step": 0})["step"])
     log(f"evaluating {path} ({sc.cfg.name}, policy {sc.policy}"
         f"{', EMA weights' if name == 'ema' else ''}) on the test split")

@@ -14,6 +14,8 @@ from vit_pure.config import (
     REMAT_SAVE_NAMES,
     remat_saved_names,
 )
+from vit_pure.data.cifar10 import check_subset
+from vit_pure.errors import DataError
 
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
 DEFAULT_EFFICIENCY = 0.4
@@ -21,19 +23,31 @@ DEFAULT_EFFICIENCY = 0.4
 
 # Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
 # Each maps flag destinations to values; flags given on the command line override them.
+# Beside each: what it is, then its command, machine, date and result, the one place these
+# are kept (README and docs/training.md "The recipes" point here; how each recipe was
+# chosen is in docs/notes/).
 RECIPES: dict[str, dict[str, Any]] = {
-    # A 10-minute CPU run on the CIFAR-10 subset (use with --data-dir
-    # ../shared/data/cifar10-subset): the ViT behind a convolutional stem, with locality
-    # self-attention, 60 epochs, evaluated with an EMA of the weights on each image and its
-    # mirror; docs/training.md "Accuracy" has its result and how it was chosen.
+    # A 10-minute CPU run on a 4,000-image subset of CIFAR-10 (--subset 4000,1000: the data
+    # is downloaded once into --data-dir, or read from a folder holding that subset): the
+    # ViT behind a convolutional stem, with locality self-attention, 60 epochs, evaluated
+    # with an EMA of the weights on each image and its mirror.
+    #   python train_shardmap.py --recipe cpu-quick --data-dir ../shared/data/cifar10-subset
+    #   2-core Intel Xeon, avx512_bf16 + amx_bf16 (bf16), 2026-11-26: 58.5% test (EMA; val
+    #     57.5%), 5 min 5 s wall, compilation and evaluation included.
+    #   2-core x86-64 with avx512_bf16 (bf16), 2026-11-26: 58.6% test, 2 min 31 s.
+    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-23: 59.1% test (val 57.5%), 6 min 4 s;
+    #     --seed 1 and 2: 58.9% and 57.3% (mean of the three 58.4%).
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
-                      cpu_devices=2, scan=False, accum_steps=1),
+                      cpu_devices=2, scan=False, accum_steps=1, subset=(4000, 1000)),
     # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
     # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
-    # cutmix off for the last tenth, evaluated with an EMA of the weights. Measured on one
-    # H100: 68.5% val, 71.1% test, 130 s including compilation (docs/training.md, "Accuracy").
+    # cutmix off for the last tenth, evaluated with an EMA of the weights.
+    #   python train_shardmap.py --recipe gpu-small-data --data-dir ../shared/data/cifar10-subset
+    #   one H100 80GB HBM3, jax 0.11.2, 2026-11-23 (the recipe's flags given one by one,
+    #     tests/test_recipe.py holds the two together): 71.1% test (EMA), 68.5% val, 130 s
+    #     wall including compilation and every evaluation; 100,000 img/s, peak 0.7 GiB.
     "gpu-small-data": dict(model="vit-cifar-quick", dtype="bf16", batch=512, epochs=2400,
                            lr=4e-3, randaugment=(2, 9), mixup=0.8, cutmix=1.0, ema=0.999,
                            mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1),
@@ -140,7 +154,7 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the optimizer and --recipe."""
     g = p.add_argument_group("optimization")
     g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
-                   help="a named training recipe (vit_pure/run/cli.py RECIPES); flags given "
+                   help="a named training recipe (vit_pure/run/flags.py RECIPES); flags given "
                         "explicitly override it (default: none)")
     g.add_argument("--batch", type=int, default=128,
                    help="global batch (divisible by the device count)")
@@ -220,6 +234,11 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default="./data", metavar="DIR",
                    help="where CIFAR-10 is, or is downloaded to when missing (its "
                         "cifar-10-batches-py folder, or the folder holding it)")
+    g.add_argument("--subset", type=_subset, default=None, metavar="TRAIN,TEST",
+                   help="train and test on a subset of CIFAR-10: the first TRAIN/5 images of "
+                        "each training batch and the first TEST test images (4000,1000 is the "
+                        "cpu-quick recipe's; a folder that holds only that subset gives the "
+                        "same; --dataset cifar10 only) (default: all of it)")
     g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
                    help="--dataset synthetic: training images (default: 45000)")
     g.add_argument("--synthetic-val", type=int, default=None, metavar="N",
@@ -331,7 +350,8 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                         "for GPUs)")
     g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
                    help="fraction of the peak the step's matmuls reach (measure it with "
-                        "bench.py on one device: its 'MFU (datasheet)'); the plan is also "
+                        "python -m benchmarks.bench on one device: its 'MFU (datasheet)'); "
+                        "the plan is also "
                         "shown at the hardware's measured MFU where the kit has one")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="override the peak matmul TFLOP/s (default: the hardware's)")
@@ -377,6 +397,20 @@ def _randaugment(text: str) -> tuple[int, int]:
     if len(values) != 2 or values[0] < 0 or not 0 <= values[1] <= 10:
         raise argparse.ArgumentTypeError(f"expected N,M with N >= 0 and 0 <= M <= 10, got {text!r}")
     return values
+
+
+def _subset(text: str) -> tuple[int, int]:
+    """--subset: "TRAIN,TEST", two image counts (data.cifar10.check_subset's ranges)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected TRAIN,TEST image counts, e.g. 4000,1000, "
+                                         f"got {text!r}")
+    subset = (int(parts[0]), int(parts[1]))
+    try:
+        check_subset(subset)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None
+    return subset
 
 
 def _accum_steps(text: str):

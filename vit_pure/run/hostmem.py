@@ -5,9 +5,8 @@ gradients: about 1.2 GB per step for vit-cifar at batch 128) from malloc, and gl
 blocks that large with fresh mmap'ed memory that it returns on free. So every step
 touches over a gigabyte of new 4 KiB pages: about 300,000 page faults per step, each a
 trip into the kernel that zeroes a page. glibc 2.35+ can back its memory with
-transparent huge pages (2 MiB; the `glibc.malloc.hugetlb=1` tunable), 512x fewer faults.
-Measured for vit-cifar, batch 128, one CPU device (docs/performance.md): minor page
-faults 11.8 M -> 0.47 M over a benchmarks.bench run, 28.5 -> 31.4 img/s fp32, 33.9 -> 35.0 bf16.
+transparent huge pages (2 MiB; the `glibc.malloc.hugetlb=1` tunable), 512x fewer faults;
+what that gains a CPU step is measured in docs/performance.md.
 
 glibc reads its tunables once, when the process starts, so `use_huge_pages()` restarts
 the running script once (os.execve: same PID, same arguments) with the tunable added to

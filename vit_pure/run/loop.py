@@ -36,6 +36,8 @@ from vit_pure.run.monitor import (
     NoBar,
     Profiler,
     Throughput,
+    compile_seconds,
+    compiling,
     log_memory,
     progress_bar,
 )
@@ -80,7 +82,7 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
     stop = StopRequest()
     try:
         with stop.handling_signals():
-            if rc.eval_only:
+            if rc.logging.eval_only:
                 result = evaluate_checkpoint(rc, sc, make_strategy, log)
             else:
                 result = _run(rc, sc, make_strategy, log, is_main, stop, profiler, init_params)
@@ -101,12 +103,13 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # One function on purpose: the whole loop reads top to bottom, like
     # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
     # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
-    splits = data_lib.load_dataset(rc.dataset, rc.data_dir, log=log, **rc.dataset_sizes)
+    data = rc.data
+    splits = data_lib.load_dataset(data.dataset, data.data_dir, log=log, **data.dataset_sizes)
     train = splits["train"]
     plan = plan_steps(rc.schedule, rc.logging, len(train))
     # The schedule depends on total_steps, so a resumed run must have the same total (the
     # checkpoint's trajectory check sees to it); --stop-after leaves it alone.
-    optimizer, schedule = make_optimizer(rc.optim, plan.total_steps)
+    optimizer, schedule = make_optimizer(rc.schedule.optim, plan.total_steps)
     # The checkpoint to start from, and whether it belongs to this run: before compiling.
     ckpts = Checkpoints(rc, sc, train, plan.steps_per_epoch, plan.total_steps, log, is_main)
     _agree_on_trajectory(ckpts.trajectory)  # several processes: the same run in every one
@@ -115,11 +118,14 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     # after checking that --batch and --eval-batch split over processes and devices.
     # The step is measured for the images the loop feeds (the dataset's, resized on the
     # device to the model's input size), so the loop's first step reuses that compile.
+    compiled = compile_seconds()
     strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
                                         image_shape=train.images.shape[1:], log=log)
-    eval_batch = rc.eval_batch
+    # --accum-steps auto compiled the step that runs: the first step's figure counts it.
+    compiled_before = compile_seconds() - compiled if rc.schedule.accum_steps == "auto" else 0.0
+    eval_batch = rc.data.eval_batch
     host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
-                                    init_params)
+                                    init_params, log)
     del init_params
     if is_main:  # describe() may compile and place a whole state: once, and where it is read
         _log_setup(log, rc.data, sc, strategy, ckpts, plan, host_state, step)
@@ -127,13 +133,23 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
                        min_scale=host_state["loss_scale"].min_scale)
     del host_state
-    speed = Throughput(rc.batch, step)
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
-    points = LogPoints(log, strategy, losses, speed)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
+    train_step = mixing.train_step(strategy, step)
+    if not compiled_before and hasattr(train_step, "lower"):  # a jitted step (both scripts')
+        # Compiled here, said before and after, not silently inside step 1; the step's call
+        # then finds it in jit's cache.
+        batch = next(inputs)
+        inputs = itertools.chain([batch], inputs)
+        with compiling(log, f"the training step for {sc.cfg.name}, global batch {plan.batch}, "
+                            f"K={sc.accum_steps} micro-batches per device") as done:
+            train_step.lower(state, *batch).compile()
+        compiled_before = done["seconds"]
+    speed = Throughput(rc.schedule.batch, step, compiled_before)
+    points = LogPoints(log, strategy, losses, speed)
 
     # ---- The step loop. The host waits for the step it has just dispatched only once, at
     # the first (its time and compile apart, then the memory): it reads a step's metrics
@@ -142,7 +158,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     while step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None:
         epoch = step // plan.steps_per_epoch
         if step == first_step or step % plan.steps_per_epoch == 0:
-            bar = plan.progress_bar(step, epoch, is_main and rc.progress)
+            bar = plan.progress_bar(step, epoch, is_main and rc.logging.progress)
         profiler.before_step(step + 1, state)
         previous = metrics
         train_step = mixing.train_step(strategy, step)  # --mix-off-epochs: the unmixed one
@@ -182,7 +198,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
                 else:
                     log(f"checkpoint of step {step} not written: its loss is not finite",
                         event="checkpoint_skipped", step=step)
-        if (end_of_epoch and rc.eval_every and (epoch + 1) % rc.eval_every == 0
+        if (end_of_epoch and rc.logging.eval_every and (epoch + 1) % rc.logging.eval_every == 0
                 and step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None):
             with speed.paused(metrics):
                 points.read(ckpts.describe_last())
@@ -207,7 +223,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
 # --------------------------------------------------------------------------- the helpers
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """How many steps, in how many epochs, and how often the loop logs."""
+    """How many steps of how many images, in how many epochs, and how often the loop logs."""
+    batch: int                      # the global batch of a step
     steps_per_epoch: int
     total_steps: int
     epochs: int
@@ -237,7 +254,8 @@ def plan_steps(schedule: ScheduleSettings, logging: LogSettings, n_train: int) -
     if logging.profile_range is not None and logging.profile_range[0] > total_steps:
         first, last = logging.profile_range
         raise UsageError(f"--profile-steps {first}:{last}: {ends}")
-    return StepPlan(steps_per_epoch, total_steps, epochs=-(-total_steps // steps_per_epoch),
+    return StepPlan(s.batch, steps_per_epoch, total_steps,
+                    epochs=-(-total_steps // steps_per_epoch),
                     log_every=1 if total_steps <= 100 else logging.log_every)
 
 
@@ -251,14 +269,14 @@ def _device_inputs(data: DataSettings, strategy: Strategy, train: data_lib.Split
     same global batch and feeds only its own rows. Placing a batch while the steps before
     it run keeps the host-to-device copy off the device's critical path.
     """
-    example_ids = np.arange(data.batch, dtype=np.int32)
+    example_ids = np.arange(plan.batch, dtype=np.int32)
 
     def placed():
         step = start
         while step < plan.total_steps:
             epoch, index = divmod(step, plan.steps_per_epoch)
             for images, labels in data_lib.train_batches(
-                    train, data.batch, seed=data.seed, epoch=epoch, start=index,
+                    train, plan.batch, seed=data.seed, epoch=epoch, start=index,
                     repeat=data.repeat_aug):
                 if step == plan.total_steps:
                     return
@@ -340,16 +358,20 @@ class MixSchedule:
             self.unmixed = self.make_strategy(
                 dataclasses.replace(strategy.sc, mixup_alpha=0.0, cutmix_alpha=0.0))
             self.log(f"mixup / cutmix off from step {step + 1} on, for the last "
-                     f"{self.epochs} epochs (--mix-off-epochs)", event="mix_off", step=step)
+                     f"{self.epochs} epochs (--mix-off-epochs); compiling the unmixed training "
+                     f"step", event="mix_off", step=step)
         return self.unmixed.train_step
 
 
 def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoints,
-                 resume_from: pathlib.Path | None,
-                 init_params: dict | None = None) -> tuple[dict, int]:
+                 resume_from: pathlib.Path | None, init_params: dict | None = None,
+                 log: Logger | None = None) -> tuple[dict, int]:
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
+        if log is not None:  # one small compile per weight shape: seconds on a CPU
+            log(f"initialising the {sc.cfg.name} state"
+                + (" around the --init-from weights" if init_params is not None else ""))
         host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
                                 ema=sc.ema_decay > 0, params=init_params)
         step = 0
@@ -371,15 +393,16 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
                ckpts: Checkpoints, plan: StepPlan, host_state: dict, step: int) -> None:
     """The strategy's layout and the run's configuration, at the top of the log."""
     layout = strategy.describe()
-    ckpts.set_writer(strategy.name, layout.split("\n")[0])  # the checkpoints' meta says it
+    # The checkpoints' meta says it: the layout's first line, less the table's heading.
+    ckpts.set_writer(strategy.name, layout.split("\n")[0].removesuffix("; layout:"))
     log(f"{strategy.name}: {layout}")
     policy = sc.policy
     pool = "" if sc.cfg.pool == "cls" else f" (pool {sc.cfg.pool}: {sc.cfg.seq_len} tokens)"
     log(f"model {sc.cfg.name}{pool}: {count_params(host_state['params']):,} params, policy "
-        f"{policy} (matmul precision {policy.matmul_precision}), global batch {data.batch}, "
+        f"{policy} (matmul precision {policy.matmul_precision}), global batch {plan.batch}, "
         f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch, {plan.epochs} epochs)",
         event="config", model=sc.cfg.name, pool=sc.cfg.pool, policy=str(policy),
-        batch=data.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
+        batch=plan.batch, matmul_precision=policy.matmul_precision, steps=plan.total_steps,
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
@@ -387,11 +410,16 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
 
 def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
     """Wait for the run's first step, and say how long it took and how much of that was
-    compiling (which no img/s figure counts)."""
+    compiling (which no img/s figure counts). The compile figure counts the step's compile
+    wherever it happened: before the loop (its own "compiling" lines, or --accum-steps
+    auto's) and in the step (JSON: compile_s the whole, compile_before_s before the loop)."""
     jax.block_until_ready(metrics)
     seconds, compiling = speed.first_step()
-    log(f"step {step} done in {seconds:.2f} s, {compiling:.2f} s of it compiling (left out "
-        f"of img/s)", event="first_step", step=step, seconds=seconds, compile_s=compiling)
+    before = speed.compiled_before
+    log(f"step {step} done in {seconds:.2f} s; compiling the training step took "
+        f"{before + compiling:.2f} s, {compiling:.2f} s of it in the step (left out of "
+        f"img/s)", event="first_step", step=step, seconds=seconds,
+        compile_s=before + compiling, compile_before_s=before)
 
 
 def _log_point(log: Logger, strategy: Strategy, state, metrics, losses: LossWatch, bar,

@@ -202,6 +202,19 @@ def compile_seconds() -> float:
     return _compile_seconds[0]
 
 
+@contextlib.contextmanager
+def compiling(log, what: str, **record):
+    """A line before a compile that takes time ("compiling the training step for ..."),
+    and one with its time once it is done: the seconds JAX's compile events counted inside
+    the block (yielded as `done["seconds"]`)."""
+    log(f"compiling {what} ...", event="compiling", what=what, **record)
+    done, start = {}, compile_seconds()
+    yield done
+    done["seconds"] = compile_seconds() - start
+    log(f"compiled {what} in {done['seconds']:.1f} s", event="compiled", what=what,
+        compile_s=done["seconds"], **record)
+
+
 class Throughput:
     """Images per second of the training steps between two log points.
 
@@ -209,11 +222,14 @@ class Throughput:
     result first: `rate` is read then), over the wall-clock time since the previous
     figure, less the time spent `paused` (evaluation, checkpoints) and compiling (JAX's
     compile events: the first step's compile, a second variant's), so it is the rate the
-    steps achieved. `first_step` says the first step's time and its compile apart.
+    steps achieved. `first_step` says the first step's time and its compile apart;
+    `compiled_before` is the seconds the same step spent compiling before the loop (in
+    `--accum-steps auto`), which its compile figure counts too.
     """
 
-    def __init__(self, images_per_step: int, step: int):
+    def __init__(self, images_per_step: int, step: int, compiled_before: float = 0.0):
         self.images_per_step, self.step = images_per_step, step
+        self.compiled_before = compiled_before
         self.since, self.compiled = time.perf_counter(), compile_seconds()
         self.excluded = 0.0  # paused seconds since `since`
         self._pause: tuple[float, float] | None = None  # (start, compile seconds then)
@@ -223,7 +239,8 @@ class Throughput:
 
     def first_step(self) -> tuple[float, float]:
         """(seconds, of which compiling) since the start: call once the first step has
-        finished (the rate of its log point leaves the compiling out)."""
+        finished (the rate of its log point leaves the compiling out). The compile figure
+        does not count `compiled_before`, which happened before the start."""
         now, compiled = self._now()
         return now - self.since - self.excluded, compiled - self.compiled
 

@@ -52,7 +52,8 @@ RESUMABLE_ACROSS = frozenset({
     # Compared through what they determine (see `trajectory`):
     "epochs", "steps",                                 # -> total steps
     "dtype", "policy", "matmul_precision",             # -> dtype policy
-    "data_dir", "synthetic_train", "synthetic_val", "synthetic_test", "synthetic_sizes",
+    "data_dir", "subset", "synthetic_train", "synthetic_val", "synthetic_test",
+    "synthetic_sizes",                                 # -> training set
 })
 
 
@@ -99,14 +100,15 @@ class Checkpoints:
 
     def __init__(self, rc: RunConfig, sc: StepConfig, train: data_lib.Split, steps_per_epoch: int,
                  total_steps: int, log: Callable, is_main: bool):
-        self.dir = None if rc.ckpt_dir is None else pathlib.Path(rc.ckpt_dir)
+        ckpt_dir = rc.checkpoints.ckpt_dir
+        self.dir = None if ckpt_dir is None else pathlib.Path(ckpt_dir)
         self.rc, self.sc, self.log, self.is_main = rc, sc, log, is_main
         self.trajectory = trajectory(rc, sc, train, total_steps)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         # The run's randomness is key(seed) folded with (epoch, step) at each step
         # (step.step_key), so this base key is the RNG state; stored, and compared on
         # resume (it also catches a different jax PRNG implementation).
-        self.rng = np.asarray(jax.random.key_data(jax.random.key(rc.seed)))
+        self.rng = np.asarray(jax.random.key_data(jax.random.key(rc.data.seed)))
         self.last: pathlib.Path | None = None  # the newest checkpoint written or resumed
         self.saved_step: int | None = None
         self.last_loss: float | None = None  # the training loss logged before it was written
@@ -130,7 +132,7 @@ class Checkpoints:
         if self.dir is None:
             return None
         existing = checkpoint.list_checkpoints(self.dir)
-        if not self.rc.resume:
+        if not self.rc.checkpoints.resume:
             if existing:
                 raise UsageError(
                     f"--ckpt-dir {self.dir} already holds checkpoints (newest "
@@ -169,7 +171,7 @@ class Checkpoints:
         epoch, done = divmod(step, self.steps_per_epoch)
         self.log(f"resumed from {path}: step {step}, epoch {epoch + 1} with {done} of its "
                  f"{self.steps_per_epoch} batches done; written by {where.get('strategy', '?')}"
-                 f" ({where.get('layout', '?')})",
+                 f" ({where.get('layout', '?').removesuffix('; layout:')})",
                  event="resume", step=step, checkpoint=str(path))
         self.last, self.saved_step = path, step
         self.last_loss = meta.get("metrics", {}).get("loss")
@@ -204,7 +206,7 @@ class Checkpoints:
                 "metrics": metrics,
             }
             path = checkpoint.save(self.dir, step, {**host, "rng": self.rng}, meta,
-                                   keep=self.rc.ckpt_keep)
+                                   keep=self.rc.checkpoints.ckpt_keep)
             self.log(f"checkpoint {path} ({why})", event="checkpoint", step=step,
                      path=str(path), reason=why)
         self.last, self.saved_step = path, step

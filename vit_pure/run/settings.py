@@ -4,9 +4,9 @@ The scripts parse the flags (run/cli.py), then build two frozen values from them
 those down: `step.StepConfig` (what the compiled step computes; run/backend.py builds it)
 and `RunConfig` (everything around the step: data, schedule, checkpoints, logging; the
 loop's helpers each take one slice of it: `rc.data`, `rc.schedule`, `rc.logging`,
-`rc.checkpoints`). `--plan N` takes a `PlanConfig` instead of a RunConfig. No module
-below the scripts reads the argparse Namespace, so what a function can depend on is
-what its signature shows.
+`rc.checkpoints`, each knob in one of them). `--plan N` takes a `PlanConfig` instead of a
+RunConfig. No module below the scripts reads the argparse Namespace, so what a function
+can depend on is what its signature shows.
 """
 from __future__ import annotations
 
@@ -23,112 +23,34 @@ from vit_pure.step import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """What the training loop, its checkpoints and its logs take from the flags.
-
-    The values are the flags' (run/cli.py documents each); `from_args` builds it. Every
-    field but `flags` is read by the loop; `flags` is the whole command line's values,
-    recorded in each checkpoint and compared on `--resume` (run/resume.py).
-    """
-    # ---- data
+class DataSettings:
+    """What feeds the steps: the data, the batches, their order."""
     dataset: str
     data_dir: str
     synthetic_sizes: tuple[tuple[str, int], ...]  # load_dataset keywords: (("n_train", N),)
-    batch: int                      # global batch of a training step
+    subset: tuple[int, int] | None  # --subset TRAIN,TEST of CIFAR-10 (None: all of it)
     eval_batch: int                 # --eval-batch, or --batch when not given
     repeat_aug: int
     seed: int
-    # ---- schedule
+
+    @property
+    def dataset_sizes(self) -> dict[str, Any]:
+        """The sizes `data.cifar10.load_dataset` takes: the synthetic set's, or the subset."""
+        if self.dataset == "synthetic":
+            return dict(self.synthetic_sizes)
+        return {} if self.subset is None else {"subset": self.subset}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSettings:
+    """How long the run is, where it stops, and what each step of it applies."""
+    batch: int                      # global batch of a training step
     epochs: int
     steps: int | None               # a cap on the optimizer steps
     stop_after: int | None          # stop (and save) after this step; the schedule is unchanged
     optim: OptimConfig
     accum_steps: int | str          # K, or "auto" (run/accum.py)
     memory_budget: float | None     # GiB over all local devices, for --accum-steps auto
-    mix_off_epochs: int
-    # ---- evaluation and logging
-    eval_every: int
-    final_eval: bool
-    eval_only: bool
-    log_json: str | None
-    log_every: int
-    progress: bool
-    profile: str | None
-    profile_range: tuple[int, int] | None
-    # ---- checkpoints
-    ckpt_dir: str | None
-    ckpt_every: int
-    ckpt_keep: int
-    resume: bool
-    # ---- the record
-    flags: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RunConfig:
-        """The settings of a command line that `cli.parse_args` has checked."""
-        return cls(
-            dataset=args.dataset, data_dir=args.data_dir,
-            synthetic_sizes=tuple(sorted(args.synthetic_sizes.items())),
-            batch=args.batch, eval_batch=args.eval_batch or args.batch,
-            repeat_aug=args.repeat_aug, seed=args.seed,
-            epochs=args.epochs, steps=args.steps, stop_after=args.stop_after,
-            optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
-                              warmup_steps=args.warmup_steps, optimizer=args.optimizer),
-            accum_steps=args.accum_steps, memory_budget=args.memory_budget,
-            mix_off_epochs=args.mix_off_epochs,
-            eval_every=args.eval_every, final_eval=not args.no_final_eval,
-            eval_only=args.eval_only, log_json=args.log_json, log_every=args.log_every,
-            progress=not args.no_progress, profile=args.profile,
-            profile_range=args.profile_range,
-            ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, ckpt_keep=args.ckpt_keep,
-            resume=args.resume,
-            flags=tuple(recorded_flags(args).items()))
-
-    @property
-    def dataset_sizes(self) -> dict[str, int]:
-        """The synthetic set's sizes as `data.cifar10.load_dataset` takes them."""
-        return dict(self.synthetic_sizes)
-
-    # ---- the slices the loop's helpers take (each sees only its own knobs)
-    @property
-    def data(self) -> DataSettings:
-        return _slice(DataSettings, self)
-
-    @property
-    def schedule(self) -> ScheduleSettings:
-        return _slice(ScheduleSettings, self)
-
-    @property
-    def logging(self) -> LogSettings:
-        return _slice(LogSettings, self)
-
-    @property
-    def checkpoints(self) -> CheckpointSettings:
-        return _slice(CheckpointSettings, self)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSettings:
-    """What feeds the steps: the data, the batches, their order."""
-    dataset: str
-    data_dir: str
-    synthetic_sizes: tuple[tuple[str, int], ...]
-    batch: int
-    eval_batch: int
-    repeat_aug: int
-    seed: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleSettings:
-    """How long the run is, where it stops, and what each step of it applies."""
-    batch: int
-    epochs: int
-    steps: int | None
-    stop_after: int | None
-    optim: OptimConfig
-    accum_steps: int | str
-    memory_budget: float | None
     mix_off_epochs: int
 
 
@@ -154,9 +76,48 @@ class CheckpointSettings:
     resume: bool
 
 
-def _slice(kind, rc: RunConfig):
-    """The `kind` slice of `rc`: its fields of the same names."""
-    return kind(**{f.name: getattr(rc, f.name) for f in dataclasses.fields(kind)})
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the training loop, its checkpoints and its logs take from the flags: four
+    slices, each holding its own knobs once (the loop's helpers each take one), and the
+    record.
+
+    The values are the flags' (run/flags.py documents each); `from_args` builds it.
+    `flags` is the whole command line's values, recorded in each checkpoint and compared
+    on `--resume` (run/resume.py).
+    """
+    data: DataSettings
+    schedule: ScheduleSettings
+    logging: LogSettings
+    checkpoints: CheckpointSettings
+    flags: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """The settings of a command line that `cli.parse_args` has checked."""
+        return cls(
+            data=DataSettings(
+                dataset=args.dataset, data_dir=args.data_dir,
+                synthetic_sizes=tuple(sorted(args.synthetic_sizes.items())),
+                subset=tuple(args.subset) if args.subset else None,
+                eval_batch=args.eval_batch or args.batch, repeat_aug=args.repeat_aug,
+                seed=args.seed),
+            schedule=ScheduleSettings(
+                batch=args.batch, epochs=args.epochs, steps=args.steps,
+                stop_after=args.stop_after,
+                optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
+                                  warmup_steps=args.warmup_steps, optimizer=args.optimizer),
+                accum_steps=args.accum_steps, memory_budget=args.memory_budget,
+                mix_off_epochs=args.mix_off_epochs),
+            logging=LogSettings(
+                eval_every=args.eval_every, final_eval=not args.no_final_eval,
+                eval_only=args.eval_only, log_json=args.log_json, log_every=args.log_every,
+                progress=not args.no_progress, profile=args.profile,
+                profile_range=args.profile_range),
+            checkpoints=CheckpointSettings(
+                ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, ckpt_keep=args.ckpt_keep,
+                resume=args.resume),
+            flags=tuple(recorded_flags(args).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +149,7 @@ class PlanConfig:
             intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
             latency_us=args.latency_us, fabric=args.fabric, algo=args.algo,
             plan_json=args.plan_json, batch=args.batch,
-            accum_steps=args.accum_steps, optim=RunConfig.from_args(args).optim,
+            accum_steps=args.accum_steps, optim=RunConfig.from_args(args).schedule.optim,
             multi_process=bool(args.distributed or args.coordinator is not None))
 
 
