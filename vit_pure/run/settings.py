@@ -222,9 +222,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     Without --init-from, only --image-size changes `args.cfg`; returns None. With it, the
     file (fetched first if it is a URL: vit_pure/weights/fetch.py) fixes what the flags do
     not: the resolution (the file's, unless --image-size), the pooling (the file's, unless
-    --pool), the GELU, the LayerNorm epsilon and the input scaling; the class count
-    becomes the dataset's. Returns the file's weights fitted to that model
-    (`weights.fit`: position embedding resampled, new head), after one line per change on
+    --pool), the patch size, layer scale, register tokens, GELU, LayerNorm epsilon and
+    input scaling; the class count becomes the dataset's. Returns the file's weights
+    fitted to that model (`weights.fit`: position embedding resampled as the file's library
+    does it, new head), after one line per change on
     stdout, or, with `fit` False (--plan), None having set only `args.cfg`. Call it after
     `cli.start_runtime` when `fit`: fitting may run a JAX computation.
     """
@@ -248,17 +249,20 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     try:
         args.cfg = cfg.replace(
             image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
-            pool=args.pool or src.pool, gelu=src.gelu, ln_eps=src.ln_eps, inputs=src.inputs)
+            pool=args.pool or src.pool, gelu=src.gelu, ln_eps=src.ln_eps, inputs=src.inputs,
+            patch_size=src.patch_size, layer_scale=src.layer_scale, registers=src.registers)
     except ValueError as e:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     if not fit:
         return None
-    params, notes = weights.fit(params, src, args.cfg, str(path))
+    params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
     if getattr(args, "process_id", None) in (None, 0):
         c = args.cfg
         print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "
               f"{c.heads} heads, {c.image_size} px in {c.patch_size} px patches, GELU "
-              f"{c.gelu}, LayerNorm eps {c.ln_eps:g}, inputs {c.inputs}", flush=True)
+              f"{c.gelu}, LayerNorm eps {c.ln_eps:g}, inputs {c.inputs}"
+              f"{', layer scale' if c.layer_scale else ''}"
+              f"{f', {c.registers} registers' if c.registers else ''}", flush=True)
         for note in (*found.notes, *notes):
             print(f"--init-from: {note}", file=sys.stdout, flush=True)
     return params
