@@ -176,7 +176,9 @@ def state_dict_tree(w: Arrays, config: dict, config_path, inputs: str,
     return params, Found(format="hf", patch_size=conv.shape[2], channels=conv.shape[1],
                          heads=H, pool=pool, gelu=GELUS[act],
                          ln_eps=float(config.get("layer_norm_eps", 1e-12)), inputs=inputs,
-                         notes=notes, resample="hf")
+                         notes=notes,
+                         # DINOv2 with registers resizes antialiased, the others do not.
+                         resample="hf-antialias" if "reg_tokens" in params else "hf")
 
 
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:

@@ -12,10 +12,10 @@ The ViT may sit under a prefix, as the backbone of a larger model: the prefix is
 the patch embedding's weight is; initializers outside it (a decoder, say) are left out,
 with a note naming them. The graph does not hold the head count (the caller's, else
 width / 64, noted) nor the input scaling (ImageNet's mean / std assumed, noted: DINOv2's
-and most torch ViTs'); the GELU is exact where Erf nodes compute it, the LayerNorm
-epsilon the constant added to the variance. Exporting merges identical tensors into one
-initializer (a model straight from its initialisation): such a graph is refused, naming
-the first weight it lacks. `onnx` is imported only to read such a file.
+and most torch ViTs'); the GELU is a Gelu node's or spelled out (Erf: exact; Tanh), the
+LayerNorm epsilon a LayerNormalization's or the constant added to the variance. The
+exporter merges identical tensors into one initializer (a model straight from its
+initialisation): such a graph is refused, naming the first weight it lacks.
 """
 from __future__ import annotations
 
@@ -86,9 +86,19 @@ def state_dict(path) -> tuple[dict[str, np.ndarray], dict]:
         if len(rows) == 2 and rows[0].shape[1] == 1 and math.isqrt(rows[1].shape[1]) ** 2 \
                 == rows[1].shape[1]:
             state.setdefault(f"{module}.position_embeddings", np.concatenate(rows, axis=1))
-    facts = {"gelu": "exact" if any(n.op_type == "Erf" for n in graph.node) else "tanh",
-             "ln_eps": _layer_norm_eps(graph, inits, numpy_helper)}
+    facts = {"gelu": _gelu(graph), "ln_eps": _layer_norm_eps(graph, inits, numpy_helper)}
     return {k: np.asarray(v, np.float32) for k, v in state.items()}, facts
+
+
+def _gelu(graph) -> str:
+    """"exact" or "tanh": a Gelu node's `approximate` (opset 20), else Erf (exact) or Tanh
+    nodes spelling it out."""
+    for node in graph.node:
+        if node.op_type == "Gelu":
+            approx = next((a.s for a in node.attribute if a.name == "approximate"), b"none")
+            return "tanh" if approx == b"tanh" else "exact"
+    ops = {n.op_type for n in graph.node}
+    return "tanh" if "Tanh" in ops and "Erf" not in ops else "exact"
 
 
 def _layer_norm_eps(graph, inits, numpy_helper) -> float | None:
@@ -122,13 +132,16 @@ def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found
                            f"({' or '.join(_ANCHORS.values())}, under any prefix): not a "
                            f"graph exported from a timm or transformers ViT")
     library, prefix = anchor
+    # transformers' ...ForImageClassification: the classifier beside "vit." / "dinov2.".
+    head = ("classifier.",) if library == "hf" and prefix in ("vit.", "dinov2.") else ()
     notes = []
-    outside = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
+    outside = sorted({k.split(".")[0] for k in state if not k.startswith((prefix, *head))})
     if outside:
-        count = sum(not k.startswith(prefix) for k in state)
+        count = sum(not k.startswith((prefix, *head)) for k in state)
         notes.append(f"the ViT under {prefix!r}: {count} initializers outside it left out "
                      f"({', '.join(o + '.*' for o in outside)})")
-    w = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    w = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()
+         if k.startswith((prefix, *head))}
     width = w[_ANCHORS[library]].shape[0]
     if heads is None or width % heads:
         heads = max(1, width // 64)
@@ -139,15 +152,14 @@ def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found
         found = dataclasses.replace(found, gelu=facts["gelu"], inputs="imagenet",
                                     ln_eps=facts["ln_eps"] or found.ln_eps)
     else:
+        w = hf.canonical_names(w)
         depth = 0
-        while f"encoder.layer.{depth}.attention.attention.query.bias" in w or \
-                f"layers.{depth}.attention.q_proj.bias" in w:
+        while f"vit.encoder.layer.{depth}.layernorm_before.weight" in w:
             depth += 1
         config = {"hidden_size": width, "num_hidden_layers": depth,
                   "num_attention_heads": heads,
                   "hidden_act": "gelu" if facts["gelu"] == "exact" else "gelu_pytorch_tanh",
                   "layer_norm_eps": facts["ln_eps"] or 1e-12}
-        params, found = hf.state_dict_tree(Arrays(hf.canonical_names(w), path), config, path,
-                                           "imagenet")
+        params, found = hf.state_dict_tree(Arrays(w, path), config, path, "imagenet")
     return params, dataclasses.replace(found, format="onnx",
                                        notes=(*found.notes, *notes))

@@ -193,8 +193,10 @@ RESAMPLERS = {
     "bigvision": "bilinear, corners aligned (big_vision: scipy.ndimage.zoom, order 1)",
     "timm": "bicubic, antialiased (timm: F.interpolate bicubic, antialias=True)",
     "hf": "bicubic (transformers: F.interpolate bicubic, align_corners=False)",
+    "hf-antialias": "bicubic, antialiased (transformers' DINOv2 with registers)",
 }
-_METHODS = {"bigvision": "bigvision", "timm": "torch-bicubic-aa", "hf": "torch-bicubic"}
+_METHODS = {"bigvision": "bigvision", "timm": "torch-bicubic-aa", "hf": "torch-bicubic",
+            "hf-antialias": "torch-bicubic-aa"}
 
 
 def resample_grid(image: np.ndarray, grid: int, method: str) -> np.ndarray:
