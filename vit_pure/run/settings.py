@@ -73,7 +73,8 @@ class RunConfig:
             repeat_aug=args.repeat_aug, seed=args.seed,
             epochs=args.epochs, steps=args.steps, stop_after=args.stop_after,
             optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
-                              warmup_steps=args.warmup_steps, optimizer=args.optimizer),
+                              warmup_steps=args.warmup_steps, optimizer=args.optimizer,
+                              trainable=args.trainable),
             accum_steps=args.accum_steps, memory_budget=args.memory_budget,
             mix_off_epochs=args.mix_off_epochs,
             eval_every=args.eval_every, final_eval=not args.no_final_eval,
@@ -201,7 +202,7 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
         remat=args.remat,
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
-        ema=args.ema, eval_flip=args.eval_flip)
+        ema=args.ema, eval_flip=args.eval_flip, trainable=args.trainable)
 
 
 def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
@@ -233,8 +234,8 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     if args.image_size is not None and args.image_size < 1:
         raise UsageError(f"--image-size must be positive, got {args.image_size}")
     if args.init_from is None:
-        if args.recipe == "finetune-b16":
-            raise UsageError("--recipe finetune-b16 fine-tunes pretrained weights: give "
+        if args.recipe in ("finetune-b16", "finetune-dinov2-s14"):
+            raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
         if args.image_size is not None:
