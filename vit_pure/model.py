@@ -6,16 +6,15 @@
 Axis letters in shape comments:
     B batch   T tokens (patches + class token + registers)   E embedding width   H heads
     D head dim (E = H * D)   M MLP hidden   L encoder layers   P patch pixels (p*p*C)
-    K classes
+    K classes   R register tokens
 
 Parameter layout (`init_params`); the encoder blocks are *stacked* along a leading layer
 axis L, one layout for every use (a Python loop or `lax.scan` over it, and a pipeline
 shards it):
 
     stem/conv{i}/kernel (3, 3, C_in, C_out)  stem/conv{i}/bias (C_out,)   (cfg.stem only)
-    patch_embed/kernel (P, E)   patch_embed/bias (E,)
+    patch_embed/kernel (P, E)   patch_embed/bias (E,)   reg_tokens (R, E) (cfg.registers)
     cls_token (E,)      pos_embed (T - R, E)     (no cls_token with cfg.pool "gap")
-    reg_tokens (R, E)                                  (cfg.registers R > 0 only)
     blocks/ln1/{scale,bias} (L, E)
     blocks/attn/qkv/kernel (L, E, 3, H, D)     blocks/attn/qkv/bias (L, 3, H, D)
     blocks/attn/out/kernel (L, H, D, E)        blocks/attn/out/bias (L, E)

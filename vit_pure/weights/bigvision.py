@@ -10,23 +10,19 @@ tower of a two-tower model)::
     Transformer/posembed_input/pos_embedding (1, T, E)     vision_transformer / AugReg
     Transformer/pos_embedding (1, T, E)                    big_vision before 2022
     pos_embedding (1, N, E)                                big_vision's ViT
-    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}
+    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}  ... LayerNorm_{n}/{scale,bias}
     Transformer/encoderblock_{i}/MultiHeadDotProductAttention_{a}/{query,key,value}/kernel
         (E, H, D), .../bias (H, D); .../out/kernel (H, D, E), .../out/bias (E,)
-    Transformer/encoderblock_{i}/LayerNorm_{n}/{scale,bias}
     Transformer/encoderblock_{i}/MlpBlock_{m}/Dense_0/kernel (E, M) ... Dense_1 (M, E)
     Transformer/encoder_norm/{scale,bias}
     head/kernel (E, K)  head/bias (K,)                     (pre_logits/...: dropped)
 
-with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in
-big_vision's. A scanned big_vision model stores one ``Transformer/encoderblock/...``
-whose arrays carry a leading layer axis. The position embedding may have the class
-token's row (T = N + 1 rows) or not (N rows: big_vision adds it before prepending the
-class token; the kit's row for the token is then zero). These models use the tanh GELU,
-LayerNorm epsilon 1e-6 and inputs scaled to [-1, 1]; bfloat16 arrays are widened. Every
-array under the prefix must find its place (no layer scale or registers in big_vision's
-ViT). Models without a class token are refused (big_vision's "gap" averages after the
-final LayerNorm, the kit's before it).
+with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in big_vision's;
+a scanned model stores one ``Transformer/encoderblock/...`` with a leading layer axis.
+The position embedding may have the class token's row (T = N + 1) or not (N rows: the
+kit's row is then zero). Tanh GELU, LayerNorm epsilon 1e-6, inputs in [-1, 1]; bfloat16
+arrays are widened; every array under the prefix must find its place. Models without a
+class token are refused (big_vision's "gap" averages after the final LayerNorm).
 """
 from __future__ import annotations
 
