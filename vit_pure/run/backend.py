@@ -224,6 +224,7 @@ class StepFlags:
     cutmix: float
     ema: float
     eval_flip: bool
+    trainable: str = "all"
 
 
 def step_config(flags: StepFlags, platform: str | None = None, device=None) -> StepConfig:
@@ -254,6 +255,7 @@ def step_config(flags: StepFlags, platform: str | None = None, device=None) -> S
                       cutmix_alpha=flags.cutmix,
                       ema_decay=flags.ema,
                       eval_flip=flags.eval_flip,
+                      trainable=flags.trainable,
                       notes=choices.notes)
 
 

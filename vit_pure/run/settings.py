@@ -106,7 +106,8 @@ class RunConfig:
                 batch=args.batch, epochs=args.epochs, steps=args.steps,
                 stop_after=args.stop_after,
                 optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
-                                  warmup_steps=args.warmup_steps, optimizer=args.optimizer),
+                                  warmup_steps=args.warmup_steps, optimizer=args.optimizer,
+                                  trainable=args.trainable),
                 accum_steps=args.accum_steps, memory_budget=args.memory_budget,
                 mix_off_epochs=args.mix_off_epochs),
             logging=LogSettings(
@@ -162,7 +163,7 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
         remat=args.remat,
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
-        ema=args.ema, eval_flip=args.eval_flip)
+        ema=args.ema, eval_flip=args.eval_flip, trainable=args.trainable)
 
 
 def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
@@ -183,9 +184,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     Without --init-from, only --image-size changes `args.cfg`; returns None. With it, the
     file (fetched first if it is a URL: vit_pure/weights/fetch.py) fixes what the flags do
     not: the resolution (the file's, unless --image-size), the pooling (the file's, unless
-    --pool), the GELU, the LayerNorm epsilon and the input scaling; the class count
-    becomes the dataset's. Returns the file's weights fitted to that model
-    (`weights.fit`: position embedding resampled, new head), after one line per change on
+    --pool), the patch size, layer scale, register tokens, GELU, LayerNorm epsilon and
+    input scaling; the class count becomes the dataset's. Returns the file's weights
+    fitted to that model (`weights.fit`: position embedding resampled as the file's library
+    does it, new head), after one line per change on
     stdout, or, with `fit` False (--plan), None having set only `args.cfg`. Call it after
     `cli.start_runtime` when `fit`: fitting may run a JAX computation.
     """
@@ -193,8 +195,8 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     if args.image_size is not None and args.image_size < 1:
         raise UsageError(f"--image-size must be positive, got {args.image_size}")
     if args.init_from is None:
-        if args.recipe == "finetune-b16":
-            raise UsageError("--recipe finetune-b16 fine-tunes pretrained weights: give "
+        if args.recipe in ("finetune-b16", "finetune-dinov2-s14"):
+            raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
         if args.image_size is not None:
@@ -209,17 +211,20 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     try:
         args.cfg = cfg.replace(
             image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
-            pool=args.pool or src.pool, gelu=src.gelu, ln_eps=src.ln_eps, inputs=src.inputs)
+            pool=args.pool or src.pool, gelu=src.gelu, ln_eps=src.ln_eps, inputs=src.inputs,
+            patch_size=src.patch_size, layer_scale=src.layer_scale, registers=src.registers)
     except ValueError as e:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     if not fit:
         return None
-    params, notes = weights.fit(params, src, args.cfg, str(path))
+    params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
     if getattr(args, "process_id", None) in (None, 0):
         c = args.cfg
         print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "
               f"{c.heads} heads, {c.image_size} px in {c.patch_size} px patches, GELU "
-              f"{c.gelu}, LayerNorm eps {c.ln_eps:g}, inputs {c.inputs}", flush=True)
+              f"{c.gelu}, LayerNorm eps {c.ln_eps:g}, inputs {c.inputs}"
+              f"{', layer scale' if c.layer_scale else ''}"
+              f"{f', {c.registers} registers' if c.registers else ''}", flush=True)
         for note in (*found.notes, *notes):
             print(f"--init-from: {note}", file=sys.stdout, flush=True)
     return params

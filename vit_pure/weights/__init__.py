@@ -1,5 +1,5 @@
 """Pretrained weights in and out: big_vision / AugReg .npz, timm and Hugging Face
-safetensors, read into the kit's parameter tree and written back out.
+safetensors, ONNX graphs exported from either, read into the kit's tree and written out.
 
     cfg, params = load("B_16-i21k-....npz")              # (ViTConfig, float32 numpy tree)
     params, notes = fit(params, cfg, target_cfg, path)   # resample pos_embed, new head
@@ -7,11 +7,12 @@ safetensors, read into the kit's parameter tree and written back out.
 
 `load` finds the format from the file: a zip archive is a big_vision-style .npz
 (bigvision.py); a safetensors file is Hugging Face's when a transformers ViT config.json
-lies beside it (hf.py), else timm's (timm.py); a folder is read as Hugging Face's. The
+lies beside it (hf.py), else timm's (timm.py); a folder is read as Hugging Face's; a
+`.onnx` file through the names of either (onnx_graph.py, with the `onnx` package). The
 tree is `model.init_params`'s, on the host: the training scripts lay it out on their
 devices as they lay out a checkpoint (`strategy.put_state`), so it trains under every
-layout. These modules read the files with numpy alone (safetensors.py); torch, timm
-and transformers are never imported.
+layout. These modules read the files with numpy alone (safetensors.py; `onnx` for a
+graph); torch, timm and transformers are never imported.
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ import pathlib
 
 from vit_pure.config import ViTConfig
 from vit_pure.errors import WeightsError
-from vit_pure.weights import bigvision, hf, safetensors, timm
+from vit_pure.weights import bigvision, hf, onnx_graph, safetensors, timm
 from vit_pure.weights.fetch import is_url, local_path
-from vit_pure.weights.tree import Found, config_of, fit
+from vit_pure.weights.tree import RESAMPLERS, Found, config_of, fit
 
-FORMATS = ("bigvision", "timm", "hf")  # what `load` reads
+FORMATS = ("bigvision", "timm", "hf", "onnx")  # what `load` reads
 EXPORTS = ("hf", "timm")  # what `save` writes
 
-__all__ = ["FORMATS", "EXPORTS", "Found", "config_of", "detect", "fit", "load", "load_found",
-           "save", "resolve"]
+__all__ = ["FORMATS", "EXPORTS", "RESAMPLERS", "Found", "config_of", "detect", "fit", "load",
+           "load_found", "save", "resolve"]
 
 
 def resolve(path: str, log=print) -> pathlib.Path:
@@ -48,6 +49,8 @@ def detect(path: str | os.PathLike) -> str:
         raise WeightsError(f"{path}: no such file")
     if bigvision.is_npz(path):
         return "bigvision"
+    if onnx_graph.is_onnx(path):
+        return "onnx"
     safetensors.read_header(path)  # raises if it is not safetensors either
     return "hf" if hf.is_hf_config(path.parent / "config.json") else "timm"
 
@@ -60,6 +63,8 @@ def load_found(path: str | os.PathLike, heads: int | None = None) -> tuple[dict,
         return bigvision.read(path)
     if fmt == "timm":
         return timm.read(path, heads)
+    if fmt == "onnx":
+        return onnx_graph.read(path, heads)
     return hf.read(path)
 
 

@@ -8,23 +8,21 @@ tower of a two-tower model)::
     embedding/kernel (p, p, C, E)  embedding/bias (E,)      the patch embedding, HWIO
     cls (1, 1, E)                                          (no class token: none)
     Transformer/posembed_input/pos_embedding (1, T, E)     vision_transformer / AugReg
+    Transformer/pos_embedding (1, T, E)                    big_vision before 2022
     pos_embedding (1, N, E)                                big_vision's ViT
-    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}
+    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}  ... LayerNorm_{n}/{scale,bias}
     Transformer/encoderblock_{i}/MultiHeadDotProductAttention_{a}/{query,key,value}/kernel
         (E, H, D), .../bias (H, D); .../out/kernel (H, D, E), .../out/bias (E,)
-    Transformer/encoderblock_{i}/LayerNorm_{n}/{scale,bias}
     Transformer/encoderblock_{i}/MlpBlock_{m}/Dense_0/kernel (E, M) ... Dense_1 (M, E)
     Transformer/encoder_norm/{scale,bias}
     head/kernel (E, K)  head/bias (K,)                     (pre_logits/...: dropped)
 
-with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in
-big_vision's. A scanned big_vision model stores one ``Transformer/encoderblock/...``
-whose arrays carry a leading layer axis. The position embedding may have the class
-token's row (T = N + 1 rows) or not (N rows: big_vision adds it before prepending the
-class token; the kit's row for the token is then zero). These models use the tanh GELU,
-LayerNorm epsilon 1e-6 and inputs scaled to [-1, 1]. Models without a class token are
-refused: big_vision's "gap" pooling averages after the final LayerNorm, the kit's "gap"
-before it.
+with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in big_vision's;
+a scanned model stores one ``Transformer/encoderblock/...`` with a leading layer axis.
+The position embedding may have the class token's row (T = N + 1) or not (N rows: the
+kit's row is then zero). Tanh GELU, LayerNorm epsilon 1e-6, inputs in [-1, 1]; bfloat16
+arrays are widened; every array under the prefix must find its place. Models without a
+class token are refused (big_vision's "gap" averages after the final LayerNorm).
 """
 from __future__ import annotations
 
@@ -34,72 +32,87 @@ import zipfile
 import numpy as np
 
 from vit_pure.errors import WeightsError
-from vit_pure.weights.tree import Found, hwio_to_rows, pos_rows, rows_to_hwio
+from vit_pure.weights.tree import Arrays, Found, hwio_to_rows, pos_rows, rows_to_hwio
 
 PREFIXES = ("", "opt/target/", "params/", "params/img/")
-POS_KEYS = ("Transformer/posembed_input/pos_embedding", "pos_embedding")
+# Where the position embedding sits: vision_transformer / AugReg; big_vision's "widely
+# used version before 2022" (its vit.py `fix_old_checkpoints`); big_vision's ViT.
+POS_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_embedding",
+            "pos_embedding")
 _NUMBERING = {"vision_transformer": (1, 2, 3), "big_vision": (0, 1, 0)}
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 def is_npz(path) -> bool:
-    return zipfile.is_zipfile(path)
+    """A zip archive by its first bytes (a truncated one too: its directory is at the end,
+    so `zipfile.is_zipfile` calls it no zip)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def _float32(a: np.ndarray) -> np.ndarray:
+    """An array of the file as float32: bfloat16 arrays (saved from JAX, their dtype
+    recorded as two raw bytes, "V2") widened exactly."""
+    if a.dtype.kind == "V" and a.dtype.itemsize == 2:
+        return (a.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a, np.float32)
 
 
 def read(path: str | os.PathLike) -> tuple[dict, Found]:
     """(the kit's tree, what the file says) of a big_vision-style .npz."""
     try:
         with np.load(path, allow_pickle=False) as f:
-            w = {k: np.asarray(f[k], np.float32) for k in f.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
+            w = {k: _float32(f[k]) for k in f.files}
+    except zipfile.BadZipFile as e:
+        raise WeightsError(f"{path}: a damaged or truncated .npz (zip archive: {e})") from None
+    except (OSError, ValueError, EOFError) as e:
         raise WeightsError(f"{path}: not a readable .npz ({e})") from None
     prefix = next((p for p in PREFIXES if f"{p}embedding/kernel" in w), None)
     if prefix is None:
         raise WeightsError(f"{path}: no embedding/kernel under any of the prefixes "
                            f"{', '.join(repr(p) for p in PREFIXES)}: not a ViT checkpoint of "
                            f"big_vision or vision_transformer")
-    w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
-    if any(k.startswith("MAPHead") for k in w):
-        raise WeightsError(f"{path}: an attention-pooling head (MAPHead) is not a head the "
-                           f"kit has (its pools: cls, mean, gap)")
-    if any(k.startswith("Transformer/encoderblock/") for k in w):  # scanned: (L, ...) arrays
-        blocks = [{k.split("/", 2)[2]: v[i] for k, v in w.items()
-                   if k.startswith("Transformer/encoderblock/")}
-                  for i in range(w["Transformer/encoderblock/LayerNorm_0/scale"].shape[0])]
-    else:
-        blocks, i = [], 0
-        while f"Transformer/encoderblock_{i}/LayerNorm_0/scale" in w:
-            pre = f"Transformer/encoderblock_{i}/"
-            blocks.append({k[len(pre):]: v for k, v in w.items() if k.startswith(pre)})
-            i += 1
-    if not blocks:
+    w = Arrays({k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}, path,
+               f" (under the prefix {prefix!r})" if prefix else "")
+    if any(k.startswith("MAPHead") for k in w.arrays):
+        raise WeightsError(f"{path}: an attention-pooling head (MAPHead, big_vision's pool "
+                           f"\"map\") is not a head the kit has (its pools: cls, mean, gap)")
+    scanned = "Transformer/encoderblock/LayerNorm_0/scale" in w
+    depth = (w.arrays["Transformer/encoderblock/LayerNorm_0/scale"].shape[0] if scanned else
+             next(i for i in range(1 << 16)
+                  if f"Transformer/encoderblock_{i}/LayerNorm_0/scale" not in w))
+    if not depth:
         raise WeightsError(f"{path}: no Transformer/encoderblock_0/ (nor a scanned "
                            f"Transformer/encoderblock/) in the file")
-    numbering = ("vision_transformer" if "MultiHeadDotProductAttention_1/query/kernel"
-                 in blocks[0] else "big_vision")
+    first = "Transformer/encoderblock/" if scanned else "Transformer/encoderblock_0/"
+    numbering = ("vision_transformer" if f"{first}MultiHeadDotProductAttention_1/query/kernel"
+                 in w else "big_vision")
     a, n, m = _NUMBERING[numbering]
 
-    def get(tree, key, where):
-        if key not in tree:
-            raise WeightsError(f"{path}: no {where}{key} in the file ({numbering} numbering)")
-        return tree[key]
-
     def stack(key):
-        return np.stack([get(b, key, "Transformer/encoderblock_{i}/") for b in blocks])
+        if scanned:
+            return w.get(f"Transformer/encoderblock/{key}")
+        return np.stack([w.get(f"Transformer/encoderblock_{i}/{key}") for i in range(depth)])
 
     mha, ln2, mlp = f"MultiHeadDotProductAttention_{a}/", f"LayerNorm_{n}/", f"MlpBlock_{m}/"
     qkv = [stack(f"{mha}{x}/kernel") for x in ("query", "key", "value")]  # (L, E, H, D)
     if "cls" not in w:
-        raise WeightsError(f"{path}: a model without class token (big_vision's \"gap\" "
-                           f"pooling takes the mean after the final LayerNorm, the kit's "
-                           f"before it): not a model the kit has")
+        raise WeightsError(f"{path}: no class token (cls): big_vision's pool \"gap\" (the "
+                           f"mean after the final LayerNorm; the kit's gap takes it before) "
+                           f"or \"0\" (the first patch token) is not a head the kit has")
     pos_key = next((k for k in POS_KEYS if k in w), None)
     if pos_key is None:
-        raise WeightsError(f"{path}: no position embedding ({' or '.join(POS_KEYS)})")
-    kernel = get(w, "embedding/kernel", prefix)
+        raise WeightsError(f"{path}: no learned position embedding ({' or '.join(POS_KEYS)}): "
+                           f"big_vision's posemb \"sincos2d\" is computed, not stored, and the "
+                           f"kit's ViT has only a learned one")
+    kernel = w.get("embedding/kernel")
     params = {
-        "patch_embed": {"kernel": hwio_to_rows(kernel), "bias": get(w, "embedding/bias", "")},
-        "cls_token": w["cls"].reshape(-1),
-        "pos_embed": pos_rows(w[pos_key], True, prefix + pos_key),
+        "patch_embed": {"kernel": hwio_to_rows(kernel), "bias": w.get("embedding/bias")},
+        "cls_token": w.get("cls").reshape(-1),
+        "pos_embed": pos_rows(w.get(pos_key), True, prefix + pos_key),
         "blocks": {
             "ln1": {"scale": stack("LayerNorm_0/scale"), "bias": stack("LayerNorm_0/bias")},
             "attn": {
@@ -114,18 +127,20 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
                     "fc2": {"kernel": stack(f"{mlp}Dense_1/kernel"),
                             "bias": stack(f"{mlp}Dense_1/bias")}},
         },
-        "final_ln": {"scale": get(w, "Transformer/encoder_norm/scale", ""),
-                     "bias": get(w, "Transformer/encoder_norm/bias", "")},
+        "final_ln": {"scale": w.get("Transformer/encoder_norm/scale"),
+                     "bias": w.get("Transformer/encoder_norm/bias")},
     }
     notes = []
     if "pre_logits/kernel" in w:  # vision_transformer's ImageNet-21k models: dropped
+        w.skip("pre_logits/kernel", "pre_logits/bias", "head/kernel", "head/bias")
         notes.append("pre_logits dropped (as vision_transformer does to fine-tune); its "
                      "head then needs replacing")
     elif "head/kernel" in w:
-        params["head"] = {"kernel": w["head/kernel"], "bias": w["head/bias"]}
+        params["head"] = {"kernel": w.get("head/kernel"), "bias": w.get("head/bias")}
+    w.refuse_unread(f"a big_vision ViT ({numbering} numbering)")
     found = Found(format="bigvision", patch_size=kernel.shape[0], channels=kernel.shape[2],
                   heads=qkv[0].shape[2], pool="cls", gelu="tanh",
-                  ln_eps=1e-6, inputs="minus1to1", notes=tuple(notes))
+                  ln_eps=1e-6, inputs="minus1to1", notes=tuple(notes), resample="bigvision")
     return params, found
 
 

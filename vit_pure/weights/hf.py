@@ -14,11 +14,14 @@ and writes the names in brackets, which are read too)::
         output.dense.{weight (E, M), bias}                            (mlp.fc2)
     vit.layernorm.{weight,bias}            classifier.{weight (K, E), bias}
 
-A `ViTModel` checkpoint has no "vit." prefix and no classifier (its pooler, unused by
-classification, is left out). config.json gives the head count, `hidden_act` ("gelu" the
-exact GELU, "gelu_pytorch_tanh" / "gelu_new" the tanh form) and `layer_norm_eps` (1e-12 by
-default); preprocessor_config.json's image_mean / image_std the input scaling (without
-it, ViTImageProcessor's default: [-1, 1]).
+A `ViTModel` has no "vit." prefix and no classifier (its pooler is left out). DINOv2
+("dinov2." or none) names norm1 / norm2 for layernorm_before / after, mlp.fc1 / fc2, adds
+layer_scale{1,2}.lambda1 (LayerScale), embeddings.register_tokens (with registers) and a
+classifier on the class token and the mean patch token (2E, pool "cls+mean"). config.json
+gives the head count, `hidden_act` ("gelu" exact, "gelu_pytorch_tanh" / "gelu_new" tanh),
+`layer_norm_eps` (1e-12 by default); preprocessor_config.json's image_mean / std the input
+scaling (without it, [-1, 1] for a ViT, ImageNet's for DINOv2). The writer folds a layer
+scale into the output projection and fc2 (exact): ViTForImageClassification has none.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from vit_pure.config import INPUT_SCALINGS, ViTConfig
 from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
 from vit_pure.weights.timm import scaling_name
-from vit_pure.weights.tree import Found, rows_to_hwio
+from vit_pure.weights.tree import Arrays, Found, rows_to_hwio
 
 GELUS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
          "gelu_fast": "tanh"}
@@ -44,15 +47,21 @@ _V5 = [(r"^vit\.layers\.", "vit.encoder.layer."),
        (r"\.attention\.v_proj\.", ".attention.attention.value."),
        (r"\.attention\.o_proj\.", ".attention.output.dense."),
        (r"\.mlp\.fc1\.", ".intermediate.dense."), (r"\.mlp\.fc2\.", ".output.dense.")]
+# DINOv2's names (Dinov2Model, Dinov2WithRegistersModel) -> the ViT's.
+_DINOV2 = [(r"(layer\.\d+)\.norm1\.", r"\1.layernorm_before."),
+           (r"(layer\.\d+)\.norm2\.", r"\1.layernorm_after.")]
+
+
+MODEL_TYPES = ("vit", "dinov2", "dinov2_with_registers")  # config.json's model_type
 
 
 def is_hf_config(path: pathlib.Path) -> bool:
-    """Whether `path` is a transformers ViT config.json."""
+    """Whether `path` is a transformers ViT (or DINOv2) config.json."""
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "vit"
+    return isinstance(cfg, dict) and cfg.get("model_type") in MODEL_TYPES
 
 
 def _json(path: pathlib.Path) -> dict:
@@ -62,6 +71,19 @@ def _json(path: pathlib.Path) -> dict:
         raise WeightsError(f"{path}: not readable JSON ({e})") from None
 
 
+def canonical_names(raw: dict) -> dict:
+    """A transformers ViT or DINOv2 state dict under the names the reader takes: the ViT's
+    of transformers 4, with a "vit." prefix (DINOv2's "dinov2." becomes it)."""
+    w = {}
+    for k, v in raw.items():
+        k = re.sub(r"^dinov2\.", "vit.", k)
+        k = k if k.startswith(("vit.", "classifier.")) else "vit." + k
+        for pattern, repl in _V5 + _DINOV2:
+            k = re.sub(pattern, repl, k)
+        w[k] = v
+    return w
+
+
 def read(path: str | os.PathLike) -> tuple[dict, Found]:
     """(the kit's tree, what the files say) of a folder (or its model.safetensors)."""
     path = pathlib.Path(path)
@@ -69,29 +91,36 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
     weights = path if path.is_file() else folder / "model.safetensors"
     config = _json(folder / "config.json")
     raw, _ = safetensors.read(weights)
-    w = {}
-    for k, v in raw.items():
-        k = k if k.startswith(("vit.", "classifier.")) else "vit." + k
-        for pattern, repl in _V5:
-            k = re.sub(pattern, repl, k)
-        w[k] = v
-    used: set[str] = set()
+    inputs = "imagenet" if config.get("model_type", "vit") != "vit" else "minus1to1"
+    pre = folder / "preprocessor_config.json"
+    if pre.is_file():
+        p = _json(pre)
+        if "image_mean" in p and "image_std" in p:
+            inputs = scaling_name(p["image_mean"], p["image_std"]) or ""
+            if not inputs:
+                raise WeightsError(f"{pre}: image_mean / image_std {p['image_mean']} / "
+                                   f"{p['image_std']} is none of the kit's scalings "
+                                   f"({', '.join(INPUT_SCALINGS)})")
+    return state_dict_tree(Arrays(canonical_names(raw), weights), config,
+                           folder / "config.json", inputs)
 
-    def get(key):
-        if key not in w:
-            raise WeightsError(f"{weights}: no {key} in the file")
-        used.add(key)
-        return w[key]
 
+def state_dict_tree(w: Arrays, config: dict, config_path, inputs: str,
+                    notes: tuple[str, ...] = ()) -> tuple[dict, Found]:
+    """(the kit's tree, what the arrays say) of a transformers ViT / DINOv2 state dict
+    under `canonical_names` (a safetensors file's, or an ONNX graph's: onnx.py), with the
+    model's config.json (hidden_size, num_hidden_layers, num_attention_heads, hidden_act,
+    layer_norm_eps)."""
+    get = w.get
     try:
         E, L, H = (int(config[k]) for k in ("hidden_size", "num_hidden_layers",
                                            "num_attention_heads"))
     except (KeyError, TypeError, ValueError):
-        raise WeightsError(f"{folder / 'config.json'}: no hidden_size, num_hidden_layers and "
+        raise WeightsError(f"{config_path}: no hidden_size, num_hidden_layers and "
                            f"num_attention_heads") from None
     act = config.get("hidden_act", "gelu")
     if act not in GELUS:
-        raise WeightsError(f"{folder / 'config.json'}: hidden_act {act!r} is not a GELU the "
+        raise WeightsError(f"{config_path}: hidden_act {act!r} is not a GELU the "
                            f"kit has ({', '.join(GELUS)})")
     D = E // H
     conv = get("vit.embeddings.patch_embeddings.projection.weight")
@@ -130,35 +159,37 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
         },
         "final_ln": {"scale": get("vit.layernorm.weight"), "bias": get("vit.layernorm.bias")},
     }
+    if "vit.encoder.layer.0.layer_scale1.lambda1" in w:  # DINOv2's LayerScale
+        for n in ("1", "2"):
+            params["blocks"][f"ls{n}"] = {"gamma": stack(f"layer_scale{n}.lambda1")}
+    if "vit.embeddings.register_tokens" in w:  # DINOv2 with registers
+        params["reg_tokens"] = get("vit.embeddings.register_tokens").reshape(-1, E)
+    pool = "cls"
     if "classifier.weight" in w:
-        params["head"] = {"kernel": get("classifier.weight").T, "bias": get("classifier.bias")}
-    extra = sorted(k for k in set(w) - used if not k.startswith("vit.pooler."))
-    if extra:
-        raise WeightsError(f"{weights}: {extra[0]} {w[extra[0]].shape} is not a weight of a "
-                           f"transformers ViT with {L} layers")
-    inputs = "minus1to1"
-    pre = folder / "preprocessor_config.json"
-    if pre.is_file():
-        p = _json(pre)
-        if "image_mean" in p and "image_std" in p:
-            inputs = scaling_name(p["image_mean"], p["image_std"]) or ""
-            if not inputs:
-                raise WeightsError(f"{pre}: image_mean / image_std {p['image_mean']} / "
-                                   f"{p['image_std']} is none of the kit's scalings "
-                                   f"({', '.join(INPUT_SCALINGS)})")
+        kernel = get("classifier.weight").T
+        pool = "cls+mean" if kernel.shape[0] == 2 * E else "cls"  # DINOv2's linear head
+        params["head"] = {"kernel": kernel, "bias": get("classifier.bias")}
+    # Not weights of the function: the pooler (ViTModel's, unused by classification) and
+    # DINOv2's mask token (masked-image pretraining only).
+    w.skip(*(k for k in w.arrays if k.startswith("vit.pooler.")), "vit.embeddings.mask_token")
+    w.refuse_unread(f"a transformers {config.get('model_type', 'vit')} model with {L} layers")
     return params, Found(format="hf", patch_size=conv.shape[2], channels=conv.shape[1],
-                         heads=H, pool="cls", gelu=GELUS[act],
-                         ln_eps=float(config.get("layer_norm_eps", 1e-12)), inputs=inputs)
+                         heads=H, pool=pool, gelu=GELUS[act],
+                         ln_eps=float(config.get("layer_norm_eps", 1e-12)), inputs=inputs,
+                         notes=notes,
+                         # DINOv2 with registers resizes antialiased, the others do not.
+                         resample="hf-antialias" if "reg_tokens" in params else "hf")
 
 
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
     """model.safetensors, config.json and preprocessor_config.json of a
     `ViTForImageClassification` equal to the kit's model `cfg`, in `directory`."""
-    if cfg.pool != "cls" or cfg.stem or cfg.lsa:
+    if cfg.pool != "cls" or cfg.stem or cfg.lsa or cfg.registers:
         raise WeightsError(f"{cfg.name}: transformers' ViTForImageClassification reads the "
-                           f"class token and has no convolutional stem or locality "
-                           f"self-attention; this model has pool {cfg.pool!r}"
-                           f"{', a stem' if cfg.stem else ''}{', lsa' if cfg.lsa else ''}")
+                           f"class token and has no convolutional stem, locality "
+                           f"self-attention or registers; this model has pool {cfg.pool!r}"
+                           f"{', a stem' if cfg.stem else ''}{', lsa' if cfg.lsa else ''}"
+                           f"{', registers' if cfg.registers else ''}")
     E, H, D, L = cfg.width, cfg.heads, cfg.head_dim, cfg.depth
     b = params["blocks"]
     w = {"vit.embeddings.patch_embeddings.projection.weight": rows_to_hwio(
@@ -182,13 +213,16 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                 b["attn"]["qkv"]["kernel"][i][:, j]).reshape(E, H * D).T
             w[p + f"attention.attention.{x}.bias"] = np.asarray(
                 b["attn"]["qkv"]["bias"][i][j]).reshape(-1)
-        w[p + "attention.output.dense.weight"] = np.asarray(
-            b["attn"]["out"]["kernel"][i]).reshape(H * D, E).T
-        w[p + "attention.output.dense.bias"] = b["attn"]["out"]["bias"][i]
+        # gamma * (x W + b) = x (W gamma) + b gamma: the layer scale folded in.
+        g1, g2 = ((np.asarray(b[ls]["gamma"][i]) for ls in ("ls1", "ls2"))
+                  if cfg.layer_scale is not None else (1.0, 1.0))
+        w[p + "attention.output.dense.weight"] = (np.asarray(
+            b["attn"]["out"]["kernel"][i]).reshape(H * D, E) * g1).T
+        w[p + "attention.output.dense.bias"] = np.asarray(b["attn"]["out"]["bias"][i]) * g1
         w[p + "intermediate.dense.weight"] = np.asarray(b["mlp"]["fc1"]["kernel"][i]).T
         w[p + "intermediate.dense.bias"] = b["mlp"]["fc1"]["bias"][i]
-        w[p + "output.dense.weight"] = np.asarray(b["mlp"]["fc2"]["kernel"][i]).T
-        w[p + "output.dense.bias"] = b["mlp"]["fc2"]["bias"][i]
+        w[p + "output.dense.weight"] = (np.asarray(b["mlp"]["fc2"]["kernel"][i]) * g2).T
+        w[p + "output.dense.bias"] = np.asarray(b["mlp"]["fc2"]["bias"][i]) * g2
     config = {
         "architectures": ["ViTForImageClassification"], "model_type": "vit",
         "hidden_size": E, "num_hidden_layers": L, "num_attention_heads": H,

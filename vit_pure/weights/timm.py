@@ -21,6 +21,7 @@ has 64-wide heads but ViT-H's 80). timm's ViTs use the exact GELU and LayerNorm 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 
@@ -29,7 +30,7 @@ import numpy as np
 from vit_pure.config import INPUT_SCALINGS, ViTConfig
 from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
-from vit_pure.weights.tree import Found, rows_to_hwio
+from vit_pure.weights.tree import Arrays, Found, pos_rows, rows_to_hwio
 
 # timm model name stems -> heads (their widths' ViT variants).
 NAME_HEADS = {"vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "vit_large": 16,
@@ -58,16 +59,16 @@ def _config(path: pathlib.Path) -> dict:
 def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found]:
     """(the kit's tree, what the files say) of a timm ViT's model.safetensors."""
     path = pathlib.Path(path)
-    w, _ = safetensors.read(path)
-    hub = _config(path)
-    used: set[str] = set()
+    arrays, _ = safetensors.read(path)
+    return state_dict_tree(Arrays(arrays, path, " (not a timm VisionTransformer?)"), heads,
+                           _config(path), path.parent / "config.json")
 
-    def get(key):
-        if key not in w:
-            raise WeightsError(f"{path}: no {key} in the file (not a timm VisionTransformer?)")
-        used.add(key)
-        return w[key]
 
+def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
+                    hub_path) -> tuple[dict, Found]:
+    """(the kit's tree, what the arrays say) of a timm ViT's state dict (a safetensors
+    file's, or an ONNX graph's initializers: onnx.py); `hub`: timm's Hub config.json."""
+    path, get = w.where, w.get
     conv = get("patch_embed.proj.weight")  # (E, C, p, p)
     width, channels, patch = conv.shape[0], conv.shape[1], conv.shape[2]
     depth = 0
@@ -122,44 +123,61 @@ def read(path: str | os.PathLike, heads: int | None = None) -> tuple[dict, Found
     }
     if "head.weight" in w and get("head.weight").size:
         params["head"] = {"kernel": get("head.weight").T, "bias": get("head.bias")}
-    used |= {"head.weight", "head.bias"}
-    extra = sorted(set(w) - used)
-    if extra:
-        raise WeightsError(f"{path}: {extra[0]} {w[extra[0]].shape} is not a weight the kit's "
-                           f"ViT has (layer scale, qk-norm, registers, ...)")
+    w.skip("head.weight", "head.bias")
+    if "blocks.0.ls1.gamma" in w:  # LayerScale (timm's init_values)
+        for ls in ("ls1", "ls2"):
+            params["blocks"][ls] = {"gamma": stack(f"blocks.{{}}.{ls}.gamma")}
+    if "reg_token" in w:  # register tokens, after the class token
+        reg = get("reg_token").reshape(-1, width)
+        pos, n = params["pos_embed"], int(class_token)
+        patches = pos.shape[0] - n - len(reg)
+        if patches > 0 and math.isqrt(patches) ** 2 == patches:
+            # Position rows for the registers too (timm's embed_class): each register's
+            # row is a constant added to it, folded into the token.
+            reg = reg + pos[n:n + len(reg)]
+            params["pos_embed"] = np.concatenate([pos[:n], pos[n + len(reg):]])
+        params["reg_tokens"] = reg
+    if class_token:  # no_embed_class: no class row (the kit's row is then zero)
+        params["pos_embed"] = pos_rows(params["pos_embed"], True, "pos_embed")
+    w.refuse_unread("the kit's ViT")
     pretrained = hub.get("pretrained_cfg", {})
     inputs = "minus1to1"
     if "mean" in pretrained and "std" in pretrained:
         inputs = scaling_name(pretrained["mean"], pretrained["std"]) or ""
         if not inputs:
-            raise WeightsError(f"{path.parent / 'config.json'}: input mean / std "
+            raise WeightsError(f"{hub_path}: input mean / std "
                                f"{pretrained['mean']} / {pretrained['std']} is none of the "
                                f"kit's scalings ({', '.join(INPUT_SCALINGS)})")
     pool = ("mean" if class_token else "gap") if avg else "cls"
     return params, Found(format="timm", patch_size=patch, channels=channels, heads=heads,
                          pool=pool, gelu="exact", ln_eps=1e-6, inputs=inputs,
-                         notes=tuple(notes))
+                         notes=tuple(notes), resample="timm")
 
 
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
     """timm's model.safetensors and Hub config.json for the kit's model `cfg` in
     `directory` (tools/export.py's docstring shows how timm builds the model from them)."""
-    if cfg.stem or cfg.lsa:
-        raise WeightsError(f"{cfg.name}: a convolutional stem or locality self-attention has "
-                           f"no timm VisionTransformer equivalent")
+    if cfg.stem or cfg.lsa or cfg.pool not in ("cls", "mean", "gap"):
+        raise WeightsError(f"{cfg.name}: a convolutional stem, locality self-attention or "
+                           f"pool {cfg.pool!r} has no timm VisionTransformer equivalent")
     if cfg.ln_eps != 1e-6:
         raise WeightsError(f"{cfg.name}: timm's ViT has LayerNorm epsilon 1e-6, the model "
                            f"{cfg.ln_eps}")
     E, H, D, L = cfg.width, cfg.heads, cfg.head_dim, cfg.depth
     b = params["blocks"]
     conv = rows_to_hwio(np.asarray(params["patch_embed"]["kernel"]), cfg.patch_size, cfg.channels)
+    pos = np.asarray(params["pos_embed"])
+    n = int(cfg.class_token)  # timm's position rows: class token, registers (zero), patches
+    pos = np.concatenate([pos[:n], np.zeros((cfg.registers, E), pos.dtype), pos[n:]])
     w = {"patch_embed.proj.weight": conv.transpose(3, 2, 0, 1),
          "patch_embed.proj.bias": params["patch_embed"]["bias"],
-         "pos_embed": np.asarray(params["pos_embed"])[None],
+         "pos_embed": pos[None],
          "head.weight": np.asarray(params["head"]["kernel"]).T,
          "head.bias": params["head"]["bias"]}
     if cfg.class_token:
         w["cls_token"] = np.asarray(params["cls_token"]).reshape(1, 1, E)
+    if cfg.registers:
+        w["reg_token"] = np.asarray(params["reg_tokens"])[None]
     norm = "norm" if cfg.pool == "cls" else "fc_norm"
     w[f"{norm}.weight"], w[f"{norm}.bias"] = params["final_ln"]["scale"], params["final_ln"]["bias"]
     for i in range(L):
@@ -174,6 +192,9 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
         for fc in ("fc1", "fc2"):
             w[p + f"mlp.{fc}.weight"] = np.asarray(b["mlp"][fc]["kernel"][i]).T
             w[p + f"mlp.{fc}.bias"] = b["mlp"][fc]["bias"][i]
+        if cfg.layer_scale is not None:
+            for ls in ("ls1", "ls2"):
+                w[p + f"{ls}.gamma"] = b[ls]["gamma"][i]
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     mean, std = INPUT_SCALINGS[cfg.inputs]
@@ -187,7 +208,9 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                        "mlp_ratio": cfg.mlp_dim / E, "class_token": cfg.class_token,
                        "global_pool": "token" if cfg.pool == "cls" else "avg",
                        "fc_norm": cfg.pool != "cls", "num_classes": cfg.num_classes,
-                       "act_layer": "gelu" if cfg.gelu == "exact" else "gelu_tanh"},
+                       "act_layer": "gelu" if cfg.gelu == "exact" else "gelu_tanh",
+                       **({"init_values": cfg.layer_scale} if cfg.layer_scale else {}),
+                       **({"reg_tokens": cfg.registers} if cfg.registers else {})},
         "pretrained_cfg": {"input_size": [cfg.channels, cfg.image_size, cfg.image_size],
                            "mean": list(mean), "std": list(std), "crop_pct": 1.0,
                            "interpolation": "bilinear", "num_classes": cfg.num_classes,
