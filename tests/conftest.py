@@ -91,8 +91,9 @@ def pytest_unconfigure(config):
 LONGEST_FIRST = [
     "test_layout_matrix.py", "test_deviceless.py", "test_accum.py", "test_train.py",
     "test_model_parallel.py", "test_resume.py", "test_bench_study.py",
-    "test_randaugment.py",
+    "test_pipeline_schedules.py", "test_randaugment.py", "test_weights.py",
     "test_levers.py", "test_model.py", "test_plan.py", "test_attention.py",
+    "test_layer_scale.py",
 ]
 
 

@@ -340,6 +340,7 @@ def test_zb_h1_equals_the_reference():
 DEEP = dataclasses.replace(_sc("fp32", 1), cfg=CFG.replace(depth=6))  # splits into 3 stages
 
 
+@pytest.mark.slow
 def test_three_stages_and_five_micro_batches_equal_the_reference():
     """1F1B on an odd number of stages (pairs (0,1) swap at even ticks, (1,2) at odd ones,
     stage 2 alone at even ticks) and a K that is no multiple of them."""

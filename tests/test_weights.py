@@ -401,6 +401,7 @@ def test_layer_scale_and_registers_round_trip_through_timm_and_fold_into_hf(tmp_
                                atol=2e-5)
 
 
+@pytest.mark.slow
 def test_patch_size_layer_scale_and_registers_come_from_the_file(tmp_path, capsys):
     """--model tiny has 8 px patches, no layer scale, no registers; the file has 4 px
     patches (an 8x8 grid at 32 px), layer scale and 3 registers: one step trains it."""
