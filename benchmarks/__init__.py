@@ -19,11 +19,7 @@ The probes, each one question (benchmarks/probes/__init__.py says where its answ
     python -m benchmarks.probes.bench_data       the input pipeline's throughput
     python -m benchmarks.probes.bench_randaugment  RandAugment and each of its ops, timed
 
-What they share lives in three places: harness.py (the timing loops and one-call timers,
-the child-process runner, synthetic host batches, the `--kit LABEL=FLAGS` grammar every
-tool takes a kit row in, the Markdown table; standard library and NumPy only), rows.py
-(bench.py's two row grammars, checked before any row runs) and bench.py's helpers for
-the kit's own training step (script_setup / training_setup, make_strategy, step_inputs,
-measure_train_step, tree_bytes). Programs are read through
-vit_pure/xla/hlo.py and FLOPs counted by vit_pure/xla/flops.py.
+What they share: harness.py, rows.py (bench.py's two row grammars, checked before any row
+runs) and bench.py's helpers for the kit's own training step; harness.py's docstring lists
+them. Programs are read through vit_pure/xla/hlo.py and FLOPs counted by vit_pure/xla/flops.py.
 """

@@ -15,60 +15,13 @@ A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
               fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
 Give several with repeated --config flags or separated by ';' (or both).
 
-Or a row of the training script's own flags, `--kit LABEL=FLAGS` (repeatable), the
-grammar benchmarks.peers and benchmarks.deviceless take (benchmarks/harness.py
-parse_kit_row): train_shardmap.py's step with --model, --batch and these flags, e.g.
+Or `--kit LABEL=FLAGS` (repeatable; harness.py parse_kit_row, as in benchmarks.peers and
+benchmarks.deviceless): train_shardmap.py's step with --model, --batch and these flags, e.g.
     python -m benchmarks.bench --model tiny --batch 32 --kit "dp=--cpu-devices 2" \
         --kit "tp=--cpu-devices 2 --mesh data=1,model=2 --dtype bf16"
 
-What is timed is what training runs. Each configuration parses its settings with the
-training scripts' own parser (vit_pure.run.cli), so every default of the recipe is in
-(augmentation and RandAugment, label smoothing, clipping, AdamW and its schedule), builds
-the script's own strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy)
-and drives its compiled `train_step` as vit_pure.run.loop.run does: host batches cut from a
-synthetic CIFAR-shaped uint8 split by data.train_batches and put on the devices every
-step, the state donated, dropout, the gradient all-reduce and the metric reductions
-included, one step in flight while the next is dispatched. A step's time is the
-interval between the completions of two consecutive steps; the table shows the median
-over --steps timed steps after --warmup steps (and one untimed step at the end).
-
-Each configuration runs in a fresh Python process, given exactly as many fake CPU
-devices as its layout needs (XLA_FLAGS is set there before jax starts its backend), so
-configurations do not share memory, caches or a process-wide peak RSS.
-
-Columns:
-    img/s, step ms      median step, as above
-    img/CPU-s           images per second of CPU time this process used (all threads),
-                        median step: on a shared machine, the figure other processes'
-                        load disturbs least (an idle host with C cores reaches at most
-                        C x this)
-    compile s (CPU s)   lowering + XLA compilation of the train step, wall-clock (and
-                        this process's CPU time, which other processes disturb less)
-    GFLOP/img           model FLOPs per training image, counted from the config
-                        (`train_flops_per_image`): matmuls only, training = 3 x forward
-    XLA GFLOP/img       the compiled program's own count (`cost_analysis()['flops']`, per
-                        device, x devices / batch). It also counts elementwise work
-                        (LayerNorm, softmax, GELU, augmentation, AdamW), so it is a little
-                        higher. XLA counts a while loop's body once, so for a step with
-                        lax.scan (over layers or accumulation micro-batches) the figure
-                        comes from compiling an unrolled twin of the step (not timed).
-    TFLOP/s             GFLOP/img x img/s: achieved model FLOP/s of the whole step
-    ceiling TFLOP/s     a large jitted matmul measured in the same process just before
-                        and just after the timed steps (mean of the two medians of 5
-                        runs; compute-dtype inputs, float32 accumulation, the
-                        policy's precision). On CPU the fake devices share
-                        the host's cores, so this is the whole host's ceiling; on an
-                        accelerator it is one device's, times the device count.
-    MFU                 TFLOP/s / ceiling
-    MFU (CPU time)      the same ratio with both sides per CPU-second instead of per
-                        wall-second (CPU backend: robust to load from other processes)
-    MFU (datasheet)     TFLOP/s / (published dense peak x devices) on known accelerators
-    mem/dev             peak bytes per device: device.memory_stats() where the backend
-                        has it (GPU, TPU), else the compiled step's memory_analysis():
-                        arguments + outputs - donated aliases + temporaries
-    peak RSS            the process's peak resident set (host memory), all devices
-    load                1-minute load average of the host when the configuration
-                        started - when it ended
+What is timed: `run_config`; a fresh process per configuration: `_child`; the
+columns: `markdown_table`.
 """
 from __future__ import annotations
 
@@ -283,7 +236,19 @@ def row_setup(job: dict, devices, unrolled: bool = False):
 
 
 def run_config(job: dict) -> dict:
-    """Measure one row in this process (the devices are already set up)."""
+    """Measure one row in this process (the devices are already set up).
+
+    What is timed is what training runs. Each configuration parses its settings with the
+    training scripts' own parser (vit_pure.run.cli), so every default of the recipe is in
+    (augmentation and RandAugment, label smoothing, clipping, AdamW and its schedule), builds
+    the script's own strategy (train_pmap.PmapStrategy or train_shardmap.ShardMapStrategy)
+    and drives its compiled `train_step` as vit_pure.run.loop.run does: host batches cut from a
+    synthetic CIFAR-shaped uint8 split by data.train_batches and put on the devices every
+    step, the state donated, dropout, the gradient all-reduce and the metric reductions
+    included, one step in flight while the next is dispatched. A step's time is the
+    interval between the completions of two consecutive steps; the table shows the median
+    over --steps timed steps after --warmup steps (and one untimed step at the end).
+    """
     cfg = get_preset(job["model"])
     n = job["devices"] or len(jax.devices())
     if n > len(jax.devices()):
@@ -352,6 +317,10 @@ def run_config(job: dict) -> dict:
 
 # -------------------------------------------------------------------------- the driver
 def _child(job: dict) -> int:
+    """Each configuration runs in a fresh Python process, given exactly as many fake CPU
+    devices as its layout needs (XLA_FLAGS is set there before jax starts its backend), so
+    configurations do not share memory, caches or a process-wide peak RSS.
+    """
     if job["devices"]:
         cli.use_cpu_devices(job["devices"])  # only the CPU backend reads this
     if job["cpu"]:
@@ -364,6 +333,42 @@ def _mib(n):
 
 
 def markdown_table(results: list[dict]) -> str:
+    """The results as a Markdown table, one row per configuration.
+
+    Columns:
+        img/s, step ms      median step, as above
+        img/CPU-s           images per second of CPU time this process used (all threads),
+                            median step: on a shared machine, the figure other processes'
+                            load disturbs least (an idle host with C cores reaches at most
+                            C x this)
+        compile s (CPU s)   lowering + XLA compilation of the train step, wall-clock (and
+                            this process's CPU time, which other processes disturb less)
+        GFLOP/img           model FLOPs per training image, counted from the config
+                            (`train_flops_per_image`): matmuls only, training = 3 x forward
+        XLA GFLOP/img       the compiled program's own count (`cost_analysis()['flops']`, per
+                            device, x devices / batch). It also counts elementwise work
+                            (LayerNorm, softmax, GELU, augmentation, AdamW), so it is a little
+                            higher. XLA counts a while loop's body once, so for a step with
+                            lax.scan (over layers or accumulation micro-batches) the figure
+                            comes from compiling an unrolled twin of the step (not timed).
+        TFLOP/s             GFLOP/img x img/s: achieved model FLOP/s of the whole step
+        ceiling TFLOP/s     a large jitted matmul measured in the same process just before
+                            and just after the timed steps (mean of the two medians of 5
+                            runs; compute-dtype inputs, float32 accumulation, the
+                            policy's precision). On CPU the fake devices share
+                            the host's cores, so this is the whole host's ceiling; on an
+                            accelerator it is one device's, times the device count.
+        MFU                 TFLOP/s / ceiling
+        MFU (CPU time)      the same ratio with both sides per CPU-second instead of per
+                            wall-second (CPU backend: robust to load from other processes)
+        MFU (datasheet)     TFLOP/s / (published dense peak x devices) on known accelerators
+        mem/dev             peak bytes per device: device.memory_stats() where the backend
+                            has it (GPU, TPU), else the compiled step's memory_analysis():
+                            arguments + outputs - donated aliases + temporaries
+        peak RSS            the process's peak resident set (host memory), all devices
+        load                1-minute load average of the host when the configuration
+                            started - when it ended
+    """
     head = ["config", "dev", "img/s", "step ms", "img/CPU-s", "compile s (CPU s)", "GFLOP/img",
             "XLA GFLOP/img", "TFLOP/s", "ceiling TFLOP/s", "MFU", "MFU (CPU time)",
             "MFU (datasheet)", "mem/dev", "peak RSS", "load"]

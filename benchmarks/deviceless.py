@@ -1,6 +1,6 @@
 """The kit's training step compiled for a GPU without one, configurations side by side.
 
-    python -m benchmarks.deviceless                       # the default rows, below
+    python -m benchmarks.deviceless                       # the default rows (build_jobs)
     python -m benchmarks.deviceless --kit "as written=" --kit "einsum=--attention einsum" \
         --kit "save-dots=--remat block-save-dots" --json deviceless.json
     python -m benchmarks.deviceless --model tiny --batch 64 --kit "tiny="   # a quick check
@@ -10,53 +10,13 @@ Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FL
 --plan G --hardware H` (the plan's deviceless compile, vit_pure/plan/build.py), run in a
 process of its own (benchmarks/harness.py's child runner). `--kit LABEL=FLAGS` (repeatable)
 gives a row's label and extra training-script flags, after any NAME=VALUE words that set
-environment variables for that row only (as benchmarks.peers reads them). Without --kit:
-
-    headline          no extra flags (cuDNN attention, unrolled layers, m=bf16: the GPU's
-                      defaults, resolved for the target)
-    einsum            --attention einsum
-    dropout 0         --dropout 0
-    block-save-dots   --remat block-save-dots
+environment variables for that row only (as benchmarks.peers reads them).
 
 Nothing runs: XLA:GPU compiles the step for the described GPU
 (vit_pure/plan/targets/*.txtpb) with JAX's CUDA plugin (`pip install -r
 requirements-gpu.txt`; no driver, no GPU; without the plugin this tool stops with one line).
-Columns, per device and per step, from the compiled program:
-
-    peak GiB       XLA's memory analysis: arguments + outputs - aliased + temporaries
-                   (vit_pure/run/accum.py's StepMemory, as the plan reports it)
-    kernels        kernels launched (fusions, library calls, copies, collectives)
-    GB by class    HBM traffic, each kernel's operand + output bytes (a kit Pallas kernel:
-                   the blocks its grid loads and stores), by class
-                   (vit_pure/xla/kernels.py): GEMM, attention, norms/reductions,
-                   elementwise, transposes/copies; "rest" is collectives and other
-    TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
-    int Gop        integer arithmetic outside the GEMMs, instructions x elements (random
-                   bits, mostly: dropout masks); not in the floor
-    floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
-                   a floor, not a prediction of the step time
-    pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem), FLOPs /
-                   (peak x e_class)) + its integer work + a launch, the efficiencies fitted
-                   to the H100's measured steps (vit_pure/xla/kernels.py, H100_RATES;
-                   benchmarks/fit_step.py gives the fit and its errors)
-    compile s      the deviceless compile
-
-Under the table, each compiled row's predicted step on every described GPU (the same
-program at each one's bandwidth, peak and rates: the H100's compile priced for an H200).
-`--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
-
-`--program LABEL=FILE` (repeatable) adds a row read from an optimised XLA:GPU module that a
-GPU compiled itself, autotuned: the same kernels, traffic, TFLOP and floor (on
---hardware's bandwidth and peak), no memory or compile time. It needs no plugin. On the
-GPU, dump the training step's program, then compare it with the deviceless one:
-
-    XLA_FLAGS="--xla_dump_to=gpu-dump --xla_dump_hlo_as_text \\
-        --xla_dump_hlo_module_re=jit_train_step" python -m benchmarks.peers --only kit \\
-        --batch 4096 --dtype bf16 --steps 2 --warmup 1
-    python -m benchmarks.deviceless --kit "headline=" \\
-        --program "gpu=$(ls gpu-dump/*jit_train_step*gpu_after_optimizations.txt)"
-
-With only --program given, nothing compiles.
+The columns, per device and per step, from the compiled program: `table`. `--program
+LABEL=FILE` (repeatable) adds a row from a GPU's own optimised module: `read_programs`.
 
 Autotuning is off (there is no device to time on) and GEMMs go to cuBLAS; the real GPU's
 program can differ in its tiles and fusions. docs/performance.md compares these figures
@@ -114,7 +74,15 @@ def run_row(job: dict) -> dict:
 
 # ============================================================================ the parent
 def build_jobs(args) -> list[dict]:
-    """One job per row, its flags checked by the training script's parser first."""
+    """One job per row, its flags checked by the training script's parser first. Without
+    --kit, the rows are DEFAULT_ROWS:
+
+        headline          no extra flags (cuDNN attention, unrolled layers, m=bf16: the GPU's
+                          defaults, resolved for the target)
+        einsum            --attention einsum
+        dropout 0         --dropout 0
+        block-save-dots   --remat block-save-dots
+    """
     common = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
               "gpus": args.gpus, "hardware": args.hardware}
     jobs = []
@@ -140,7 +108,21 @@ def program_row(text: str, hardware: str) -> dict:
 
 
 def read_programs(specs: list[str], hardware: str) -> list[dict]:
-    """The `--program LABEL=FILE` rows; UsageError, naming the flag, for a bad one."""
+    """The `--program LABEL=FILE` rows; UsageError, naming the flag, for a bad one.
+
+    `--program LABEL=FILE` (repeatable) adds a row read from an optimised XLA:GPU module that a
+    GPU compiled itself, autotuned: the same kernels, traffic, TFLOP and floor (on
+    --hardware's bandwidth and peak), no memory or compile time. It needs no plugin. On the
+    GPU, dump the training step's program, then compare it with the deviceless one:
+
+        XLA_FLAGS="--xla_dump_to=gpu-dump --xla_dump_hlo_as_text \\
+            --xla_dump_hlo_module_re=jit_train_step" python -m benchmarks.peers --only kit \\
+            --batch 4096 --dtype bf16 --steps 2 --warmup 1
+        python -m benchmarks.deviceless --kit "headline=" \\
+            --program "gpu=$(ls gpu-dump/*jit_train_step*gpu_after_optimizations.txt)"
+
+    With only --program given, nothing compiles.
+    """
     rows = []
     for spec in specs:
         label, sep, path = spec.partition("=")
@@ -164,7 +146,32 @@ def _figure(x: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The Markdown table of the rows (a failed row shows its error)."""
+    """The Markdown table of the rows (a failed row shows its error).
+
+    Columns, per device and per step, from the compiled program:
+
+        peak GiB       XLA's memory analysis: arguments + outputs - aliased + temporaries
+                       (vit_pure/run/accum.py's StepMemory, as the plan reports it)
+        kernels        kernels launched (fusions, library calls, copies, collectives)
+        GB by class    HBM traffic, each kernel's operand + output bytes (a kit Pallas kernel:
+                       the blocks its grid loads and stores), by class
+                       (vit_pure/xla/kernels.py): GEMM, attention, norms/reductions,
+                       elementwise, transposes/copies; "rest" is collectives and other
+        TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
+        int Gop        integer arithmetic outside the GEMMs, instructions x elements (random
+                       bits, mostly: dropout masks); not in the floor
+        floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
+                       a floor, not a prediction of the step time
+        pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem), FLOPs /
+                       (peak x e_class)) + its integer work + a launch, the efficiencies fitted
+                       to the H100's measured steps (vit_pure/xla/kernels.py, H100_RATES;
+                       benchmarks/fit_step.py gives the fit and its errors)
+        compile s      the deviceless compile
+
+    Under the table, each compiled row's predicted step on every described GPU (the same
+    program at each one's bandwidth, peak and rates: the H100's compile priced for an H200).
+    `--top N` then lists each row's N kernels that move the most bytes (vit_pure/xla/kernels.py).
+    """
     head = (["row", "peak GiB", "kernels"] + [f"{c} GB" for c in SHOWN.values()]
             + ["rest GB", "total GB", "TFLOP", "int Gop", "floor ms", "pred ms", "compile s"])
     lines = []

@@ -1,7 +1,7 @@
 """The one prepared GPU check: everything a short GPU loan should measure, in one command.
 
     python -m benchmarks.gpu_check --out gpu-check            # on the GPU: at most 8 minutes
-    python -m benchmarks.gpu_check --out /tmp/c --dry-run     # on a CPU: all but the timing
+    python -m benchmarks.gpu_check --out /tmp/c --dry-run     # on a CPU: all but the timing (_part)
 
 Parts, in order, each in a process of its own with its own time limit (seconds), each
 writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summary.md
@@ -22,12 +22,6 @@ writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summar
     program  70   that program read by `benchmarks.deviceless --program`, beside the
                   deviceless compile of the same flags where the CUDA 12 plugin is:
                   kernels, traffic, floor, predicted step (DIR/program.md)
-
-`--dry-run` (any machine; the limits x4): env as it is; steps and log: their flags
-checked by the training script's parser, nothing run; profile and gemms: the tiny model on
-this machine's XLA (the code runs, the figures mean nothing); program: a deviceless compile
-of the tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs
-present in jax 0.10 and 0.11.
 """
 from __future__ import annotations
 
@@ -64,7 +58,14 @@ def _run(argv: list[str], limit: float, log: pathlib.Path, env: dict | None = No
 
 
 def _part(name: str, out: pathlib.Path, dry: bool) -> dict:
-    """Run `--part NAME` in a child; its JSON result, or its failure."""
+    """Run `--part NAME` in a child; its JSON result, or its failure.
+
+    `--dry-run` (any machine; the limits x4): env as it is; steps and log: their flags
+    checked by the training script's parser, nothing run; profile and gemms: the tiny model on
+    this machine's XLA (the code runs, the figures mean nothing); program: a deviceless compile
+    of the tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs
+    present in jax 0.10 and 0.11.
+    """
     result = out / f"{name}.json"
     argv = [sys.executable, "-m", "benchmarks.gpu_check", "--part", name, "--out", str(out)]
     run = _run(argv + (["--dry-run"] if dry else []), LIMITS[name] * (DRY_SCALE if dry else 1),

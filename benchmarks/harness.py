@@ -1,9 +1,12 @@
 """What every benchmark shares: the timing loops and one-call timers, the child-process
-runner, synthetic batches, the kit-row grammar and the Markdown table.
+runner, synthetic host batches, the `--kit LABEL=FLAGS` grammar every tool takes a kit row
+in, and the Markdown table.
 
 Standard library and NumPy only, so that a child process that must not start JAX (the
 PyTorch peer) can use it too. The pieces that build and time the kit's own training
-step (its inputs, its strategy, its memory) are benchmarks/bench.py's helpers.
+step (its inputs, its strategy, its memory) are benchmarks/bench.py's helpers
+(script_setup / training_setup, make_strategy, step_inputs, measure_train_step,
+tree_bytes).
 """
 from __future__ import annotations
 

@@ -9,31 +9,8 @@ Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 --m
 data=1,pipe=P --microbatches K --pipeline-schedule S [--virtual-stages V] --plan P
 --hardware H`, in a process of its own (benchmarks/harness.py's child runner): the plan's
 compile of the whole training step, deviceless for a GPU target (JAX's CUDA plugin, no
-GPU). Columns, per device:
-
-    peak GiB    XLA's memory analysis of the compiled step: arguments + outputs -
-                aliased + temporaries
-    temp GiB    the temporaries alone: the activations (and the residual ring) live here
-    compile s   the plan's lower + compile of the step
-    p2p         the compiled program's collective-permutes over 'pipe': executions per
-                step and MiB per step (loop trip counts included)
-    data        the sends that carry data, per stage and step (the table's 2 K V)
-    held        residual sets (one micro-batch's activations through one chunk) the
-                busiest stage holds, from the schedule's table
-    bubble      idle share of the stages' time in lockstep, from the table and the costs
-    step / GPipe  the modelled lockstep step time (`schedules.lockstep_time`: each tick
-                as long as its busiest stage) over GPipe's at the same K
-    pairwise    the same where a send waits only for its two stages
-                (`schedules.pairwise_time`, as NCCL's send / recv), over GPipe's
-
-The F / B / I / W costs of the model come from one compiled stage (depth/P blocks at the
-micro-batch's size, the matmul output dtype the script picks for --hardware, XLA:CPU
-`cost_analysis()` FLOPs): F its forward; B its whole pull-back and I zb-h1's input side
-(pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
-compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
-compiled alone, from the activations and output cotangents F and I keep for it, as
-pipeline/ticks.py runs them. Fake CPU devices share this machine's cores, so no step
-time is measured here.
+GPU). The columns, per device: `table`; the F / B / I / W costs the modelled columns use:
+`stage_costs`. Fake CPU devices share this machine's cores, so no step time is measured here.
 """
 from __future__ import annotations
 
@@ -83,8 +60,18 @@ def run_row(job: dict) -> dict:
 # ==================================================================== the stage's costs
 def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
                 hardware: str = "h100", image_size: int | None = None) -> dict:
-    """FLOPs of one stage's F, B, I, W at `micro` examples (see the module docstring),
-    with the matmul output dtype the training script picks for `hardware`."""
+    """FLOPs of one stage's F, B, I, W at `micro` examples, with the matmul output dtype
+    the training script picks for `hardware`.
+
+    The F / B / I / W costs of the model come from one compiled stage (depth/P blocks at the
+    micro-batch's size, the matmul output dtype the script picks for --hardware, XLA:CPU
+    `cost_analysis()` FLOPs): F its forward; B its whole pull-back and I zb-h1's input side
+    (pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
+    compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
+    compiled alone, from the activations and output cotangents F and I keep for it, as
+    pipeline/ticks.py runs them. Fake CPU devices share this machine's cores, so no step
+    time is measured here.
+    """
     cfg = PRESETS[cfg_name]
     cfg = cfg.replace(image_size=image_size) if image_size else cfg
     policy = backend.resolve(dtype, "default", None, "cpu" if hardware == "cpu" else "gpu",
@@ -134,6 +121,23 @@ def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple:
 
 # ============================================================================ the parent
 def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table. Columns, per device:
+
+        peak GiB    XLA's memory analysis of the compiled step: arguments + outputs -
+                    aliased + temporaries
+        temp GiB    the temporaries alone: the activations (and the residual ring) live here
+        compile s   the plan's lower + compile of the step
+        p2p         the compiled program's collective-permutes over 'pipe': executions per
+                    step and MiB per step (loop trip counts included)
+        data        the sends that carry data, per stage and step (the table's 2 K V)
+        held        residual sets (one micro-batch's activations through one chunk) the
+                    busiest stage holds, from the schedule's table
+        bubble      idle share of the stages' time in lockstep, from the table and the costs
+        step / GPipe  the modelled lockstep step time (`schedules.lockstep_time`: each tick
+                    as long as its busiest stage) over GPipe's at the same K
+        pairwise    the same where a send waits only for its two stages
+                    (`schedules.pairwise_time`, as NCCL's send / recv), over GPipe's
+    """
     head = ["P", "K", "schedule", "peak GiB", "temp GiB", "compile s", "p2p (count, MiB)",
             "data", "held", "bubble", "step / GPipe", "pairwise"]
     out = []

@@ -9,19 +9,8 @@ Reads the `*.trace.json.gz` that `jax.profiler` writes (the training scripts' `-
 DIR`, vit_pure/run/loop.py's Profiler, or `python -m benchmarks.peers --profile-kit DIR`):
 under DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
 
-Which events count as device time:
-* GPU / TPU: the processes named "/device:GPU:N" (or TPU). Of their threads, the CUDA
-  streams ("Stream #..."), which carry one event per kernel and per memcpy/memset; where
-  there are none (TPU), the "XLA Ops" line. The derived lines ("XLA Modules", "Steps",
-  name scopes, ...) overlap the kernels and are left out.
-* CPU (no device process): the XLA:CPU backend runs each HLO op as a host event with
-  `args.hlo_op`; those are summed (over all threads: CPU time of the ops).
-Device time is the sum of the events' durations. On CPU an op event can enclose others
-on its thread (XLA:CPU's `while` runs a scan's body ops inside its own event): there each
-event counts only its self time, the time not spent in events nested inside it, so
-nothing is counted twice. GPU kernels are not nested but may overlap (on one stream with
-programmatic dependent launch, or on several streams); they count in full, so the
-total can exceed the wall time.
+Which events count as device time (`device_events`), and how nested or overlapping ones
+count (`self_times`): those functions' docstrings.
 
 Categories are assigned by name, first match wins (`CATEGORIES`); a kernel whose name says
 nothing (e.g. a vendor library kernel) is classified by its `hlo_op` instead. Names are
@@ -110,7 +99,16 @@ def load_events(files: list[str]) -> list[dict]:
 
 
 def device_events(events: list[dict]) -> tuple[list[dict], str]:
-    """The complete ("X") events that are device work, and a phrase saying which."""
+    """The complete ("X") events that are device work, and a phrase saying which.
+
+    Which events count as device time:
+    * GPU / TPU: the processes named "/device:GPU:N" (or TPU). Of their threads, the CUDA
+      streams ("Stream #..."), which carry one event per kernel and per memcpy/memset; where
+      there are none (TPU), the "XLA Ops" line. The derived lines ("XLA Modules", "Steps",
+      name scopes, ...) overlap the kernels and are left out.
+    * CPU (no device process): the XLA:CPU backend runs each HLO op as a host event with
+      `args.hlo_op`; those are summed (over all threads: CPU time of the ops).
+    """
     procs, threads = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -135,7 +133,15 @@ def device_events(events: list[dict]) -> tuple[list[dict], str]:
 
 def self_times(events: list[dict]) -> list[float]:
     """Each event's duration minus that of the events nested inside it (same process and
-    thread, wholly inside its time span); events that merely overlap are left alone."""
+    thread, wholly inside its time span); events that merely overlap are left alone.
+
+    Device time is the sum of the events' durations. On CPU an op event can enclose others
+    on its thread (XLA:CPU's `while` runs a scan's body ops inside its own event): there each
+    event counts only its self time, the time not spent in events nested inside it, so
+    nothing is counted twice. GPU kernels are not nested but may overlap (on one stream with
+    programmatic dependent launch, or on several streams); they count in full, so the
+    total can exceed the wall time.
+    """
     selfs = [float(e["dur"]) for e in events]
     by_thread = collections.defaultdict(list)
     for i, e in enumerate(events):
@@ -158,7 +164,7 @@ def self_times(events: list[dict]) -> list[float]:
 
 def breakdown(events: list[dict], top: int = 15, nested: bool = False) -> dict:
     """Device time per category and the `top` kernels by total time (microseconds);
-    `nested`: count self times (see the module docstring)."""
+    `nested`: count self times (see `self_times`)."""
     by_cat = collections.Counter()
     by_name = collections.defaultdict(lambda: [0.0, 0, ""])  # total us, calls, category
     durations = self_times(events) if nested else [float(e["dur"]) for e in events]

@@ -10,24 +10,8 @@ For every combination of --param-dtypes x --compute-dtypes x --batches x --preci
 builds the shard_map strategy of train_shardmap.py over the current devices (all on the
 'data' axis), compiles its train_step and runs --warmup + --steps steps on synthetic
 CIFAR-shaped data (the same data and seed for every configuration), with benchmarks/bench.py's
-timing (bench.measure_train_step). The Markdown table (--out) has one row each:
-
-    param bytes        the parameters, in the parameter dtype
-    opt-state bytes    AdamW's two moments (they take the parameter dtype) and counters
-    peak mem/dev       the compiled step's memory_analysis(), per device: arguments +
-                       outputs - donated aliases + temporaries (comparable across the
-                       configurations of one process, unlike a device's running peak)
-    step s, img/s      median over the timed steps (wall clock)
-    img/CPU-s          images per second of this process's CPU time (all threads): on a
-                       shared machine, the speed figure other processes disturb least
-                       (CPU backend only)
-    loss@N             the training loss of the N-th (last) step, N = warmup + steps + 1
-                       (bench.measure_train_step runs one untimed step at the end);
-                       "nan"/"inf" flags a configuration that diverged
-    batch converts     see `batch_converts`: the dtype conversions the input batch goes
-                       through before it reaches the first matmul
-    dots @precision    how many of the lowered step's dot_generals carry the policy's
-                       matmul precision (vit_pure/xla/hlo.py, `dot_precisions`), out of all
+timing (bench.measure_train_step). The Markdown table (--out) has one row each (its
+columns: `markdown`).
 
 Parameters in float16 need the loss scale: init_state creates a dynamic `LossScale`
 whenever the policy has float16 anywhere (Policy.needs_loss_scaling). A batch too big
@@ -177,6 +161,26 @@ def run_one(cfg, param_dtype: str, compute_dtype: str, batch: int, precision: st
 
 # ---------------------------------------------------------------------------- output
 def markdown(rows: list[dict]) -> str:
+    """The Markdown table, one row per configuration. Its columns besides the
+    configuration's own:
+
+        param bytes        the parameters, in the parameter dtype
+        opt-state bytes    AdamW's two moments (they take the parameter dtype) and counters
+        peak mem/dev       the compiled step's memory_analysis(), per device: arguments +
+                           outputs - donated aliases + temporaries (comparable across the
+                           configurations of one process, unlike a device's running peak)
+        step s, img/s      median over the timed steps (wall clock)
+        img/CPU-s          images per second of this process's CPU time (all threads): on a
+                           shared machine, the speed figure other processes disturb least
+                           (CPU backend only)
+        loss@N             the training loss of the N-th (last) step, N = warmup + steps + 1
+                           (bench.measure_train_step runs one untimed step at the end);
+                           "nan"/"inf" flags a configuration that diverged
+        batch converts     see `batch_converts`: the dtype conversions the input batch goes
+                           through before it reaches the first matmul
+        dots @precision    how many of the lowered step's dot_generals carry the policy's
+                           matmul precision (vit_pure/xla/hlo.py, `dot_precisions`), out of all
+    """
     head = ["params", "compute", "batch", "precision", "param bytes", "opt-state bytes",
             "peak mem/dev", "step s", "img/s", "img/CPU-s", "loss@N", "batch converts",
             "dots @precision"]

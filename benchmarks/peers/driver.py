@@ -9,68 +9,14 @@
 
 Times, in one run on one device, the same training step (forward, backward, AdamW update
 of a ViT on random CIFAR-shaped uint8 batches, normalised on the device) written several
-ways, and prints one markdown table:
+ways, and prints one markdown table. The entries (kit, nnx, torch-eager, torch-compile)
+and what is and is not the same for all: `build_jobs`; the columns: `markdown_table`;
+each entry's process and environment: `run_child`.
 
-    kit            this kit's real step, built exactly as `train_shardmap.py --batch B
-                   --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
-                   parser, backend.step_config, make_optimizer, ShardMapStrategy on one
-                   device), timed by benchmarks/bench.py's measure_train_step, which drives the
-                   compiled step as the training loop does. So the whole recipe is in:
-                   flip + crop and RandAugment on the device, label smoothing, clipping.
-                   `--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags;
-                   FLAGS are the training script's flags (e.g. "nodrop=--dropout 0"),
-                   after any NAME=VALUE words, which set environment variables for that
-                   row's process only, as in a shell (e.g. "cublaslt=XLA_FLAGS=
-                   --xla_gpu_enable_cublaslt=true": an XLA or JAX setting A/B'd in
-                   one run; the row's JSON records the values its process saw).
-                   Without --kit: one row, no extra flags.
-                   `--accum-steps K|auto` in FLAGS overrides the default 1.
-    nnx            a Flax NNX ViT written here to the same config (vit_pure.config.PRESETS
-                   [--model]: pre-LN, class token, learned position embedding, tanh-GELU,
-                   dropout after the embedding and on each residual branch),
-                   `dtype=compute, param_dtype=float32`, optax AdamW, a jitted step with
-                   the parameters and optimizer state donated.
-    torch-eager    a PyTorch nn.Module of the same config (F.scaled_dot_product_attention,
-                   bf16 autocast for bf16, fused AdamW on CUDA), eager.
-    torch-compile  the same, its forward + loss wrapped in torch.compile (the backward
-                   is compiled with it by AOTAutograd); the fused AdamW step stays eager.
+`--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags; FLAGS are the training
+script's flags, after any NAME=VALUE words, which set environment variables for that row's
+process only. Without --kit: one row, no extra flags.
 
-Same for all: AdamW (lr 1e-3, betas 0.9/0.999, weight decay 0.05 on the weight matrices
-only), global-norm gradient clipping at 1.0, softmax cross-entropy with label smoothing
-0.1 in float32, dropout at the config's rate. Not the same: only the kit augments
-(flip + crop, RandAugment 2x9 by default: try a variant with "--randaugment 0"), the kit
-draws a dropout mask per example (fold_in of the example id; the peers one mask per
-batch), the kit's learning rate follows its warm-up + cosine schedule (NNX: the same
-schedule, torch: constant), and stochastic depth (drop_path, only the "tiny" preset has
-it) exists in the kit only.
-
-Columns:
-    img/s, step ms   median over --steps timed steps after --warmup untimed ones; a step
-                     is the interval between two consecutive steps' completions, one
-                     step in flight while the next is dispatched (as the training loop).
-                     With --rounds N every entry runs N times, the rounds in the given
-                     order and reversed alternately (A B, B A, ...: a machine that speeds
-                     up or slows down during the run favours no row), and the figure is
-                     the median of the rounds' medians; each round's img/s is printed
-                     below the table
-    MFU              model FLOP/s (xla.flops.train_flops_per_image: matmuls, training = 3 x
-                     forward) over the FLOP/s of one large matmul measured by JAX in the
-                     same run on the same device in the compute dtype (bf16: bf16 output;
-                     fp32: at --matmul-precision); the "ceiling" line above the table
-    peak GiB         device memory: JAX memory_stats()["peak_bytes_in_use"], torch
-                     max_memory_allocated(); "n/a" on CPU
-    compile s        JAX (kit, nnx): lowering + compilation of the step; torch: the
-                     first step's wall time (compilation included for torch-compile)
-    params, loss     parameter count (the same model?) and the loss after the last step
-
-Each entry runs in its own Python process (JAX preallocates device memory; JAX and
-torch never share a process), only if its package imports (else the row says
-"skipped"), under --entry-timeout seconds; a failing entry shows its last error line.
-Each entry runs as its users run it: the kit's rows with the huge-page malloc tunable
-that its training scripts set (vit_pure/run/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
-the ceiling and the peers in the environment as given (on a CPU the tunable makes the
-kit's step ~20% faster and did not speed up the peers: docs/performance.md; the header
-prints both settings).
 --profile-kit DIR also traces 3 steps of the first kit row with jax.profiler and prints
 benchmarks/profile_breakdown.py's breakdown of it.
 """
@@ -124,7 +70,41 @@ def check_kit_flags(flags: list[str], text: str) -> None:
 
 
 def build_jobs(args) -> list[dict]:
-    """One job per table row, in the order they run."""
+    """One job per table row, in the order they run. The entries:
+
+        kit            this kit's real step, built exactly as `train_shardmap.py --batch B
+                       --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
+                       parser, backend.step_config, make_optimizer, ShardMapStrategy on one
+                       device), timed by benchmarks/bench.py's measure_train_step, which drives the
+                       compiled step as the training loop does. So the whole recipe is in:
+                       flip + crop and RandAugment on the device, label smoothing, clipping.
+                       `--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags;
+                       FLAGS are the training script's flags (e.g. "nodrop=--dropout 0"),
+                       after any NAME=VALUE words, which set environment variables for that
+                       row's process only, as in a shell (e.g. "cublaslt=XLA_FLAGS=
+                       --xla_gpu_enable_cublaslt=true": an XLA or JAX setting A/B'd in
+                       one run; the row's JSON records the values its process saw).
+                       Without --kit: one row, no extra flags.
+                       `--accum-steps K|auto` in FLAGS overrides the default 1.
+        nnx            a Flax NNX ViT written here to the same config (vit_pure.config.PRESETS
+                       [--model]: pre-LN, class token, learned position embedding, tanh-GELU,
+                       dropout after the embedding and on each residual branch),
+                       `dtype=compute, param_dtype=float32`, optax AdamW, a jitted step with
+                       the parameters and optimizer state donated.
+        torch-eager    a PyTorch nn.Module of the same config (F.scaled_dot_product_attention,
+                       bf16 autocast for bf16, fused AdamW on CUDA), eager.
+        torch-compile  the same, its forward + loss wrapped in torch.compile (the backward
+                       is compiled with it by AOTAutograd); the fused AdamW step stays eager.
+
+    Same for all: AdamW (lr 1e-3, betas 0.9/0.999, weight decay 0.05 on the weight matrices
+    only), global-norm gradient clipping at 1.0, softmax cross-entropy with label smoothing
+    0.1 in float32, dropout at the config's rate. Not the same: only the kit augments
+    (flip + crop, RandAugment 2x9 by default: try a variant with "--randaugment 0"), the kit
+    draws a dropout mask per example (fold_in of the example id; the peers one mask per
+    batch), the kit's learning rate follows its warm-up + cosine schedule (NNX: the same
+    schedule, torch: constant), and stochastic depth (drop_path, only the "tiny" preset has
+    it) exists in the kit only.
+    """
     cfg = dataclasses.asdict(get_preset(args.model))
     common = {"model": args.model, "cfg": cfg, "batch": args.batch, "dtype": args.dtype,
               "precision": args.matmul_precision, "steps": args.steps,
@@ -145,7 +125,17 @@ def build_jobs(args) -> list[dict]:
 
 def run_child(job: dict, timeout: float) -> dict:
     """Run one job in a fresh interpreter (harness.run_child, killed at the timeout); its
-    row, or {"name", "error": its last error line, ...}."""
+    row, or {"name", "error": its last error line, ...}.
+
+    Each entry runs in its own Python process (JAX preallocates device memory; JAX and
+    torch never share a process), only if its package imports (else the row says
+    "skipped"), under --entry-timeout seconds; a failing entry shows its last error line.
+    Each entry runs as its users run it: the kit's rows with the huge-page malloc tunable
+    that its training scripts set (vit_pure/run/hostmem.py; VIT_PURE_HUGEPAGES=0 turns it off),
+    the ceiling and the peers in the environment as given (on a CPU the tunable makes the
+    kit's step ~20% faster and did not speed up the peers: docs/performance.md; the header
+    prints both settings).
+    """
     # The kit's rows run with the host malloc setting its training scripts choose (huge
     # pages, vit_pure/run/hostmem.py) and the row's own NAME=VALUE words (its profile too); the
     # ceiling and the peers with the environment as given.
@@ -170,7 +160,27 @@ def skipped(job: dict) -> dict | None:
 
 def markdown_table(results: list[dict], flops_per_image: float,
                    ceiling_flops: float | None) -> str:
-    """The comparison table; MFU against `ceiling_flops` (n/a without one)."""
+    """The comparison table; MFU against `ceiling_flops` (n/a without one).
+
+    Columns:
+        img/s, step ms   median over --steps timed steps after --warmup untimed ones; a step
+                         is the interval between two consecutive steps' completions, one
+                         step in flight while the next is dispatched (as the training loop).
+                         With --rounds N every entry runs N times, the rounds in the given
+                         order and reversed alternately (A B, B A, ...: a machine that speeds
+                         up or slows down during the run favours no row), and the figure is
+                         the median of the rounds' medians; each round's img/s is printed
+                         below the table
+        MFU              model FLOP/s (xla.flops.train_flops_per_image: matmuls, training = 3 x
+                         forward) over the FLOP/s of one large matmul measured by JAX in the
+                         same run on the same device in the compute dtype (bf16: bf16 output;
+                         fp32: at --matmul-precision); the "ceiling" line above the table
+        peak GiB         device memory: JAX memory_stats()["peak_bytes_in_use"], torch
+                         max_memory_allocated(); "n/a" on CPU
+        compile s        JAX (kit, nnx): lowering + compilation of the step; torch: the
+                         first step's wall time (compilation included for torch-compile)
+        params, loss     parameter count (the same model?) and the loss after the last step
+    """
     head = ["entry", "img/s", "step ms", "MFU", "TFLOP/s", "peak GiB", "compile s",
             "params", "loss"]
     rows = []

@@ -11,23 +11,9 @@ On a CPU, a smoke check (cuDNN needs an NVIDIA GPU; asking for it here is a one-
 
 Two parts, one process:
 
-1. Gradients. For one batch of --check-batch random images and labels (training mode:
-   dropout and stochastic depth on, the same masks for every implementation), the
-   gradients of the mean cross-entropy with respect to every parameter, from the einsum
-   path and from each --attention implementation under the run's policy (--dtype; the
-   matmul output dtype per backend, as the training scripts choose it), and from the
-   einsum path in float32 at matmul precision "highest" (the reference). Each error is
-   the largest |difference| of a leaf over that leaf's largest |reference| entry, the
-   worst leaf, in units of the compute dtype's machine epsilon (bf16: 2^-7). An
-   implementation passes if it is no further from the reference than twice the einsum
-   path's own error, or 2 eps, whichever is larger: "within bf16 rounding" of the
-   einsum path. Its distance to the einsum path under the same policy is printed too.
-2. Time. The real training step, built as `train_shardmap.py --batch B --dtype D
-   --dataset synthetic --accum-steps 1 --attention IMPL [--flags ...]` builds it, on one
-   device, timed by benchmarks/bench.py's measure_train_step (the median of --steps
-   steps after --warmup); einsum first, then each implementation in the order given.
-   Printed: median step ms, img/s, the ratio to einsum, XLA's temporary-memory size of
-   the compiled step, and the compile time.
+1. Gradients (`check_gradients`): each implementation's gradients against a float32
+   einsum reference, in machine epsilons; it passes "within bf16 rounding" of the einsum path.
+2. Time (`time_steps`): the real training step with each implementation, einsum first.
 
 Exit status 1 if an implementation fails the gradient check.
 """
@@ -98,6 +84,18 @@ def worst_error(ref, got) -> float:
 
 
 def check_gradients(args, impls) -> bool:
+    """Gradients. For one batch of --check-batch random images and labels (training mode:
+    dropout and stochastic depth on, the same masks for every implementation), the
+    gradients of the mean cross-entropy with respect to every parameter, from the einsum
+    path and from each --attention implementation under the run's policy (--dtype; the
+    matmul output dtype per backend, as the training scripts choose it), and from the
+    einsum path in float32 at matmul precision "highest" (the reference). Each error is
+    the largest |difference| of a leaf over that leaf's largest |reference| entry, the
+    worst leaf, in units of the compute dtype's machine epsilon (bf16: 2^-7). An
+    implementation passes if it is no further from the reference than twice the einsum
+    path's own error, or 2 eps, whichever is larger: "within bf16 rounding" of the
+    einsum path. Its distance to the einsum path under the same policy is printed too.
+    """
     sc, _ = step_config(args, "einsum", args.check_batch)
     policy = sc.policy
     eps = float(jnp.finfo(policy.compute_dtype).eps)
@@ -125,6 +123,13 @@ def check_gradients(args, impls) -> bool:
 
 
 def time_steps(args, impls) -> None:
+    """Time. The real training step, built as `train_shardmap.py --batch B --dtype D
+    --dataset synthetic --accum-steps 1 --attention IMPL [--flags ...]` builds it, on one
+    device, timed by benchmarks/bench.py's measure_train_step (the median of --steps
+    steps after --warmup); einsum first, then each implementation in the order given.
+    Printed: median step ms, img/s, the ratio to einsum, XLA's temporary-memory size of
+    the compiled step, and the compile time.
+    """
     rows = []
     for impl in ["einsum", *impls]:
         sc, optimizer = step_config(args, impl, args.batch)

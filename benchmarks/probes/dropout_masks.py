@@ -21,8 +21,7 @@ threefry16, then one for bernoulli with each implementation named in --impls:
     fwd+bwd ms   the same with the backward pass (`jax.vjp`): the mask as the gradient
                  needs it, and the select of the cotangent
 
-The training step has 1 + 2 x depth such sites (13 for vit-cifar). Results of one run on
-a CPU: docs/performance.md, "Dropout masks on a CPU".
+Results of one run on a CPU: docs/performance.md, "Dropout masks on a CPU".
 """
 from __future__ import annotations
 
@@ -74,7 +73,8 @@ def example_keys(impl: str, ids):
 
 def site(x, keys, rate, masks):
     """One dropout site, exactly as the model runs it on a CPU (layer 1, the attention
-    branch; masks kept a byte an element, as vit_pure/run/backend.py resolves there)."""
+    branch; masks kept a byte an element, as vit_pure/run/backend.py resolves there).
+    The training step has 1 + 2 x depth such sites (13 for vit-cifar)."""
     return dropout.dropout(x, rate, keys, 1, model._SITE_ATTN, masks, packed=False)
 
 

@@ -14,32 +14,7 @@ take the sign from ``key`` (a fair coin); with ``key=None`` they use the sign of
 The ops without a magnitude (identity, auto_contrast, equalize, invert) ignore it, as in the
 paper, so auto_contrast, equalize and invert act even at magnitude 0.
 
-    op              magnitude m in [0, 1] means                               signed
-    identity        (no magnitude)                                            -
-    auto_contrast   (no magnitude) stretch each channel to span [0, 1]        -
-    equalize        (no magnitude) per-channel histogram equalisation, 256    -
-                    bins, PIL's ImageOps.equalize lookup table
-    invert          (no magnitude) 1 - x; not in DEFAULT_OPS                  -
-    rotate          angle 30 * m degrees, counter-clockwise for +             yes
-    solarize        invert pixels >= threshold, threshold 256 * (1 - m) on    no
-                    the 0..255 scale (m = 0: nothing, m = 1: everything)
-    posterize       keep 8 - round(4 * m) bits (8 bits .. 4 bits)             no
-    color           saturation: blend with the grey image, factor 1 +- 0.9 m yes
-    contrast        blend with the mean grey level, factor 1 +- 0.9 m         yes
-    brightness      blend with black, factor 1 +- 0.9 m                       yes
-    sharpness       blend with PIL's 3x3 smoothing, factor 1 +- 0.9 m         yes
-    shear_x         x_src = x + 0.3 m (y - y_centre)                          yes
-    shear_y         y_src = y + 0.3 m (x - x_centre)                          yes
-    translate_x     shift right by m * W / 3 pixels                           yes
-    translate_y     shift down by m * H / 3 pixels                            yes
-
-The blend factors and the rotate / shear ranges are those of AutoAugment and RandAugment
-(factor in [0.1, 1.9], 30 degrees, shear 0.3). Translation is relative (up to a third of the
-image, about 10.7 pixels on CIFAR-10) rather than RandAugment's absolute pixels. The
-geometric ops share one helper, `affine_warp`: each output pixel is mapped back into the
-input image about the image centre and sampled bilinearly, with grey (`FILL_VALUE` = 0.5)
-outside. Colour ops follow PIL's ImageEnhance semantics (ITU-R 601 luma for grey), but work
-on floats, so results are not quantised to 1/255 except for posterize and equalize.
+The op table, ranges, warp, colour semantics, sources and cost: `rand_augment`.
 
 Batched functions
 -----------------
@@ -47,20 +22,6 @@ Batched functions
 ``jax.random.fold_in(key, example_id)``, where ``example_ids`` are the examples' positions in
 the global batch. Any split of the batch across devices (or into chunks) therefore gives the
 same images, as long as each piece passes its own examples' global ids.
-
-Sources
--------
-- RandAugment: E. D. Cubuk, B. Zoph, J. Shlens, Q. V. Le, "RandAugment: Practical automated
-  data augmentation with a reduced search space", 2019, arXiv:1909.13719. The op list above
-  is the paper's 14 ops (plus invert); N = ``num_ops`` ops are drawn uniformly per image
-  and all use one global magnitude M out of 10.
-- AutoAugment (op definitions and ranges): Cubuk et al., 2018, arXiv:1805.09501.
-
-Cost: under vmap, `lax.switch` with a per-example index evaluates every branch and selects,
-so one RandAugment layer costs the sum of all ops. `rand_augment` therefore warps once per
-op slot with the drawn geometric op's matrix (the five geometric ops would otherwise be five
-bilinear warps) and switches over the colour ops only. See
-``benchmarks/probes/bench_randaugment.py``.
 """
 from __future__ import annotations
 
@@ -361,6 +322,49 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
     op's (matrix, offset) and warps once, and switches over the colour ops only: the same
     images (tests/test_randaugment.py checks it against one_warp=False, the plain switch
     over all ops), with one warp per slot instead of five.
+
+    The ops, at m = magnitude / 10 (m in [0, 1]; signed ops take the sign from the key):
+
+        op              magnitude m in [0, 1] means                               signed
+        identity        (no magnitude)                                            -
+        auto_contrast   (no magnitude) stretch each channel to span [0, 1]        -
+        equalize        (no magnitude) per-channel histogram equalisation, 256    -
+                        bins, PIL's ImageOps.equalize lookup table
+        invert          (no magnitude) 1 - x; not in DEFAULT_OPS                  -
+        rotate          angle 30 * m degrees, counter-clockwise for +             yes
+        solarize        invert pixels >= threshold, threshold 256 * (1 - m) on    no
+                        the 0..255 scale (m = 0: nothing, m = 1: everything)
+        posterize       keep 8 - round(4 * m) bits (8 bits .. 4 bits)             no
+        color           saturation: blend with the grey image, factor 1 +- 0.9 m yes
+        contrast        blend with the mean grey level, factor 1 +- 0.9 m         yes
+        brightness      blend with black, factor 1 +- 0.9 m                       yes
+        sharpness       blend with PIL's 3x3 smoothing, factor 1 +- 0.9 m         yes
+        shear_x         x_src = x + 0.3 m (y - y_centre)                          yes
+        shear_y         y_src = y + 0.3 m (x - x_centre)                          yes
+        translate_x     shift right by m * W / 3 pixels                           yes
+        translate_y     shift down by m * H / 3 pixels                            yes
+
+    The blend factors and the rotate / shear ranges are those of AutoAugment and RandAugment
+    (factor in [0.1, 1.9], 30 degrees, shear 0.3). Translation is relative (up to a third of the
+    image, about 10.7 pixels on CIFAR-10) rather than RandAugment's absolute pixels. The
+    geometric ops share one helper, `affine_warp`: each output pixel is mapped back into the
+    input image about the image centre and sampled bilinearly, with grey (`FILL_VALUE` = 0.5)
+    outside. Colour ops follow PIL's ImageEnhance semantics (ITU-R 601 luma for grey), but work
+    on floats, so results are not quantised to 1/255 except for posterize and equalize.
+
+    Sources:
+
+    - RandAugment: E. D. Cubuk, B. Zoph, J. Shlens, Q. V. Le, "RandAugment: Practical automated
+      data augmentation with a reduced search space", 2019, arXiv:1909.13719. The op list above
+      is the paper's 14 ops (plus invert); N = ``num_ops`` ops are drawn uniformly per image
+      and all use one global magnitude M out of 10.
+    - AutoAugment (op definitions and ranges): Cubuk et al., 2018, arXiv:1805.09501.
+
+    Cost: under vmap, `lax.switch` with a per-example index evaluates every branch and selects,
+    so one RandAugment layer costs the sum of all ops. `rand_augment` therefore warps once per
+    op slot with the drawn geometric op's matrix (the five geometric ops would otherwise be five
+    bilinear warps) and switches over the colour ops only. See
+    ``benchmarks/probes/bench_randaugment.py``.
     """
     m = float(magnitude) / MAX_LEVEL
     branches = [lambda image, k, op=op: op(image, m, k) for op in ops]

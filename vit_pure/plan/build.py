@@ -6,43 +6,9 @@
 
 `--plan N` compiles the script's own training step for N fake CPU devices (one SPMD
 program: its size barely depends on N) and trains nothing. It reads the plan out of the
-compiled per-device program, not out of a description of the model:
-
-1. Every collective the program runs (`read_collectives`): kind; mesh axes (its replica
-   groups, which name mesh positions, mapped through the mesh's shape); dtype; bytes per
-   device per execution (V, see vit_pure/plan/interconnect.py); executions per optimizer step
-   (the product of the `known_trip_count`s of the while loops around it: `--scan`,
-   `--accum-steps`); and the kit's file:line that wrote it (the op's metadata points into
-   the stack-frame table at the top of the HLO text; the innermost frame in the kit).
-2. Bytes and counts as the target moves them. The step is built with the target's
-   defaults (`hardware.resolve` for the target's platform: on a GPU the matmuls return
-   bf16). Three XLA:CPU habits are undone. Its all-reduce combiner is switched off for the
-   compile (`cpu-all-reduce-combiner`), so every array keeps its own collective and its
-   source line; XLA:GPU's combining (30 MiB buckets of independent collectives, XLA's
-   kDefaultAllReduceCombineThreshold) is then modelled: a bucket is one call, priced at
-   its size. Its `cse_barrier_expander` is switched off too, so remat's barriers survive
-   and the program recomputes (FSDP's re-gathers included) as XLA:GPU's does. And XLA:CPU
-   upcasts bf16 all-reduces to f32: where the lowered StableHLO (what JAX asked for) has
-   another dtype than the compiled op at the same source line and size, the lowered dtype
-   counts; where it has more ops at one line and size, the missing ones count. The
-   report lists each correction.
-3. Time per mesh axis: each collective priced by its slowest group, as NCCL runs it
-   (vit_pure/plan/nccl.py: ring, tree, NVLS, NVLS-tree, the fastest or the one --algo
-   forces) over the target's links (interconnect.py) and fabric (fabrics.py); each
-   collective marked critical-path or overlappable from the program's data flow
-   (vit_pure/plan/overlap.py).
-4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
-   trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
-   body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
-   misses gemm fusions. Counting the compiled program keeps what only it knows: the
-   pipeline's idle ticks, the embedding and head every tensor-parallel rank repeats.
-5. Memory per device: XLA's memory analysis of the compiled step (arguments + outputs -
-   aliased + temporaries). Of the CPU compile: XLA:GPU's buffer assignment differs.
-6. The step with no overlap (compute + communication) and its floor with overlap by
-   dependency (compute + critical-path collectives, the overlappable ones hidden up to the
-   compute: critical + max(compute, overlappable)), MFU for both (model FLOPs, bench.py's
-   count, over step x peak), at the given efficiency and at the measured one where the
-   hardware table has one; and a verdict with the rule that gave it.
+compiled per-device program, not out of a description of the model; what it reads, step
+by step (collectives, bytes and counts as the target moves them, time per mesh axis,
+compute, memory, the step and its verdict), is in `build_plan`'s docstring.
 
 This module writes no collective: it compiles the scripts' steps and reads them.
 """
@@ -183,7 +149,45 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     """Compile `strategy.train_step` for its devices and read the plan out of it. On GPU
     devices (a deviceless target) the program is XLA:GPU's as it would run: its collectives
     async and combined, their dtypes as asked; on CPU devices XLA:CPU's combiner is off and
-    XLA:GPU's combining and dtypes are modelled (module docstring)."""
+    XLA:GPU's combining and dtypes are modelled. What the plan reads out of the
+    compiled per-device program:
+
+    1. Every collective the program runs (`read_collectives`): kind; mesh axes (its replica
+       groups, which name mesh positions, mapped through the mesh's shape); dtype; bytes per
+       device per execution (V, see vit_pure/plan/interconnect.py); executions per optimizer step
+       (the product of the `known_trip_count`s of the while loops around it: `--scan`,
+       `--accum-steps`); and the kit's file:line that wrote it (the op's metadata points into
+       the stack-frame table at the top of the HLO text; the innermost frame in the kit).
+    2. Bytes and counts as the target moves them. The step is built with the target's
+       defaults (`hardware.resolve` for the target's platform: on a GPU the matmuls return
+       bf16). Three XLA:CPU habits are undone. Its all-reduce combiner is switched off for the
+       compile (`cpu-all-reduce-combiner`), so every array keeps its own collective and its
+       source line; XLA:GPU's combining (30 MiB buckets of independent collectives, XLA's
+       kDefaultAllReduceCombineThreshold) is then modelled: a bucket is one call, priced at
+       its size. Its `cse_barrier_expander` is switched off too, so remat's barriers survive
+       and the program recomputes (FSDP's re-gathers included) as XLA:GPU's does. And XLA:CPU
+       upcasts bf16 all-reduces to f32: where the lowered StableHLO (what JAX asked for) has
+       another dtype than the compiled op at the same source line and size, the lowered dtype
+       counts; where it has more ops at one line and size, the missing ones count. The
+       report lists each correction.
+    3. Time per mesh axis: each collective priced by its slowest group, as NCCL runs it
+       (vit_pure/plan/nccl.py: ring, tree, NVLS, NVLS-tree, the fastest or the one --algo
+       forces) over the target's links (interconnect.py) and fabric (fabrics.py); each
+       collective marked critical-path or overlappable from the program's data flow
+       (vit_pure/plan/overlap.py).
+    4. Compute: the matmul FLOPs of the per-device program, counted from its dot ops with loop
+       trip counts, over peak x efficiency. Not `cost_analysis()`: XLA counts a while loop's
+       body once (wrong under --scan / accumulation) and adds elementwise work, and on GPU it
+       misses gemm fusions. Counting the compiled program keeps what only it knows: the
+       pipeline's idle ticks, the embedding and head every tensor-parallel rank repeats.
+    5. Memory per device: XLA's memory analysis of the compiled step (arguments + outputs -
+       aliased + temporaries). Of the CPU compile: XLA:GPU's buffer assignment differs.
+    6. The step with no overlap (compute + communication) and its floor with overlap by
+       dependency (compute + critical-path collectives, the overlappable ones hidden up to the
+       compute: critical + max(compute, overlappable)), MFU for both (model FLOPs, bench.py's
+       count, over step x peak), at the given efficiency and at the measured one where the
+       hardware table has one; and a verdict with the rule that gave it.
+    """
     t0 = time.perf_counter()
     gpu = strategy_platform(strategy) == "gpu"
     with compiling(_print, f"the training step for {sc.cfg.name}, global batch {global_batch}, "

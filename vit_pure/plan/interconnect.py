@@ -12,48 +12,14 @@ array of a reduce-scatter, the array a collective-permute sends. n devices take 
     collective-permute (one hop)        V / W
     every call, in addition             a latency alpha
 
-W is the *bus bandwidth* in the sense of nccl-tests (doc/PERFORMANCE.md): busbw = algbw x
-2(n-1)/n for all-reduce and algbw x (n-1)/n for all-gather and reduce-scatter, with algbw =
-S / t, so for a measured run t = 2 S (n-1) / (n busbw): the formula above read backwards.
-
-W DEPENDS ON THE MESSAGE. A link reaches its peak only on large messages: nccl-tests curves
-climb from a few GB/s at 1 MiB to the peak at GiBs. Each level of the hardware (`Link`: inside
-a node, across nodes) has a curve of the chunk c a device handles per ring step,
-
-    W(c) = W_peak x^k / (1 + x^k),   x = c / c_half
-
-(c_half: the chunk at which half the peak is reached; k: how sharply it rises), and a
-latency per call. The chunk is V / p inside a node (p devices of the group there) and V / n
-across nodes, so the ring's length enters twice: in the (n-1)/n factors and in the chunk.
-Across nodes the latency grows with log2 of the nodes (a tree's depth; assumed).
+W is a bus bandwidth that depends on the message: `Link`. How a group spread over nodes
+runs (HIERARCHICAL): `transfer_seconds`; which group sets the price (PLACEMENT): `placement`.
 
 ACROSS NODES ON GPUS the plan prices collectives as NCCL runs them (ring, tree, NVLS,
 NVLS-tree) over a fabric profile: vit_pure/plan/nccl.py and fabrics.py. The hierarchical
-formula below is what hardware without a fabric profile (the TPUs) keeps, and what
+formula (`transfer_seconds`) is what hardware without a fabric profile (the TPUs) keeps, and what
 nccl.py calls inside one node.
 
-HIERARCHICAL. `devices_per_node` devices share a fast domain (NVLink / NVSwitch on GPUs, ICI
-on TPUs); nodes are joined by a slower network, one NIC per GPU. A group of n devices in m
-nodes, p_max of them in its fullest node and p_min in its emptiest, runs its collective as
-NCCL does: rings inside each node over the whole V, and across nodes each device carries its
-V / p share on its own NIC. The two stages are pipelined (NCCL streams chunks through both),
-so the slower one sets the time:
-
-    all-gather, reduce-scatter   max( V (p_max-1) / (p_max W_intra(V/p_max)),
-                                      (V / p_min) (m-1) / (m W_inter(V/n)) )
-    all-reduce                   twice each term
-    collective-permute           V / W_intra(V) inside a node, V / W_inter(V) across nodes
-
-Why the larger, not the sum: in the cited 16-H100 run (two nodes, 8 GiB in 47.5 ms) the
-in-node stage alone takes about 32 ms at NVLink's ~460 GB/s, so a sum would leave 15 ms for
-each GPU's NIC to carry its 1 GiB: 72 GB/s, nearly three times its 25 GB/s line rate. The
-larger of the two needs 22.6 GB/s.
-
-PLACEMENT. Mesh position i (row-major over the mesh's axes, the order jax.make_mesh hands
-devices out, innermost axis fastest) is on node i // devices_per_node. A collective's groups
-need not sit alike: with 6 devices a group on 8-GPU nodes, half the groups straddle two nodes.
-Every group runs at once and the step waits for the slowest, so a collective is priced by
-its slowest group (`placement`).
 """
 from __future__ import annotations
 
@@ -73,7 +39,24 @@ KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, PERMUTE, ALL_TO_ALL)
 @dataclasses.dataclass(frozen=True)
 class Link:
     """One level of the interconnect: its bus bandwidth as a function of the chunk a device
-    handles per ring step (module docstring), and its latency per call. half = 0: flat."""
+    handles per ring step, and its latency per call. half = 0: flat.
+
+    W is the *bus bandwidth* in the sense of nccl-tests (doc/PERFORMANCE.md): busbw = algbw x
+    2(n-1)/n for all-reduce and algbw x (n-1)/n for all-gather and reduce-scatter, with algbw =
+    S / t, so for a measured run t = 2 S (n-1) / (n busbw): the module docstring's formula read
+    backwards.
+
+    W DEPENDS ON THE MESSAGE. A link reaches its peak only on large messages: nccl-tests curves
+    climb from a few GB/s at 1 MiB to the peak at GiBs. Each level of the hardware (`Link`: inside
+    a node, across nodes) has a curve of the chunk c a device handles per ring step,
+
+        W(c) = W_peak x^k / (1 + x^k),   x = c / c_half
+
+    (c_half: the chunk at which half the peak is reached; k: how sharply it rises), and a
+    latency per call. The chunk is V / p inside a node (p devices of the group there) and V / n
+    across nodes, so the ring's length enters twice: in the (n-1)/n factors and in the chunk.
+    Across nodes the latency grows with log2 of the nodes (a tree's depth; assumed).
+    """
     peak: float                      # bytes/s, large messages (ring collectives)
     half: float = 0.0                # chunk (bytes) at which half the peak is reached
     k: float = 1.0                   # how sharply the curve rises
@@ -224,7 +207,14 @@ def placement(groups: list[list[int]], devices_per_node: int,
               pairs: list[tuple[int, int]] | None = None) -> Placement:
     """The Placement of a collective's slowest group, from its replica groups (mesh
     positions), or for a collective-permute its source -> target pairs. Slowest: the most
-    nodes, then the fewest devices on one node (the largest share on one NIC)."""
+    nodes, then the fewest devices on one node (the largest share on one NIC).
+
+    PLACEMENT. Mesh position i (row-major over the mesh's axes, the order jax.make_mesh hands
+    devices out, innermost axis fastest) is on node i // devices_per_node. A collective's groups
+    need not sit alike: with 6 devices a group on 8-GPU nodes, half the groups straddle two nodes.
+    Every group runs at once and the step waits for the slowest, so a collective is priced by
+    its slowest group (`placement`).
+    """
     if pairs is not None:
         crossing = sum(s // devices_per_node != t // devices_per_node for s, t in pairs)
         return Placement(2, 2 if crossing else 1, 1, 1 if crossing else 2,
@@ -245,7 +235,25 @@ def transfer_seconds(kind: str, nbytes: float, where: Placement, hw: Hardware,
                      message: float = 0.0) -> float:
     """The bandwidth term of one collective of V = nbytes (module docstring), without the
     latency. `message`: the bytes of the call that carries it (a combined bucket), which
-    sets the chunk and so the bandwidth; 0: its own V."""
+    sets the chunk and so the bandwidth; 0: its own V.
+
+    HIERARCHICAL. `devices_per_node` devices share a fast domain (NVLink / NVSwitch on GPUs, ICI
+    on TPUs); nodes are joined by a slower network, one NIC per GPU. A group of n devices in m
+    nodes, p_max of them in its fullest node and p_min in its emptiest, runs its collective as
+    NCCL does: rings inside each node over the whole V, and across nodes each device carries its
+    V / p share on its own NIC. The two stages are pipelined (NCCL streams chunks through both),
+    so the slower one sets the time:
+
+        all-gather, reduce-scatter   max( V (p_max-1) / (p_max W_intra(V/p_max)),
+                                          (V / p_min) (m-1) / (m W_inter(V/n)) )
+        all-reduce                   twice each term
+        collective-permute           V / W_intra(V) inside a node, V / W_inter(V) across nodes
+
+    Why the larger, not the sum: in the cited 16-H100 run (two nodes, 8 GiB in 47.5 ms) the
+    in-node stage alone takes about 32 ms at NVLink's ~460 GB/s, so a sum would leave 15 ms for
+    each GPU's NIC to carry its 1 GiB: 72 GB/s, nearly three times its 25 GB/s line rate. The
+    larger of the two needs 22.6 GB/s.
+    """
     if where.n <= 1 or nbytes == 0:
         return 0.0
     size = message or nbytes

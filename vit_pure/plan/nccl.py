@@ -15,35 +15,7 @@ it carries per network step of the call (vit_pure/plan/fabrics.py's ramp):
     net = p_nic x fabric.bandwidth(c)            a node's NICs together
     c = S / (p_nic x steps)                      steps: m-1 for a ring, ceil(log2 m) for a tree
 
-so a call of a given size, spread over more steps on more nodes, reaches less of the
-peak. NVLink enters at its peak rates: the fabric's ramp is fitted end to end on
-cross-node runs and already holds what small calls lose inside the node.
-
-RING (all-reduce, all-gather, reduce-scatter). One ring per channel; each crosses a node
-boundary once per node, so the bus bandwidth is the nodes' NICs or NVLink's ring rate,
-whichever is lower, and the latency grows linearly with the ring's steps:
-
-    busbw = min(net, NVLink's ring busbw)
-    all-reduce        2 (n-1)/n S / busbw + base + 2 (m-1) hop + 2 (n-m) nvlink_hop
-    all-gather, r-s     (n-1)/n S / busbw + base +   (m-1) hop +   (n-m) nvlink_hop
-
-TREE (all-reduce). A chain inside each node, a double binary tree across the nodes
-(NCCL 2.4 on): the latency grows with log2 of the nodes. Across two nodes the tree is one
-edge and each node sends S once (half a ring's bytes: the reason a 2-node all-reduce's
-busbw can exceed the NICs'); from three nodes on a node is inner in one of the two trees
-and sends 2S, as much as a ring:
-
-    algbw = min(net / (1 if m == 2 else 2), the node's ring all-reduce as algbw)
-    S / algbw + base + 2 ceil(log2 m) hop + 2 (p-1) nvlink_hop
-
-NVLS-TREE (all-reduce, NVSwitch: H100 / H200). The tree across nodes, NVLink SHARP inside
-them: the in-node stage is the switch's (its all-reduce busbw, 480 GB/s on 8 H100) and
-takes two NVLink steps instead of the chain's 2 (p-1).
-
-NVLS (all-reduce inside one NVSwitch node) and the in-node ring: the in-node curve of
-vit_pure/plan/interconnect.py (its `Link`), as before.
-
-PERMUTE (collective-permute, NCCL send/recv): S over one NIC across nodes, + base + hop.
+The algorithms (ring, tree, NVLS-tree, NVLS, permute), one by one: `call_cost`.
 
 WHAT IS NOT MODELLED: CollNet / in-network SHARP, PAT (NCCL 2.23's all-gather and
 reduce-scatter for one GPU a node), NCCL's protocol choice (LL, LL128, Simple: folded into
@@ -119,7 +91,39 @@ def candidates(kind: str, where: ic.Placement, hw: ic.Hardware) -> tuple[str, ..
 
 def call_cost(kind: str, size: float, where: ic.Placement, hw: ic.Hardware,
               algorithm: str) -> Cost:
-    """One call of `size` bytes per GPU by `algorithm` (one of `candidates`)."""
+    """One call of `size` bytes per GPU by `algorithm` (one of `candidates`). In the terms
+    of the module docstring (n, m, p, p_nic, S, net, c):
+
+    so a call of a given size, spread over more steps on more nodes, reaches less of the
+    peak. NVLink enters at its peak rates: the fabric's ramp is fitted end to end on
+    cross-node runs and already holds what small calls lose inside the node.
+
+    RING (all-reduce, all-gather, reduce-scatter). One ring per channel; each crosses a node
+    boundary once per node, so the bus bandwidth is the nodes' NICs or NVLink's ring rate,
+    whichever is lower, and the latency grows linearly with the ring's steps:
+
+        busbw = min(net, NVLink's ring busbw)
+        all-reduce        2 (n-1)/n S / busbw + base + 2 (m-1) hop + 2 (n-m) nvlink_hop
+        all-gather, r-s     (n-1)/n S / busbw + base +   (m-1) hop +   (n-m) nvlink_hop
+
+    TREE (all-reduce). A chain inside each node, a double binary tree across the nodes
+    (NCCL 2.4 on): the latency grows with log2 of the nodes. Across two nodes the tree is one
+    edge and each node sends S once (half a ring's bytes: the reason a 2-node all-reduce's
+    busbw can exceed the NICs'); from three nodes on a node is inner in one of the two trees
+    and sends 2S, as much as a ring:
+
+        algbw = min(net / (1 if m == 2 else 2), the node's ring all-reduce as algbw)
+        S / algbw + base + 2 ceil(log2 m) hop + 2 (p-1) nvlink_hop
+
+    NVLS-TREE (all-reduce, NVSwitch: H100 / H200). The tree across nodes, NVLink SHARP inside
+    them: the in-node stage is the switch's (its all-reduce busbw, 480 GB/s on 8 H100) and
+    takes two NVLink steps instead of the chain's 2 (p-1).
+
+    NVLS (all-reduce inside one NVSwitch node) and the in-node ring: the in-node curve of
+    vit_pure/plan/interconnect.py (its `Link`), as before.
+
+    PERMUTE (collective-permute, NCCL send/recv): S over one NIC across nodes, + base + hop.
+    """
     n, m = where.n, where.nodes
     if n <= 1 or size <= 0:
         return Cost(0.0, 0.0, algorithm)

@@ -16,11 +16,8 @@ waits for its result (tensor parallelism's activation all-reduces, the pipeline'
 hand-offs). "Matmul" is a dot or convolution, a library GEMM or attention call, or a fusion,
 call or loop that contains one. Inside a loop body (a scan over layers, ticks or
 micro-batches), a result that leaves the body through its loop-carried tuple and is read by
-a matmul of the next iteration counts as needed by a matmul.
-
-Not credited: a backward all-reduce of tensor parallelism could also run beside the same
-layer's weight-gradient matmul, which does not need it (Megatron overlaps the two); the
-plan counts it as critical, so its floor can overstate that part.
+a matmul of the next iteration counts as needed by a matmul. What is not credited:
+`classify_overlap`.
 
 Pure text analysis of the parsed HLO (vit_pure/xla/hlo.py); nothing runs.
 """
@@ -100,7 +97,12 @@ def _next_iteration_computes(instrs: list[Instr], reached: set[str], users, is_c
 
 
 def classify_overlap(module: Module, found: list[Collective]) -> None:
-    """Set each collective's `overlap` (CRITICAL / OVERLAPPABLE) and `reason`."""
+    """Set each collective's `overlap` (CRITICAL / OVERLAPPABLE) and `reason`.
+
+    Not credited: a backward all-reduce of tensor parallelism could also run beside the same
+    layer's weight-gradient matmul, which does not need it (Megatron overlaps the two); the
+    plan counts it as critical, so its floor can overstate that part.
+    """
     computes = _compute_checker(module)
     bodies = _loop_bodies(module)
     by_comp = collections.defaultdict(list)

@@ -20,9 +20,7 @@ tower of a two-tower model)::
 with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in big_vision's;
 a scanned model stores one ``Transformer/encoderblock/...`` with a leading layer axis.
 The position embedding may have the class token's row (T = N + 1) or not (N rows: the
-kit's row is then zero). Tanh GELU, LayerNorm epsilon 1e-6, inputs in [-1, 1]; bfloat16
-arrays are widened; every array under the prefix must find its place. Models without a
-class token are refused (big_vision's "gap" averages after the final LayerNorm).
+kit's row is then zero). What such a model assumes and what is refused: `read`.
 """
 from __future__ import annotations
 
@@ -62,7 +60,10 @@ def _float32(a: np.ndarray) -> np.ndarray:
 
 
 def read(path: str | os.PathLike) -> tuple[dict, Found]:
-    """(the kit's tree, what the file says) of a big_vision-style .npz."""
+    """(the kit's tree, what the file says) of a big_vision-style .npz. Tanh GELU,
+    LayerNorm epsilon 1e-6, inputs in [-1, 1]; bfloat16 arrays are widened; every array
+    under the prefix must find its place. Models without a class token are refused
+    (big_vision's "gap" averages after the final LayerNorm)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             w = {k: _float32(f[k]) for k in f.files}
