@@ -35,8 +35,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     #   2-core Intel Xeon, avx512_bf16 + amx_bf16 (bf16), 2026-11-26: 58.5% test (EMA; val
     #     57.5%), 5 min 5 s wall, compilation and evaluation included.
     #   2-core x86-64 with avx512_bf16 (bf16), 2026-11-26: 58.6% test, 2 min 31 s.
-    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-23: 59.1% test (val 57.5%), 6 min 4 s;
-    #     --seed 1 and 2: 58.9% and 57.3% (mean of the three 58.4%).
+    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-27: 57.8% test (EMA; val 56.3%), 5 min
+    #     34 s (another job on the cores for its first 90 s). Earlier seeds: docs/notes.
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
