@@ -96,11 +96,7 @@ def read(path: str | os.PathLike) -> tuple[dict, Found]:
     if pre.is_file():
         p = _json(pre)
         if "image_mean" in p and "image_std" in p:
-            inputs = scaling_name(p["image_mean"], p["image_std"]) or ""
-            if not inputs:
-                raise WeightsError(f"{pre}: image_mean / image_std {p['image_mean']} / "
-                                   f"{p['image_std']} is none of the kit's scalings "
-                                   f"({', '.join(INPUT_SCALINGS)})")
+            inputs = scaling_name(p["image_mean"], p["image_std"], pre)
     return state_dict_tree(Arrays(canonical_names(raw), weights), config,
                            folder / "config.json", inputs)
 

@@ -37,12 +37,14 @@ NAME_HEADS = {"vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "v
               "vit_huge": 16, "deit_tiny": 3, "deit_small": 6, "deit_base": 12}
 
 
-def scaling_name(mean, std) -> str | None:
-    """The INPUT_SCALINGS name of a (mean, std) pair, or None."""
+def scaling_name(mean, std, source) -> str:
+    """The INPUT_SCALINGS name of a (mean, std) pair that `source` (a file) gives; a
+    WeightsError naming the file where the pair is none of them."""
     for name, (m, s) in INPUT_SCALINGS.items():
         if np.allclose(m, mean, atol=1e-3) and np.allclose(s, std, atol=1e-3):
             return name
-    return None
+    raise WeightsError(f"{source}: input mean / std {mean} / {std} is none of the kit's "
+                       f"scalings ({', '.join(INPUT_SCALINGS)})")
 
 
 def _config(path: pathlib.Path) -> dict:
@@ -143,11 +145,7 @@ def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
     pretrained = hub.get("pretrained_cfg", {})
     inputs = "minus1to1"
     if "mean" in pretrained and "std" in pretrained:
-        inputs = scaling_name(pretrained["mean"], pretrained["std"]) or ""
-        if not inputs:
-            raise WeightsError(f"{hub_path}: input mean / std "
-                               f"{pretrained['mean']} / {pretrained['std']} is none of the "
-                               f"kit's scalings ({', '.join(INPUT_SCALINGS)})")
+        inputs = scaling_name(pretrained["mean"], pretrained["std"], hub_path)
     pool = ("mean" if class_token else "gap") if avg else "cls"
     return params, Found(format="timm", patch_size=patch, channels=channels, heads=heads,
                          pool=pool, gelu="exact", ln_eps=1e-6, inputs=inputs,
