@@ -110,6 +110,7 @@ def test_parse_configs_and_bad_input():
             bench.parse_configs([bad])
 
 
+@pytest.mark.slow  # four compiles and runs of the benchmark: 33-38 s here
 def test_study_runs_a_2x2_corner(tmp_path):
     out = tmp_path / "study.md"
     rows = study.main(["--model", "tiny", "--param-dtypes", "f32,f16", "--compute-dtypes",
