@@ -1,7 +1,7 @@
 """The attention implementations (`--attention`, attention.ATTENTION_IMPLS) compute one function.
 
 "xla" calls `jax.nn.dot_product_attention` on (B, T, H, D) with the token axis padded to a
-multiple of 8 around the call and the padded keys masked (attention.fused_attention); it must
+multiple of 8 around the call and the padded keys masked (attention.attend_padded); it must
 give the einsum path's logits and gradients: to float32 rounding under fp32, to bf16
 rounding under bf16. The tiny model has 17 tokens, padded to 24, so the padding and its
 mask are really exercised (and dropping the mask is a difference the checks see). Under
@@ -26,7 +26,7 @@ from jax.extend.core import jaxprs_in_params
 
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.layers.attention import attention_einsum, fused_attention, padded_length
+from vit_pure.layers.attention import attend_padded, attention_einsum, padded_length
 from vit_pure.model import apply, init_params
 from vit_pure.policy import Policy
 from vit_pure.run import cli, settings
@@ -105,7 +105,7 @@ def test_the_mask_matters():
                    jnp.moveaxis(qkv.reshape(B, T, 3, H, D), 2, 0))
         unmasked = jax.nn.dot_product_attention(q, k, v, implementation="xla")[:, :T]
         return (attention_einsum(qkv, CFG, policy),
-                fused_attention(qkv, CFG, policy, "xla")[:, :T], unmasked.reshape(B, T, H * D))
+                attend_padded(q, k, v, T, policy, "xla")[:, :T], unmasked.reshape(B, T, H * D))
 
     qkv = np.random.default_rng(4).standard_normal((B, T, 3 * H * D), np.float32)
     ref, got, unmasked = three_ways(qkv)

@@ -6,7 +6,7 @@ Three attention implementations compute the same function of the same parameters
 
 - "einsum" (the reference, `attention_einsum`): two `policy.einsum` products on
   (B, H, T, D), with the head transposes that layout needs.
-- "xla" and "cudnn" (`fused_attention`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
+- "xla" and "cudnn" (`attend_padded`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
   vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, Tp, H, D), the
   token axis padded to a multiple of 8 and the padded keys masked; in the block, q, k
   and v each come from its own matmul on the padded LayerNorm output, already in the
@@ -103,7 +103,7 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
     and v interleaved in each row, and the call's operands must be dense (a pad copy of
     all three, and its gradient, a block). The padded rows of h are zeros, XLA writes
     them in the LayerNorm's kernel; their q, k, v are the biases, masked as keys and
-    sliced off as queries (`fused_attention`). The cost: three matmuls of width Hl*D
+    sliced off as queries (`attend_padded`). The cost: three matmuls of width Hl*D
     reading h, each on Tp rows (the GEMMs' FLOPs x Tp / T for this one projection)."""
     E, T = h.shape[-1], cfg.seq_len
     B, Tp = h.shape[0] // T, padded_length(T)
@@ -117,20 +117,20 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
     return tuple(out)
 
 
-def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
-    """`jax.nn.dot_product_attention(..., implementation=)` on (B, T, H, D): qkv
-    (B, T, 3*Hl*D) compute dtype -> (B, Tp, Hl*D) compute dtype, Tp = `padded_length(T)`,
-    over this device's Hl heads, with no head transposes (q, k, v are slices of the qkv
-    matmul's output, the context reshapes straight into the output projection's input).
-    Rows T to Tp - 1 of each example are padding: the caller slices them off (the block
-    does after the output projection, which then reads the kernel's output as it is).
+def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
+    """`jax.nn.dot_product_attention(..., implementation=)` on q, k, v padded: (B, Tp, Hl,
+    D) each, compute dtype, over this device's Hl heads -> (B, Tp, Hl*D) compute dtype, no
+    head transposes (the context reshapes straight into the output projection's input).
+    Rows `tokens` to Tp - 1 of each example are padding (their values do not matter: the
+    padded keys are masked, the padded queries' outputs sliced off by the caller, the
+    block after the output projection).
 
-    Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v are padded with
-    zeros on the token axis to the next multiple of 8 (65 -> 72) for this call only, with
+    Padding: cuDNN refuses odd token counts (65 for vit-cifar), so q, k, v come padded on
+    the token axis to the next multiple of 8 (65 -> 72; `padded_projections`), with
     ``key_value_seq_lengths = T``: the padded keys get zero weight (a -0.7*f32max score in
     "xla", cuDNN's padding mask in "cudnn"); the padded query rows are sliced off after
-    the output projection, so their gradient is zero. Padding only here, not the whole
-    token axis, measured faster on an H100 (docs/performance.md, "Attention
+    the output projection, so their gradient is zero. Padding only q, k, v, not the whole
+    residual stream, measured faster on an H100 (docs/performance.md, "Attention
     implementations").
 
     Precision, against the einsum reference (`attention_einsum`):
@@ -159,19 +159,6 @@ def fused_attention(qkv, cfg: ViTConfig, policy: Policy, implementation: str):
     backward kernel; with "xla" the padded context is saved and the products inside the
     call are recomputed.
     """
-    T = qkv.shape[1]
-    q, k, v = (rearrange(qkv, "b t (three h d) -> b t three h d", three=3,
-                         d=cfg.head_dim)[:, :, i] for i in range(3))  # (B, T, Hl, D) each
-    Tp = padded_length(T)
-    q, k, v = (jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))) for a in (q, k, v))
-    return attend_padded(q, k, v, T, policy, implementation)
-
-
-def attend_padded(q, k, v, tokens: int, policy: Policy, implementation: str):
-    """`fused_attention` from q, k, v already padded: (B, Tp, Hl, D) each, compute dtype,
-    rows `tokens` to Tp - 1 of each example padding (their values do not matter: the
-    padded keys are masked, the padded queries' outputs sliced off by the caller).
-    Returns (B, Tp, Hl*D)."""
     B, Tp = q.shape[:2]
     lengths = None if Tp == tokens else jnp.full((B,), tokens, jnp.int32)  # no mask, no pad
     precision = (None if policy.matmul_precision == "default" else policy.matmul_precision)

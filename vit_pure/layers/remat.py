@@ -29,7 +29,7 @@ def save_dot(y):
 def _cudnn_attention_outputs(prim, *_, **__) -> bool:
     """A remat policy: save the outputs of cuDNN's fused attention forward (the context
     and the softmax statistics its backward reads). They sit inside JAX's custom VJP,
-    where `attention.fused_attention` cannot name them."""
+    where `attention.attend_padded` cannot name them."""
     return prim.name.startswith(_CUDNN_ATTENTION_FWD)
 
 
