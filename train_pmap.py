@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import step
@@ -96,6 +97,11 @@ class PmapStrategy:
         self.train_step = jax.pmap(train_step, axis_name=AXIS, in_axes=(0, 0, 0, 0, None),
                                    donate_argnums=0, devices=self.devices)
         self.eval_step = jax.pmap(eval_step, axis_name=AXIS, devices=self.devices)
+        # A frozen backbone's features (--trainable head: vit_pure/run/probe.py), each
+        # device's rows of the batch; no collective.
+        self.features_step = jax.pmap(
+            lambda state, images: step.local_features(sc, state["params"], images),
+            devices=self.devices)
 
     # -------------------------------------------------------------------- placement
     def put_state(self, state):
@@ -122,6 +128,14 @@ class PmapStrategy:
         # Every replica holds the whole state: read one of this process's, i.e. the
         # block (1, ...) on one local device (no program runs, nothing crosses processes).
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], state)
+
+    def batch_to_host(self, x) -> np.ndarray:
+        # (devices, rows, ...) -> this process's rows, then every process's (all-gathered
+        # across processes, in process order: the order of the global batch's rows).
+        rows = np.asarray(x).reshape(-1, *x.shape[2:])
+        if jax.process_count() == 1:
+            return rows
+        return multihost_utils.process_allgather(rows, tiled=True)
 
     def metrics_to_host(self, metrics) -> dict:
         # The metrics were all-reduced, so every device (hence every process) has them.

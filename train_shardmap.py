@@ -40,6 +40,7 @@ import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU
 # isort: on
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
@@ -379,6 +380,11 @@ class ShardMapStrategy:
             # All-reduce (sum) of loss / correct / count over 'data' (padding is masked).
             return lax.psum(sums, DATA)
 
+        def features_step(state, images):
+            # A frozen backbone's features (--trainable head: vit_pure/run/probe.py), each
+            # device's rows of the batch; no collective beyond the model's own.
+            return step.local_features(sc, state["params"], images, tp_axis=tp, gather=gather)
+
         batch = P(DATA)
         self.train_step = jax.jit(jax.shard_map(
             train_step, mesh=self.mesh,
@@ -391,6 +397,11 @@ class ShardMapStrategy:
         self.eval_step = jax.jit(jax.shard_map(
             eval_step, mesh=self.mesh,
             in_specs=(self.state_specs, batch, batch, batch), out_specs=P()))
+        # Through a pipeline the features would need a schedule of their own: a probe
+        # with pipe > 1 runs the frozen backbone in every training step instead.
+        self.features_step = None if self.stages > 1 else jax.jit(jax.shard_map(
+            features_step, mesh=self.mesh, in_specs=(self.state_specs, batch),
+            out_specs=batch))
 
     # -------------------------------------------------------------------- placement
     def _sharding(self, spec):
@@ -413,6 +424,11 @@ class ShardMapStrategy:
     def host_state(self, state) -> dict:
         # The whole state on every process: blocks on other processes are all-gathered.
         return jax.tree.map(distributed.to_host, state)
+
+    def batch_to_host(self, x) -> np.ndarray:
+        # Rows split over 'data': the whole batch on every process (other processes'
+        # rows all-gathered).
+        return distributed.to_host(x)
 
     def metrics_to_host(self, metrics) -> dict:
         # The metrics are replicated (P()): every process reads its own copy.

@@ -306,25 +306,34 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     return x.reshape(B, T, E)
 
 
-def head(params, x, cfg: ViTConfig, policy: Policy):
-    """tokens (B, T, E) -> logits (B, K) in the output dtype: from the class token, or from
-    the mean of the patch tokens, taken in float32 (cfg.pool "mean": every token but the
-    class token and the registers; "gap": every patch token, there being no class token)."""
+def pool(params, x, cfg: ViTConfig) -> jax.Array:
+    """tokens (B, T, E) -> the head's input (B, E), or (B, 2E) for "cls+mean": from the class
+    token, or from the mean of the patch tokens, taken in float32 (cfg.pool "mean": every
+    token but the class token and the registers; "gap": every patch token, there being no
+    class token), through the final LayerNorm."""
     if cfg.pool == "cls+mean":  # DINOv2's: normalise every token, then pool
         B, T, E = x.shape
         x = layer_norm(x.reshape(B * T, E), params["final_ln"], cfg.ln_eps).reshape(B, T, E)
         mean = jnp.mean(x[:, cfg.prefix_tokens:].astype(F32), axis=1).astype(x.dtype)
-        feature = jnp.concatenate([x[:, 0], mean], axis=-1)  # (B, 2E)
-    elif cfg.pool == "cls":
+        return jnp.concatenate([x[:, 0], mean], axis=-1)  # (B, 2E)
+    if cfg.pool == "cls":
         feature = x[:, 0]
     else:
         patches = x[:, cfg.prefix_tokens:]  # not the class token nor the registers
         feature = jnp.mean(patches.astype(F32), axis=1).astype(x.dtype)  # (B, E)
-    if cfg.pool != "cls+mean":
-        feature = layer_norm(feature, params["final_ln"], cfg.ln_eps)
-    logits = matmul(feature, params["head"]["kernel"], policy)
-    logits = logits.astype(F32) + params["head"]["bias"].astype(F32)
+    return layer_norm(feature, params["final_ln"], cfg.ln_eps)
+
+
+def classify(head_params, feature, policy: Policy = Policy()) -> jax.Array:
+    """The linear head: features (B, F) -> logits (B, K) in the output dtype."""
+    logits = matmul(feature, head_params["kernel"], policy)
+    logits = logits.astype(F32) + head_params["bias"].astype(F32)
     return logits.astype(policy.output_dtype)
+
+
+def head(params, x, cfg: ViTConfig, policy: Policy):
+    """tokens (B, T, E) -> logits (B, K): `pool`, then `classify`."""
+    return classify(params["head"], pool(params, x, cfg), policy)
 
 
 def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int):
@@ -358,3 +367,17 @@ def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: b
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution,
                 tp_axis=tp_axis, gather=gather)
     return head(top, x, cfg, policy)
+
+
+def features(params, images, cfg: ViTConfig, policy: Policy = Policy(), *,
+             execution: Execution = Execution(), tp_axis: str | None = None,
+             gather: Callable | None = None) -> jax.Array:
+    """The evaluation forward pass up to the head: images (B, h, w, C) -> the head's input
+    (B, F) (`pool`), so that `classify(params["head"], features(...))` is `apply(...)`.
+    A frozen backbone's features, computed once for a linear probe (vit_pure/run/probe.py)."""
+    top = compute_params({k: v for k, v in params.items() if k not in ("blocks", "head")},
+                         policy, gather)
+    x = embed(top, images, cfg, policy, None, execution)
+    x = encoder(params["blocks"], x, cfg, policy, None, execution=execution,
+                tp_axis=tp_axis, gather=gather)
+    return pool(top, x, cfg)

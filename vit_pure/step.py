@@ -31,7 +31,7 @@ from vit_pure.config import INPUT_SCALINGS, Execution, ViTConfig
 from vit_pure.data import augment as augment_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
-from vit_pure.model import apply, init_params
+from vit_pure.model import apply, features, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
 
 F32 = jnp.float32
@@ -412,6 +412,20 @@ def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None,
                                               execution=sc.execution, tp_axis=tp_axis,
                                               gather=gather),
                      images_u8, labels, mask)
+
+
+def local_features(sc: StepConfig, params, images_u8, *, tp_axis=None, gather=None):
+    """The head's inputs for this device's slice, of each image and of its left-right
+    mirror: (b, 2, F) float32 (the evaluation's preparation, no augmentation or dropout).
+    A frozen backbone's features for a linear probe (vit_pure/run/probe.py); no collective
+    of its own."""
+    images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size,
+                            inputs=sc.cfg.inputs)
+
+    def one(x):
+        return features(params, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
+                        gather=gather).astype(F32)
+    return jnp.stack([one(images), one(images[:, :, ::-1])], axis=1)
 
 
 def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> dict:

