@@ -41,8 +41,17 @@ CPU_QUICK_RUN = ("--model vit-cifar-conv-lsa --dtype auto --batch 128 --epochs 6
                  "--no-scan --accum-steps 1 --subset 4000,1000")
 
 
+# And for --recipe finetune-dinov2-s14, the linear probe measured in docs/training.md.
+DINOV2_PROBE_RUN = ("--model vit-s16 --dtype fp32 --image-size 112 --pool cls+mean "
+                    "--trainable head --batch 128 --epochs 40 --lr 3e-3 --warmup-steps 10 "
+                    "--weight-decay 0 --grad-clip 0 --label-smoothing 0 --randaugment 0 "
+                    "--mixup 0 --cutmix 0 --dropout 0 --drop-path 0 --eval-every 10 "
+                    "--eval-flip --eval-batch 200 --accum-steps 1")
+
+
 @pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),
-                                              ("cpu-quick", CPU_QUICK_RUN)])
+                                              ("cpu-quick", CPU_QUICK_RUN),
+                                              ("finetune-dinov2-s14", DINOV2_PROBE_RUN)])
 def test_recipe_is_the_measured_run(recipe_name, run):
     recipe = vars(_parse(["--recipe", recipe_name]))
     measured = vars(_parse(run.split()))
