@@ -103,3 +103,15 @@ def test_every_layout_fits_the_same_head():
     for name, head in heads.items():
         for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(heads["pmap"])):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_probe_checkpoint_resumes_and_evaluates_to_the_same_figures(tmp_path):
+    """The probe saves the state with its fitted head at the last step: --resume finds
+    nothing left to do, and --eval-only scores the same test accuracy."""
+    run = RUN + ["--ckpt-dir", str(tmp_path)]
+    first = train_shardmap.main(run)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000018"]
+    again = train_shardmap.main(run + ["--resume"])
+    assert again["test"] == first["test"]
+    evaluated = train_shardmap.main(run + ["--eval-only"])
+    assert evaluated["test"]["accuracy"] == first["test"]["accuracy"]
