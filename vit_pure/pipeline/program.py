@@ -152,7 +152,9 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     slice of the batch, with the encoder pipelined over `pipe_axis`.
 
     params["blocks"] is this stage's slice of the layers (varying over `pipe_axis`); every
-    other parameter is replicated over `pipe_axis`. Returns (grads laid out like params,
+    other parameter is replicated over `pipe_axis`. With `virtual` chunks per stage
+    (interleaved) the blocks must be stored in `schedules.block_order`: stage s's slice is
+    its chunks, virtual stages s, P + s, .... Returns (grads laid out like params,
     unscaled; {"loss", "accuracy"}), the same on every stage except for the blocks.
     Gradient accumulation (`sc.accum_steps`) nests outside the pipeline: each
     accumulation micro-batch is itself pipelined in `microbatches` pieces.
@@ -212,17 +214,21 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
 
 
 def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis: str,
-                  microbatches: int, tp_axis: str | None = None, gather=None):
+                  microbatches: int, tp_axis: str | None = None, gather=None,
+                  virtual: int = 1):
     """`step.local_eval` for a pipeline stage: sums over this device's slice (padding
     masked out) of loss, correct, count; the same on every stage.
 
     Uses `microbatches` pieces if the slice divides into them, else their greatest common
     divisor with the slice (an evaluation batch need not share the training batch's size).
+    `virtual`: the chunks per stage of the layout (`schedules.block_order`) the blocks are
+    stored in.
     """
     k = math.gcd(labels.shape[0], microbatches)
-    # GPipe's forward ticks as one scan (ticks.eval_logits), whatever the schedule.
+    # The forward ticks as one scan (ticks.eval_logits): GPipe's, or round the stages V
+    # times through the chunks each stage stores.
     sums = eval_sums(sc, lambda images: eval_logits(
-        sc, params, images, pipe_axis=pipe_axis, microbatches=k, tp_axis=tp_axis,
-        gather=gather), images_u8, labels, mask)
+        sc, params, images, pipe_axis=pipe_axis, microbatches=k, virtual=virtual,
+        tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

@@ -3,8 +3,8 @@
 `schedule_grads` runs one schedule's table (pipeline/schedules.py) inside shard_map:
 
     plan = static_plan(table)                   numbers read off the table, no jax
-    top, chunks, pull_params = prepare_params(...)   the FSDP gather (virtual stages: and
-                                                the blocks' all-gather), kept for its vjp
+    top, chunks, pull_params = prepare_params(...)   the FSDP gather and this stage's
+                                                V chunks, kept for its vjp
     stage = Stage(...)                          the micro-batches and the chunk function
     layout = residual_layout(stage)             what the ring keeps of a chunk's pull-back
     carry = lax.scan(tick, ...)                 per tick: run_f, run_b, run_w, exchange
@@ -12,8 +12,11 @@
 
 Every point-to-point send of these schedules is in ONE function, `exchange`: the
 `lax.ppermute`s over the pipe axis that end a tick (activations forward, input cotangents
-back). The only other collectives here are the all-gather of `prepare_params` (virtual
-stages) and, bound inside the chunk, the model's tensor-parallel psums over 'model'.
+back). The only other collectives run here are others' code: the model's
+tensor-parallel psums over 'model', bound inside the chunk, and FSDP's all-gathers over
+'data' (the script's `gather`, in `prepare_params`). Nothing gathers the blocks over
+'pipe': each stage stores exactly the chunks it runs (the layout's block order,
+`schedules.block_order`, which the script applies when it places the state).
 
 The parameters used on one stage only (embedding, head) are varying over the pipe axis
 before the ticks (the caller's pcast): a replicated one would get an implicit psum over
@@ -82,14 +85,14 @@ def static_plan(schedule: schedules.Schedule) -> StaticPlan:
 
 
 # ------------------------------------------------------- phase 2: the parameters' prep
-def prepare_params(params, policy, gather, stages: int, virtual: int, pipe_axis: str):
+def prepare_params(params, policy, gather, virtual: int):
     """(top, chunks, pull_params): the non-block parameters in the compute dtype, this
     stage's blocks as (V, L/(PV), ...) chunks, and the pull-back of that preparation
     (after the ticks it takes the gradients back to params' layout: the FSDP
-    reduce-scatters, with virtual stages the blocks' reduce-scatter over 'pipe')."""
+    reduce-scatters). The stage's blocks are its chunks already, in order (the layout's
+    `schedules.block_order`): chunk v is rows v L/(PV) ... of them, so nothing moves over
+    'pipe'."""
     per = jax.tree.leaves(params["blocks"])[0].shape[0]
-    chunk = per // virtual
-    stage = lax.axis_index(pipe_axis)
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -98,14 +101,9 @@ def prepare_params(params, policy, gather, stages: int, virtual: int, pipe_axis:
             layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
                                      gather, "blocks") for i in range(per)]
             blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        if virtual == 1:  # cast layer by layer in the chunk: no compute-dtype copy held
-            return top, jax.tree.map(lambda a: a[None], blocks)
-        # All-gather over 'pipe' of the blocks (in the compute dtype), then this stage's
-        # chunks: virtual stage v P + s (layers (vP + s) c ...) runs on stage s.
-        whole = lax.all_gather(policy.cast_to_compute(blocks), pipe_axis, axis=0, tiled=True)
-        starts = (jnp.arange(virtual) * stages + stage) * chunk
-        return top, jax.tree.map(lambda a: jnp.stack(
-            [lax.dynamic_slice_in_dim(a, starts[v], chunk) for v in range(virtual)]), whole)
+        # Cast layer by layer in the chunk: no compute-dtype copy held.
+        return top, jax.tree.map(lambda a: a.reshape(virtual, per // virtual, *a.shape[1:]),
+                                 blocks)
 
     (top, chunks), pull_params = jax.vjp(prepare, params)
     return top, chunks, pull_params
@@ -370,7 +368,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     if per * P != sc.cfg.depth or per % V:
         raise ValueError(f"pipeline: {per} layers per stage do not split into {V} chunks")
     plan = static_plan(schedule)
-    top, chunks, pull_params = prepare_params(params, sc.policy, gather, P, V, pipe_axis)
+    top, chunks, pull_params = prepare_params(params, sc.policy, gather, V)
     stage, zero, x0 = make_stage(sc, schedule, top, chunks, images_u8, labels, targets,
                                  example_ids, drop_key, prepare_images, pipe_axis, tp_axis)
     layout = residual_layout(stage.pulled, zero, x0)
@@ -434,32 +432,33 @@ def finish(carry, top, chunks, pull_params, microbatches: int):
 
 # ------------------------------------------------------------------- evaluation
 def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches: int,
-                tp_axis: str | None = None, gather=None):
+                virtual: int = 1, tp_axis: str | None = None, gather=None):
     """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
-    forward ticks of GPipe's table (stage s runs micro-batch t - s at tick t) as one
-    `lax.scan`, so the compiled program does not grow with K. Each stage runs the blocks
-    it stores (whatever the training schedule: no gather over 'pipe'); idle ticks compute
-    on what they hold and are masked, as GPipe's."""
-    P, K = lax.axis_size(pipe_axis), microbatches
-    table = schedules.build("gpipe", P, K)
-    T = K + P - 1  # the forward ticks
-    arrive = np.stack([schedules.arrivals(table)[0][:T]] * 3, axis=1)  # [2] unused: "f"
-    sends = (("f", tuple((s, s + 1) for s in range(P - 1))),)
-    top, chunks, _ = prepare_params(params, sc.policy, gather, P, 1, pipe_axis)
-    blocks = jax.tree.map(lambda a: a[0], chunks)
+    forward ticks of `schedules.forward_only` (V = 1: GPipe's, stage s runs micro-batch
+    t - s at tick t; V > 1: round the stages V times, through the chunks each stage
+    stores) as one `lax.scan`, so the compiled program does not grow with K. Each stage
+    runs the blocks it stores: no gather over 'pipe'; idle ticks compute on what they hold
+    and are masked, as GPipe's."""
+    P, K, V = lax.axis_size(pipe_axis), microbatches, virtual
+    table = schedules.forward_only(P, K, V)
+    schedules.check_sends(table)
+    arrive = np.stack([schedules.arrivals(table)[0]] * 3, axis=1)  # [2] unused: "f"
+    sends = (("f", tuple((s, (s + 1) % P) for s in range(P if V > 1 else P - 1))),)
+    top, chunks, _ = prepare_params(params, sc.policy, gather, V)
     stage = lax.axis_index(pipe_axis)
-    per = jax.tree.leaves(blocks)[0].shape[0]
+    chunk = jax.tree.leaves(chunks)[0].shape[1]
     x_mb = micro(lax.pcast(images, pipe_axis, to="varying"), K)
 
     def tick(carry, xs):
         recv, logits = carry
-        row, arrive = xs
-        mb = jnp.maximum(row[stage], 0)
-        x = lax.cond(stage == 0, lambda r: vary_like(
+        row, v, arrive = xs
+        mb, v = jnp.maximum(row[stage], 0), v[stage] if V > 1 else 0
+        x = lax.cond((stage == 0) & (v == 0), lambda r: vary_like(
             embed(top, x_mb[mb], sc.cfg, sc.policy, None, sc.execution), r), lambda r: r, recv)
-        y = encoder(blocks, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
-                    layer_offset=stage * per)
-        keep = (stage == P - 1) & (row[stage] >= 0)
+        y = encoder(jax.tree.map(lambda a: a[v], chunks), x, sc.cfg, sc.policy,
+                    execution=sc.execution, tp_axis=tp_axis,
+                    layer_offset=(v * P + stage) * chunk)
+        keep = (stage == P - 1) & (v == V - 1) & (row[stage] >= 0)
         logits = logits.at[mb].set(jnp.where(keep, head(top, y, sc.cfg, sc.policy), logits[mb]))
         recv, _ = exchange(sends, y, y, recv, recv, arrive[:, stage], pipe_axis)
         return (recv, logits), None
@@ -468,5 +467,6 @@ def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches:
     out0 = head(top, x0, sc.cfg, sc.policy)  # its type only (XLA drops it)
     logits0 = vary_like(jnp.zeros((K, *out0.shape), out0.dtype), out0)
     (_, logits), _ = lax.scan(tick, (jnp.zeros_like(x0), logits0),
-                              (jnp.asarray(table.fwd[:T]), jnp.asarray(arrive)))
+                              (jnp.asarray(table.fwd), jnp.asarray(table.fwd_chunk),
+                               jnp.asarray(arrive)))
     return logits.reshape(images.shape[0], -1)
