@@ -264,23 +264,24 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
     the ring with its residuals written at slot `write`, the loss and accuracy sums).
     Stage 0 embeds its first chunk's input; every other F reads the received activation.
-    The ring is written outside the branch, in place: an idle tick writes back what the
-    slot holds, so the ring needs no slot beyond the live residual sets."""
+    The ring is written inside the branch, in place (the cond's ring operand and result
+    share a buffer): the residuals go straight into their slot, with no set-sized copy
+    beside the ring, and an idle tick writes nothing, so the ring needs no slot beyond the
+    live residual sets."""
     y0, loss0, _ = layout.outputs
 
-    def do_f(x):
+    def do_f(x, rings):
         (y, loss, acc), pull, acts = stage.pulled(f_v, f_mb, x)
-        return y, [vary_like(a, r[0]) for a, r in zip(layout.pack(pull, acts), rings)], \
-            loss, acc
+        return y, [r.at[write].set(vary_like(a, r)) for a, r in
+                   zip(layout.pack(pull, acts), rings)], loss, acc
 
-    def no_f(x):
+    def no_f(x, rings):
         zero = jnp.zeros_like(loss0)
-        return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
+        return jnp.zeros_like(y0), rings, zero, zero
 
     x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
                  lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
-    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-    rings = [r.at[write].set(jnp.where(f_mb >= 0, a, r[write])) for r, a in zip(rings, res)]
+    y, rings, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x, rings)
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
@@ -289,7 +290,9 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
     """B (zb-h1: I) of micro-batch b_mb through chunk b_v (idle where b_mb < 0): the
     pull-back of the received cotangent (the loss's seed / M on the last virtual stage)
     through the ring's residuals. Returns (the input cotangent to send, the cotangents'
-    ring with zb-h1's weight-matmul output cotangents written, the gradient sums)."""
+    ring with zb-h1's weight-matmul output cotangents written, the gradient sums). The
+    branch reads its slot of the ring and adds its gradients to the float32 sums itself:
+    no copy of a residual set is passed in, no tick's gradients come out."""
     _, loss0, _ = layout.outputs
     P, V, M = stage.stages, stage.virtual, stage.u8.shape[0]
 
@@ -298,18 +301,22 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
         return (jnp.where(last, jnp.zeros_like(dy), dy),
                 jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0), jnp.zeros_like(loss0))
 
-    def do_b(res, dy):
+    def do_b(rings, dy, grads):
+        res = [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings]
         again = stage.pulled(b_v, b_mb, jnp.zeros_like(layout.x))[1]  # XLA keeps the fixed
         pulled = layout.unpack(again, res)(cotangent(dy))
         if stage.split is None:
             g_cp, g_top, dx, dys = *pulled, []
         else:  # zb-h1's I: the weights' gradients are None (W's)
             (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
-        return dx, dys, stage.sc.policy.cast_to_compute(g_cp), g_top
+        return dx, dys, _add_grads(grads, jnp.maximum(b_v, 0),
+                                   stage.sc.policy.cast_to_compute(g_cp), g_top)
 
-    dx, dys, *g = _unless(b_mb >= 0, do_b, [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings],
-                          recv_b)
-    grads = _add_grads(grads, jnp.maximum(b_v, 0), *g)
+    def no_b(rings, dy, grads):  # do_b's types (XLA drops its work), the sums as they are
+        dx, dys, _ = do_b(rings, dy, grads)
+        return jnp.zeros_like(dx), [jnp.zeros_like(d) for d in dys], grads
+
+    dx, dys, grads = lax.cond(b_mb >= 0, do_b, no_b, rings, recv_b, grads)
 
     def do_embed(dx):  # stage 0's input cotangent through the embedding (run again)
         _, pull = jax.vjp(lambda t: stage.embed_mb(t, b_mb), stage.top)
