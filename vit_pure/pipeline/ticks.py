@@ -244,8 +244,8 @@ def _unless(pred, fn, *xs):
 
 
 def _slot(mb, v, virtual: int, n: int, idle: int):
-    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (the
-    cotangents' ring: its spare slot n; the residuals': any, read and unused)."""
+    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (any slot:
+    the branches that read or write it run only where mb >= 0)."""
     return jnp.where(mb >= 0, (mb * virtual + v) % n, idle)
 
 
@@ -291,8 +291,9 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
     pull-back of the received cotangent (the loss's seed / M on the last virtual stage)
     through the ring's residuals. Returns (the input cotangent to send, the cotangents'
     ring with zb-h1's weight-matmul output cotangents written, the gradient sums). The
-    branch reads its slot of the ring and adds its gradients to the float32 sums itself:
-    no copy of a residual set is passed in, no tick's gradients come out."""
+    branch reads its slot of the ring, writes zb-h1's cotangents into theirs and adds its
+    gradients to the float32 sums itself: no copy of a residual set goes in or comes out,
+    nor a tick's gradients."""
     _, loss0, _ = layout.outputs
     P, V, M = stage.stages, stage.virtual, stage.u8.shape[0]
 
@@ -301,7 +302,7 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
         return (jnp.where(last, jnp.zeros_like(dy), dy),
                 jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0), jnp.zeros_like(loss0))
 
-    def do_b(rings, dy, grads):
+    def do_b(rings, dy, grads, cots):
         res = [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings]
         again = stage.pulled(b_v, b_mb, jnp.zeros_like(layout.x))[1]  # XLA keeps the fixed
         pulled = layout.unpack(again, res)(cotangent(dy))
@@ -309,14 +310,14 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
             g_cp, g_top, dx, dys = *pulled, []
         else:  # zb-h1's I: the weights' gradients are None (W's)
             (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
-        return dx, dys, _add_grads(grads, jnp.maximum(b_v, 0),
-                                   stage.sc.policy.cast_to_compute(g_cp), g_top)
+        slot = _slot(b_mb, b_v, V, plan.kept, 0)
+        return dx, [c.at[slot].set(d) for c, d in zip(cots, dys)], \
+            _add_grads(grads, jnp.maximum(b_v, 0), stage.sc.policy.cast_to_compute(g_cp), g_top)
 
-    def no_b(rings, dy, grads):  # do_b's types (XLA drops its work), the sums as they are
-        dx, dys, _ = do_b(rings, dy, grads)
-        return jnp.zeros_like(dx), [jnp.zeros_like(d) for d in dys], grads
+    def no_b(rings, dy, grads, cots):  # do_b's types (XLA drops its work), the rest kept
+        return jnp.zeros_like(do_b(rings, dy, grads, cots)[0]), cots, grads
 
-    dx, dys, grads = lax.cond(b_mb >= 0, do_b, no_b, rings, recv_b, grads)
+    dx, cots, grads = lax.cond(b_mb >= 0, do_b, no_b, rings, recv_b, grads, cots)
 
     def do_embed(dx):  # stage 0's input cotangent through the embedding (run again)
         _, pull = jax.vjp(lambda t: stage.embed_mb(t, b_mb), stage.top)
@@ -324,7 +325,6 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
 
     g_top = _unless((stage.stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
     grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
-    cots = [c.at[_slot(b_mb, b_v, V, plan.kept, plan.kept)].set(d) for c, d in zip(cots, dys)]
     return dx, cots, grads
 
 
@@ -332,17 +332,19 @@ def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rin
           grads):
     """zb-h1's W of micro-batch w_mb through chunk w_v (idle where w_mb < 0): each weight
     matmul's weight gradient from its activation operand (kept at F in the residual ring)
-    and its output cotangent (kept at I); no cotangent chain again. Returns the sums."""
+    and its output cotangent (kept at I); no cotangent chain again. Returns the sums (the
+    branch reads both slots and adds to the sums itself, as run_b)."""
     V = stage.virtual
 
-    def do_w(res, dys):
+    def do_w(rings, cots, grads):
+        res = [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings]
+        dys = [c[_slot(w_mb, w_v, V, plan.kept, 0)] for c in cots]
         g = stage.split.weight_grads((stage.layers(w_v), stage.top), res[layout.n_pull:], dys,
                                      w_v, w_mb)
-        return stage.sc.policy.cast_to_compute(g[0]), g[1]
+        return _add_grads(grads, jnp.maximum(w_v, 0), stage.sc.policy.cast_to_compute(g[0]),
+                          g[1])
 
-    g = _unless(w_mb >= 0, do_w, [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings],
-                [c[_slot(w_mb, w_v, V, plan.kept, plan.kept)] for c in cots])
-    return _add_grads(grads, jnp.maximum(w_v, 0), *g)
+    return lax.cond(w_mb >= 0, do_w, lambda rings, cots, grads: grads, rings, cots, grads)
 
 
 def exchange(sends, y, dx, recv_f, recv_b, arrive, pipe_axis: str):
@@ -401,9 +403,8 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
-    # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
-    cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept + 1)
-                                            for t in stage.split.taps()]
+    # zb-h1: the output cotangents dy_l from I until W (an idle tick writes none).
+    cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept) for t in stage.split.taps()]
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.ring, pipe_axis),
              cots0, zeros, (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     return finish(scan_segments(tick, carry, plan), top, chunks, pull_params, M)
