@@ -2,12 +2,14 @@
 table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
 
 The encoder's stacked blocks are split into S contiguous stages over the 'pipe' mesh axis
-(stage s holds layers s L/S .. (s+1) L/S - 1); the embedding (used on stage 0) and the
-final norm and head (last stage) are replicated over it. Each device's batch slice is cut
-into K micro-batches. GPipe is a loop of K + S - 1 ticks: every stage runs its layers on
-what it holds (stage 0 a fresh micro-batch), then one `lax.ppermute` hands each output to
-the next stage; `jax.grad` of the loop runs it in reverse with each ppermute transposed
-(s+1 -> s): all forwards, then all backwards, bubble (S - 1) / (K + S - 1).
+(stage s holds layers s L/S .. (s+1) L/S - 1; with interleaved's V chunks per stage the
+script stores them in `schedules.block_order`, so stage s holds its chunks); the
+embedding (used on stage 0) and the final norm and head (last stage) are replicated over
+it. Each device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1
+ticks: every stage runs its layers on what it holds (stage 0 a fresh micro-batch), then
+one `lax.ppermute` hands each output to the next stage; `jax.grad` of the loop runs it in
+reverse with each ppermute transposed (s+1 -> s): all forwards, then all backwards,
+bubble (S - 1) / (K + S - 1).
 
     tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
     stage 0:   m0   m1   m2   m3   .

@@ -21,7 +21,9 @@ cotangent to the previous one (with V chunks, round the ring); nothing here impo
                  otherwise hold more than 2P - 1 residual sets.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
-send waits for its two stages only). `segments`: the program's scans and their sends."""
+send waits for its two stages only). `segments`: the program's scans and their sends.
+`forward_only`: evaluation's table (the forwards alone). `block_order`: the layout's order
+of the stacked blocks, which puts each stage's V chunks in its slice of the layer axis."""
 from __future__ import annotations
 
 import dataclasses
