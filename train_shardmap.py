@@ -248,6 +248,13 @@ class ShardMapStrategy:
         except ValueError as e:
             if self.stages > 1:
                 raise cli.UsageError(str(e)) from None
+        # Interleaved: each stage's slice of the stacked blocks is its V chunks (virtual
+        # stages s, S + s, ...: pipeline.block_order), so the blocks are stored in that
+        # order on the devices. put_state applies it, host_state undoes it: checkpoints
+        # and exports keep the layers in order.
+        self.block_order = (pipeline.block_order(sc.cfg.depth, self.stages, virtual_stages)
+                            if self.stages > 1 and virtual_stages > 1 else None)
+        self.optimizer = optimizer
         self.batch_divisor = sizes[DATA]
         self.sc = sc
         self.fsdp = fsdp
@@ -373,7 +380,8 @@ class ShardMapStrategy:
             if self.stages > 1:
                 sums = pipeline.pipeline_eval(sc, state["params"], images, labels, mask,
                                               pipe_axis=PIPE, microbatches=self.microbatches,
-                                              tp_axis=tp, gather=gather)
+                                              tp_axis=tp, gather=gather,
+                                              virtual=self.virtual_stages)
             else:
                 sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp,
                                        gather=gather)
@@ -407,11 +415,31 @@ class ShardMapStrategy:
     def _sharding(self, spec):
         return NamedSharding(self.mesh, spec)
 
+    def _in_block_order(self, state, order):
+        """`state` (or the part of it given) with the layer axis of every stacked-block
+        leaf (params, EMA, their optimizer state) taken in `order`; None: as it is."""
+        if order is None:
+            return state
+        axes = jax.tree.map(lambda names: names.index("layers") if "layers" in names else -1,
+                            param_axes(self.sc.cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+        def take(x, axis):
+            return x if axis < 0 else np.take(np.asarray(x), order, axis=axis)
+        out = dict(state)
+        for k in ("params", "ema"):
+            if k in out:
+                out[k] = jax.tree.map(take, out[k], axes)
+        if "opt_state" in out:
+            out["opt_state"] = optax.tree_map_params(self.optimizer, take, out["opt_state"],
+                                                     axes, transform_non_params=lambda x: x)
+        return out
+
     def put_state(self, state):
         # Each process places the blocks its own devices hold (every process has the
         # whole host state; with several processes some devices belong to others).
         shardings = jax.tree.map(self._sharding, self.state_specs, is_leaf=_is_spec)
-        return distributed.put_global(state, shardings)
+        return distributed.put_global(self._in_block_order(state, self.block_order),
+                                      shardings)
 
     def put_batch(self, *arrays):
         # This process's rows of the global batch (all of it with one process) -> the
@@ -422,8 +450,11 @@ class ShardMapStrategy:
         return distributed.put_global(x, self._sharding(P()))
 
     def host_state(self, state) -> dict:
-        # The whole state on every process: blocks on other processes are all-gathered.
-        return jax.tree.map(distributed.to_host, state)
+        # The whole state on every process: blocks on other processes are all-gathered;
+        # the layers back in order (the inverse of put_state's block order).
+        return self._in_block_order(jax.tree.map(distributed.to_host, state),
+                                    None if self.block_order is None
+                                    else np.argsort(self.block_order))
 
     def batch_to_host(self, x) -> np.ndarray:
         # Rows split over 'data': the whole batch on every process (other processes'

@@ -91,7 +91,8 @@ def _step_jaxpr(strategy, sc, optimizer):
     ("data=2,model=4", False, "c=bf16,m=bf16", True, "gpipe"),  # TP in a layer scan
     ("data=2,model=2,pipe=2", True, "bf16", False, "gpipe"),  # pipeline + TP + FSDP, m=f32
     # the table-driven program (vit_pure/pipeline/ticks.py): explicit vjps in lax.cond
-    # branches, ppermutes outside them; interleaved adds the blocks' all-gather over 'pipe'
+    # branches, ppermutes outside them; interleaved's ring sends (each stage stores its
+    # own chunks: no gather over 'pipe')
     ("data=2,model=2,pipe=2", True, "bf16", False, "interleaved"),
     # zb-h1 re-runs the chunk through pipeline/split.py's interpreter: the model's
     # tensor-parallel collectives must still be the model's

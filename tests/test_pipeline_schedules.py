@@ -256,6 +256,7 @@ def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0, n=BA
         state = strategy.put_state(host)
         inputs = (*strategy.put_batch(images, labels, ids), strategy.put_replicated(key))
         grads, metrics = grads_step(strategy)(state, *inputs)
+        grads = strategy.host_state({"params": grads})["params"]  # the layers in order
     losses = []
     state = strategy.put_state(host)
     for i in range(steps):
@@ -387,10 +388,15 @@ def test_rematerialised_blocks_equal_the_reference(schedule):
     _check("fp32", 1, "data=4,pipe=2", 2, schedule, sc=sc)
 
 
-@pytest.mark.parametrize("mesh,k,sc", [("data=2,model=2,pipe=2", 6, _sc("fp32", 1)),
-                                       ("data=2,pipe=3", 5, DEEP)])
-def test_evaluation_equals_the_unpipelined_one(mesh, k, sc):
-    """Evaluation runs GPipe's forward ticks as one scan: the sums equal `local_eval`'s,
+@pytest.mark.parametrize("mesh,k,sc,schedule,v", [
+    ("data=2,model=2,pipe=2", 6, _sc("fp32", 1), "1f1b", 1),
+    ("data=2,pipe=3", 5, DEEP, "1f1b", 1),
+    ("data=2,model=2,pipe=2", 6, _sc("fp32", 1), "interleaved", 2),
+    ("data=2,pipe=3", 3, DEEP, "interleaved", 2),  # gcd(10, 3) = 1 micro-batch
+])
+def test_evaluation_equals_the_unpipelined_one(mesh, k, sc, schedule, v):
+    """Evaluation runs the forward ticks as one scan (GPipe's; interleaved: round the
+    stages V times through the chunks each stores): the sums equal `local_eval`'s,
     padding masked (8 per device and K = 6 asked for: gcd(8, 6) = 2 micro-batches)."""
     n = 20 if "pipe=3" in mesh else BATCH
     host = jax.device_get(step.init_state(jax.random.key(0), sc.cfg, sc.policy, OPT))
@@ -400,7 +406,8 @@ def test_evaluation_equals_the_unpipelined_one(mesh, k, sc):
     want = jax.device_get(step.local_eval(sc, host["params"], images, labels, mask))
     size = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
     strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, microbatches=k,
-                                               schedule="1f1b", devices=jax.devices()[:size])
+                                               schedule=schedule, virtual_stages=v,
+                                               devices=jax.devices()[:size])
     got = strategy.eval_step(strategy.put_state(host),
                              *strategy.put_batch(images, labels, mask))
     assert float(got["count"]) == n - 3
@@ -420,3 +427,41 @@ def test_evaluation_compiles_the_same_program_at_any_k():
                                                               np.ones(BATCH, np.float32)))
         return strategy.eval_step.lower(*args).as_text().count("dot_general")
     assert dots(8) == dots(2) > 0
+
+
+def _fc1_kernels(state):
+    """fc1's kernel in the params and each of its copies in the optimizer state (Adam's
+    mu, nu)."""
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(state)
+            if "'fc1'" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path)]
+
+
+def test_interleaved_stores_its_own_chunks_and_gathers_no_block():
+    """Interleaved keeps 1/S of the blocks per device, as GPipe: the state is placed in
+    `block_order` (stage 0 of 2 with 2 chunks holds layers 0 and 2 of the tiny model's 4,
+    their Adam moments beside them), `host_state` gives the layers back in order, and the
+    lowered training step all-gathers nothing (it once gathered every block over 'pipe')."""
+    strategy = train_shardmap.ShardMapStrategy(_sc("fp32", 1), OPT, "data=1,pipe=2",
+                                               microbatches=2, schedule="interleaved",
+                                               virtual_stages=2, devices=jax.devices()[:2])
+    assert list(strategy.block_order) == [0, 2, 1, 3]
+    host = jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT))
+    # Moments that tell the layers apart (Adam's start at zero).
+    host["opt_state"] = jax.tree.map(lambda a: a + np.arange(a.size, dtype=a.dtype).reshape(
+        a.shape) if a.ndim and a.dtype.kind == "f" else a, host["opt_state"])
+    state = strategy.put_state(host)
+    placed, want = _fc1_kernels(state), _fc1_kernels(host)
+    assert len(placed) == 3  # the kernel, mu, nu
+    for x, w in zip(placed, want):
+        shards = {sh.device: np.asarray(sh.data) for sh in x.addressable_shards}
+        assert [a.shape[0] for a in shards.values()] == [2, 2]  # 1/S of the 4 layers
+        np.testing.assert_array_equal(shards[jax.devices()[0]], np.asarray(w)[[0, 2]])
+        np.testing.assert_array_equal(shards[jax.devices()[1]], np.asarray(w)[[1, 3]])
+    back = strategy.host_state(state)
+    for k in ("params", "opt_state"):
+        jax.tree.map(np.testing.assert_array_equal, back[k], host[k])
+    images, labels, ids = _batch(0)
+    text = strategy.train_step.lower(state, *strategy.put_batch(images, labels, ids),
+                                     strategy.put_replicated(step.step_key(0, 0, 0))).as_text()
+    assert "all_gather" not in text and "reduce_scatter" not in text
+    assert "collective_permute" in text

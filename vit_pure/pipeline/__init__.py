@@ -9,7 +9,8 @@ from vit_pure.pipeline.program import (
                                        pipelined_encoder,
                                        pipelined_logits,
 )
-from vit_pure.pipeline.schedules import SCHEDULES, Schedule, build, describe
+from vit_pure.pipeline.schedules import SCHEDULES, Schedule, block_order, build, describe
 
-__all__ = ["SCHEDULES", "Schedule", "bubble_fraction", "build", "check_pipeline", "describe",
-           "pipeline_eval", "pipeline_grads", "pipelined_encoder", "pipelined_logits"]
+__all__ = ["SCHEDULES", "Schedule", "block_order", "bubble_fraction", "build", "check_pipeline",
+           "describe", "pipeline_eval", "pipeline_grads", "pipelined_encoder",
+           "pipelined_logits"]

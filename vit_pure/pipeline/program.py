@@ -2,12 +2,14 @@
 table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
 
 The encoder's stacked blocks are split into S contiguous stages over the 'pipe' mesh axis
-(stage s holds layers s L/S .. (s+1) L/S - 1); the embedding (used on stage 0) and the
-final norm and head (last stage) are replicated over it. Each device's batch slice is cut
-into K micro-batches. GPipe is a loop of K + S - 1 ticks: every stage runs its layers on
-what it holds (stage 0 a fresh micro-batch), then one `lax.ppermute` hands each output to
-the next stage; `jax.grad` of the loop runs it in reverse with each ppermute transposed
-(s+1 -> s): all forwards, then all backwards, bubble (S - 1) / (K + S - 1).
+(stage s holds layers s L/S .. (s+1) L/S - 1; with interleaved's V chunks per stage the
+script stores them in `schedules.block_order`, so stage s holds its chunks); the
+embedding (used on stage 0) and the final norm and head (last stage) are replicated over
+it. Each device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1
+ticks: every stage runs its layers on what it holds (stage 0 a fresh micro-batch), then
+one `lax.ppermute` hands each output to the next stage; `jax.grad` of the loop runs it in
+reverse with each ppermute transposed (s+1 -> s): all forwards, then all backwards,
+bubble (S - 1) / (K + S - 1).
 
     tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
     stage 0:   m0   m1   m2   m3   .
@@ -152,7 +154,9 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     slice of the batch, with the encoder pipelined over `pipe_axis`.
 
     params["blocks"] is this stage's slice of the layers (varying over `pipe_axis`); every
-    other parameter is replicated over `pipe_axis`. Returns (grads laid out like params,
+    other parameter is replicated over `pipe_axis`. With `virtual` chunks per stage
+    (interleaved) the blocks must be stored in `schedules.block_order`: stage s's slice is
+    its chunks, virtual stages s, P + s, .... Returns (grads laid out like params,
     unscaled; {"loss", "accuracy"}), the same on every stage except for the blocks.
     Gradient accumulation (`sc.accum_steps`) nests outside the pipeline: each
     accumulation micro-batch is itself pipelined in `microbatches` pieces.
@@ -212,17 +216,21 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
 
 
 def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis: str,
-                  microbatches: int, tp_axis: str | None = None, gather=None):
+                  microbatches: int, tp_axis: str | None = None, gather=None,
+                  virtual: int = 1):
     """`step.local_eval` for a pipeline stage: sums over this device's slice (padding
     masked out) of loss, correct, count; the same on every stage.
 
     Uses `microbatches` pieces if the slice divides into them, else their greatest common
     divisor with the slice (an evaluation batch need not share the training batch's size).
+    `virtual`: the chunks per stage of the layout (`schedules.block_order`) the blocks are
+    stored in.
     """
     k = math.gcd(labels.shape[0], microbatches)
-    # GPipe's forward ticks as one scan (ticks.eval_logits), whatever the schedule.
+    # The forward ticks as one scan (ticks.eval_logits): GPipe's, or round the stages V
+    # times through the chunks each stage stores.
     sums = eval_sums(sc, lambda images: eval_logits(
-        sc, params, images, pipe_axis=pipe_axis, microbatches=k, tp_axis=tp_axis,
-        gather=gather), images_u8, labels, mask)
+        sc, params, images, pipe_axis=pipe_axis, microbatches=k, virtual=virtual,
+        tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)

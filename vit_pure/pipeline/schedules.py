@@ -21,7 +21,9 @@ cotangent to the previous one (with V chunks, round the ring); nothing here impo
                  otherwise hold more than 2P - 1 residual sets.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
-send waits for its two stages only). `segments`: the program's scans and their sends."""
+send waits for its two stages only). `segments`: the program's scans and their sends.
+`forward_only`: evaluation's table (the forwards alone). `block_order`: the layout's order
+of the stacked blocks, which puts each stage's V chunks in its slice of the layer axis."""
 from __future__ import annotations
 
 import dataclasses
@@ -83,7 +85,7 @@ def _greedy(P: int, M: int, V: int, fwd_order, bwd_order, cap) -> tuple:
     nf, nb = [0] * P, [0] * P
     rows = []
     t = 0
-    while any(nb[s] < len(bwd_order[s]) for s in range(P)):
+    while any(nf[s] < len(fwd_order[s]) or nb[s] < len(bwd_order[s]) for s in range(P)):
         if t > 8 * (M * V + P) + 8:
             raise RuntimeError("pipeline schedule: no progress (a bug in the orders)")
         row = [[IDLE, 0, IDLE, 0] for _ in range(P)]
@@ -131,15 +133,20 @@ def _1f1b(P: int, M: int) -> tuple:
     return fwd, np.zeros_like(fwd), bwd, np.zeros_like(bwd)
 
 
+def _megatron_order(P: int, M: int, V: int, reverse: bool = False) -> list:
+    """(micro-batch, chunk) in Megatron's order: groups of P micro-batches, chunk by chunk
+    (the backward's chunks last to first)."""
+    out = []
+    for g in range(0, M, P):
+        for v in (reversed(range(V)) if reverse else range(V)):
+            out += [(i, v) for i in range(g, min(g + P, M))]
+    return out
+
+
 def _interleaved(P: int, M: int, V: int) -> tuple:
-    def order(reverse):
-        out = []
-        for g in range(0, M, P):  # groups of P micro-batches, chunk by chunk
-            for v in (reversed(range(V)) if reverse else range(V)):
-                out += [(i, v) for i in range(g, min(g + P, M))]
-        return out
     cap = [2 * (P - s) - 1 + (V - 1) * P for s in range(P)]
-    return _greedy(P, M, V, [order(False)] * P, [order(True)] * P, cap)
+    return _greedy(P, M, V, [_megatron_order(P, M, V)] * P,
+                   [_megatron_order(P, M, V, True)] * P, cap)
 
 
 def _zb_h1(P: int, M: int, costs) -> tuple:
@@ -195,6 +202,31 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1,
     wc = np.zeros_like(wgt)
     as32 = [np.asarray(a, np.int32) for a in (fwd, fc, bwd, bc, wgt, wc)]
     return Schedule(name, P, M, V, *as32)
+
+
+def forward_only(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Evaluation's table: the forwards alone, in Megatron's order, each as soon as its
+    input has arrived (no backward, no cap): GPipe's forward ticks where virtual = 1
+    (stage s runs micro-batch t - s at tick t), M V + P - 1 ticks where P divides M."""
+    P, M, V = stages, microbatches, virtual
+    fwd, fc, bwd, bc = _greedy(P, M, V, [_megatron_order(P, M, V)] * P, [[]] * P,
+                               [M * V] * P)
+    idle = np.full_like(fwd, IDLE)
+    return Schedule("forward", P, M, V, *(np.asarray(a, np.int32) for a in
+                                          (fwd, fc, idle, np.zeros_like(fwd), idle,
+                                           np.zeros_like(fwd))))
+
+
+def block_order(depth: int, stages: int, virtual: int = 1) -> np.ndarray:
+    """(depth,) the layout's order of the stacked blocks: position k of the layer axis
+    holds layer block_order[k]. The axis is split evenly over the 'pipe' axis, so stage s
+    holds positions s L/P .. (s+1) L/P - 1: with V chunks per stage those are its chunks
+    v = 0 .. V-1, virtual stages vP + s (layers (vP + s) c .. (vP + s + 1) c - 1, c =
+    L/(PV)), in that order. The identity for V = 1; `np.argsort` of it is the inverse,
+    which puts saved files back in layer order."""
+    c = depth // (stages * virtual)
+    return np.array([(v * stages + s) * c + i for s in range(stages) for v in range(virtual)
+                     for i in range(c)], np.int64)
 
 
 def check_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:

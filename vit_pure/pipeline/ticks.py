@@ -3,8 +3,8 @@
 `schedule_grads` runs one schedule's table (pipeline/schedules.py) inside shard_map:
 
     plan = static_plan(table)                   numbers read off the table, no jax
-    top, chunks, pull_params = prepare_params(...)   the FSDP gather (virtual stages: and
-                                                the blocks' all-gather), kept for its vjp
+    top, chunks, pull_params = prepare_params(...)   the FSDP gather and this stage's
+                                                V chunks, kept for its vjp
     stage = Stage(...)                          the micro-batches and the chunk function
     layout = residual_layout(stage)             what the ring keeps of a chunk's pull-back
     carry = lax.scan(tick, ...)                 per tick: run_f, run_b, run_w, exchange
@@ -12,8 +12,11 @@
 
 Every point-to-point send of these schedules is in ONE function, `exchange`: the
 `lax.ppermute`s over the pipe axis that end a tick (activations forward, input cotangents
-back). The only other collectives here are the all-gather of `prepare_params` (virtual
-stages) and, bound inside the chunk, the model's tensor-parallel psums over 'model'.
+back). The only other collectives run here are others' code: the model's
+tensor-parallel psums over 'model', bound inside the chunk, and FSDP's all-gathers over
+'data' (the script's `gather`, in `prepare_params`). Nothing gathers the blocks over
+'pipe': each stage stores exactly the chunks it runs (the layout's block order,
+`schedules.block_order`, which the script applies when it places the state).
 
 The parameters used on one stage only (embedding, head) are varying over the pipe axis
 before the ticks (the caller's pcast): a replicated one would get an implicit psum over
@@ -82,14 +85,14 @@ def static_plan(schedule: schedules.Schedule) -> StaticPlan:
 
 
 # ------------------------------------------------------- phase 2: the parameters' prep
-def prepare_params(params, policy, gather, stages: int, virtual: int, pipe_axis: str):
+def prepare_params(params, policy, gather, virtual: int):
     """(top, chunks, pull_params): the non-block parameters in the compute dtype, this
     stage's blocks as (V, L/(PV), ...) chunks, and the pull-back of that preparation
     (after the ticks it takes the gradients back to params' layout: the FSDP
-    reduce-scatters, with virtual stages the blocks' reduce-scatter over 'pipe')."""
+    reduce-scatters). The stage's blocks are its chunks already, in order (the layout's
+    `schedules.block_order`): chunk v is rows v L/(PV) ... of them, so nothing moves over
+    'pipe'."""
     per = jax.tree.leaves(params["blocks"])[0].shape[0]
-    chunk = per // virtual
-    stage = lax.axis_index(pipe_axis)
 
     def prepare(p):
         top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
@@ -98,14 +101,9 @@ def prepare_params(params, policy, gather, stages: int, virtual: int, pipe_axis:
             layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
                                      gather, "blocks") for i in range(per)]
             blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        if virtual == 1:  # cast layer by layer in the chunk: no compute-dtype copy held
-            return top, jax.tree.map(lambda a: a[None], blocks)
-        # All-gather over 'pipe' of the blocks (in the compute dtype), then this stage's
-        # chunks: virtual stage v P + s (layers (vP + s) c ...) runs on stage s.
-        whole = lax.all_gather(policy.cast_to_compute(blocks), pipe_axis, axis=0, tiled=True)
-        starts = (jnp.arange(virtual) * stages + stage) * chunk
-        return top, jax.tree.map(lambda a: jnp.stack(
-            [lax.dynamic_slice_in_dim(a, starts[v], chunk) for v in range(virtual)]), whole)
+        # Cast layer by layer in the chunk: no compute-dtype copy held.
+        return top, jax.tree.map(lambda a: a.reshape(virtual, per // virtual, *a.shape[1:]),
+                                 blocks)
 
     (top, chunks), pull_params = jax.vjp(prepare, params)
     return top, chunks, pull_params
@@ -246,8 +244,8 @@ def _unless(pred, fn, *xs):
 
 
 def _slot(mb, v, virtual: int, n: int, idle: int):
-    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (the
-    cotangents' ring: its spare slot n; the residuals': any, read and unused)."""
+    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (any slot:
+    the branches that read or write it run only where mb >= 0)."""
     return jnp.where(mb >= 0, (mb * virtual + v) % n, idle)
 
 
@@ -266,23 +264,24 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
     the ring with its residuals written at slot `write`, the loss and accuracy sums).
     Stage 0 embeds its first chunk's input; every other F reads the received activation.
-    The ring is written outside the branch, in place: an idle tick writes back what the
-    slot holds, so the ring needs no slot beyond the live residual sets."""
+    The ring is written inside the branch, in place (the cond's ring operand and result
+    share a buffer): the residuals go straight into their slot, with no set-sized copy
+    beside the ring, and an idle tick writes nothing, so the ring needs no slot beyond the
+    live residual sets."""
     y0, loss0, _ = layout.outputs
 
-    def do_f(x):
+    def do_f(x, rings):
         (y, loss, acc), pull, acts = stage.pulled(f_v, f_mb, x)
-        return y, [vary_like(a, r[0]) for a, r in zip(layout.pack(pull, acts), rings)], \
-            loss, acc
+        return y, [r.at[write].set(vary_like(a, r)) for a, r in
+                   zip(layout.pack(pull, acts), rings)], loss, acc
 
-    def no_f(x):
+    def no_f(x, rings):
         zero = jnp.zeros_like(loss0)
-        return jnp.zeros_like(y0), [jnp.zeros_like(r[0]) for r in rings], zero, zero
+        return jnp.zeros_like(y0), rings, zero, zero
 
     x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
                  lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
-    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-    rings = [r.at[write].set(jnp.where(f_mb >= 0, a, r[write])) for r, a in zip(rings, res)]
+    y, rings, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x, rings)
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
@@ -291,7 +290,10 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
     """B (zb-h1: I) of micro-batch b_mb through chunk b_v (idle where b_mb < 0): the
     pull-back of the received cotangent (the loss's seed / M on the last virtual stage)
     through the ring's residuals. Returns (the input cotangent to send, the cotangents'
-    ring with zb-h1's weight-matmul output cotangents written, the gradient sums)."""
+    ring with zb-h1's weight-matmul output cotangents written, the gradient sums). The
+    branch reads its slot of the ring, writes zb-h1's cotangents into theirs and adds its
+    gradients to the float32 sums itself: no copy of a residual set goes in or comes out,
+    nor a tick's gradients."""
     _, loss0, _ = layout.outputs
     P, V, M = stage.stages, stage.virtual, stage.u8.shape[0]
 
@@ -300,18 +302,22 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
         return (jnp.where(last, jnp.zeros_like(dy), dy),
                 jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0), jnp.zeros_like(loss0))
 
-    def do_b(res, dy):
+    def do_b(rings, dy, grads, cots):
+        res = [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings]
         again = stage.pulled(b_v, b_mb, jnp.zeros_like(layout.x))[1]  # XLA keeps the fixed
         pulled = layout.unpack(again, res)(cotangent(dy))
         if stage.split is None:
             g_cp, g_top, dx, dys = *pulled, []
         else:  # zb-h1's I: the weights' gradients are None (W's)
             (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
-        return dx, dys, stage.sc.policy.cast_to_compute(g_cp), g_top
+        slot = _slot(b_mb, b_v, V, plan.kept, 0)
+        return dx, [c.at[slot].set(d) for c, d in zip(cots, dys)], \
+            _add_grads(grads, jnp.maximum(b_v, 0), stage.sc.policy.cast_to_compute(g_cp), g_top)
 
-    dx, dys, *g = _unless(b_mb >= 0, do_b, [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings],
-                          recv_b)
-    grads = _add_grads(grads, jnp.maximum(b_v, 0), *g)
+    def no_b(rings, dy, grads, cots):  # do_b's types (XLA drops its work), the rest kept
+        return jnp.zeros_like(do_b(rings, dy, grads, cots)[0]), cots, grads
+
+    dx, cots, grads = lax.cond(b_mb >= 0, do_b, no_b, rings, recv_b, grads, cots)
 
     def do_embed(dx):  # stage 0's input cotangent through the embedding (run again)
         _, pull = jax.vjp(lambda t: stage.embed_mb(t, b_mb), stage.top)
@@ -319,7 +325,6 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
 
     g_top = _unless((stage.stage == 0) & (b_v == 0) & (b_mb >= 0), do_embed, dx)
     grads = grads[0], jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads[1], g_top)
-    cots = [c.at[_slot(b_mb, b_v, V, plan.kept, plan.kept)].set(d) for c, d in zip(cots, dys)]
     return dx, cots, grads
 
 
@@ -327,17 +332,19 @@ def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rin
           grads):
     """zb-h1's W of micro-batch w_mb through chunk w_v (idle where w_mb < 0): each weight
     matmul's weight gradient from its activation operand (kept at F in the residual ring)
-    and its output cotangent (kept at I); no cotangent chain again. Returns the sums."""
+    and its output cotangent (kept at I); no cotangent chain again. Returns the sums (the
+    branch reads both slots and adds to the sums itself, as run_b)."""
     V = stage.virtual
 
-    def do_w(res, dys):
+    def do_w(rings, cots, grads):
+        res = [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings]
+        dys = [c[_slot(w_mb, w_v, V, plan.kept, 0)] for c in cots]
         g = stage.split.weight_grads((stage.layers(w_v), stage.top), res[layout.n_pull:], dys,
                                      w_v, w_mb)
-        return stage.sc.policy.cast_to_compute(g[0]), g[1]
+        return _add_grads(grads, jnp.maximum(w_v, 0), stage.sc.policy.cast_to_compute(g[0]),
+                          g[1])
 
-    g = _unless(w_mb >= 0, do_w, [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings],
-                [c[_slot(w_mb, w_v, V, plan.kept, plan.kept)] for c in cots])
-    return _add_grads(grads, jnp.maximum(w_v, 0), *g)
+    return lax.cond(w_mb >= 0, do_w, lambda rings, cots, grads: grads, rings, cots, grads)
 
 
 def exchange(sends, y, dx, recv_f, recv_b, arrive, pipe_axis: str):
@@ -370,7 +377,7 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
     if per * P != sc.cfg.depth or per % V:
         raise ValueError(f"pipeline: {per} layers per stage do not split into {V} chunks")
     plan = static_plan(schedule)
-    top, chunks, pull_params = prepare_params(params, sc.policy, gather, P, V, pipe_axis)
+    top, chunks, pull_params = prepare_params(params, sc.policy, gather, V)
     stage, zero, x0 = make_stage(sc, schedule, top, chunks, images_u8, labels, targets,
                                  example_ids, drop_key, prepare_images, pipe_axis, tp_axis)
     layout = residual_layout(stage.pulled, zero, x0)
@@ -396,9 +403,8 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
     # The gradients add up in float32 over the micro-batches, cast once at the end.
     zeros = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
-    # zb-h1: the output cotangents dy_l from I until W, a slot more for idle ticks' writes.
-    cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept + 1)
-                                            for t in stage.split.taps()]
+    # zb-h1: the output cotangents dy_l from I until W (an idle tick writes none).
+    cots0 = [] if stage.split is None else [zeros_ring(t, plan.kept) for t in stage.split.taps()]
     carry = (jnp.zeros_like(y0), jnp.zeros_like(x0), layout.rings(plan.ring, pipe_axis),
              cots0, zeros, (jnp.zeros_like(loss0), jnp.zeros_like(loss0)))
     return finish(scan_segments(tick, carry, plan), top, chunks, pull_params, M)
@@ -434,32 +440,33 @@ def finish(carry, top, chunks, pull_params, microbatches: int):
 
 # ------------------------------------------------------------------- evaluation
 def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches: int,
-                tp_axis: str | None = None, gather=None):
+                virtual: int = 1, tp_axis: str | None = None, gather=None):
     """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
-    forward ticks of GPipe's table (stage s runs micro-batch t - s at tick t) as one
-    `lax.scan`, so the compiled program does not grow with K. Each stage runs the blocks
-    it stores (whatever the training schedule: no gather over 'pipe'); idle ticks compute
-    on what they hold and are masked, as GPipe's."""
-    P, K = lax.axis_size(pipe_axis), microbatches
-    table = schedules.build("gpipe", P, K)
-    T = K + P - 1  # the forward ticks
-    arrive = np.stack([schedules.arrivals(table)[0][:T]] * 3, axis=1)  # [2] unused: "f"
-    sends = (("f", tuple((s, s + 1) for s in range(P - 1))),)
-    top, chunks, _ = prepare_params(params, sc.policy, gather, P, 1, pipe_axis)
-    blocks = jax.tree.map(lambda a: a[0], chunks)
+    forward ticks of `schedules.forward_only` (V = 1: GPipe's, stage s runs micro-batch
+    t - s at tick t; V > 1: round the stages V times, through the chunks each stage
+    stores) as one `lax.scan`, so the compiled program does not grow with K. Each stage
+    runs the blocks it stores: no gather over 'pipe'; idle ticks compute on what they hold
+    and are masked, as GPipe's."""
+    P, K, V = lax.axis_size(pipe_axis), microbatches, virtual
+    table = schedules.forward_only(P, K, V)
+    schedules.check_sends(table)
+    arrive = np.stack([schedules.arrivals(table)[0]] * 3, axis=1)  # [2] unused: "f"
+    sends = (("f", tuple((s, (s + 1) % P) for s in range(P if V > 1 else P - 1))),)
+    top, chunks, _ = prepare_params(params, sc.policy, gather, V)
     stage = lax.axis_index(pipe_axis)
-    per = jax.tree.leaves(blocks)[0].shape[0]
+    chunk = jax.tree.leaves(chunks)[0].shape[1]
     x_mb = micro(lax.pcast(images, pipe_axis, to="varying"), K)
 
     def tick(carry, xs):
         recv, logits = carry
-        row, arrive = xs
-        mb = jnp.maximum(row[stage], 0)
-        x = lax.cond(stage == 0, lambda r: vary_like(
+        row, v, arrive = xs
+        mb, v = jnp.maximum(row[stage], 0), v[stage] if V > 1 else 0
+        x = lax.cond((stage == 0) & (v == 0), lambda r: vary_like(
             embed(top, x_mb[mb], sc.cfg, sc.policy, None, sc.execution), r), lambda r: r, recv)
-        y = encoder(blocks, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
-                    layer_offset=stage * per)
-        keep = (stage == P - 1) & (row[stage] >= 0)
+        y = encoder(jax.tree.map(lambda a: a[v], chunks), x, sc.cfg, sc.policy,
+                    execution=sc.execution, tp_axis=tp_axis,
+                    layer_offset=(v * P + stage) * chunk)
+        keep = (stage == P - 1) & (v == V - 1) & (row[stage] >= 0)
         logits = logits.at[mb].set(jnp.where(keep, head(top, y, sc.cfg, sc.policy), logits[mb]))
         recv, _ = exchange(sends, y, y, recv, recv, arrive[:, stage], pipe_axis)
         return (recv, logits), None
@@ -468,5 +475,6 @@ def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches:
     out0 = head(top, x0, sc.cfg, sc.policy)  # its type only (XLA drops it)
     logits0 = vary_like(jnp.zeros((K, *out0.shape), out0.dtype), out0)
     (_, logits), _ = lax.scan(tick, (jnp.zeros_like(x0), logits0),
-                              (jnp.asarray(table.fwd[:T]), jnp.asarray(arrive)))
+                              (jnp.asarray(table.fwd), jnp.asarray(table.fwd_chunk),
+                               jnp.asarray(arrive)))
     return logits.reshape(images.shape[0], -1)
