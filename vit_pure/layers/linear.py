@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_pure.layers.remat import save_dot
-from vit_pure.policy import Policy, einsum, matmul
+from vit_pure.policy import Policy, matmul
 
 F32 = jnp.float32
 ONES_WIDTH = 8  # the ones column and its zero padding: `dense`'s extra input columns
@@ -68,9 +68,11 @@ def dense(x, w, b, policy: Policy):
     ones column's row: the sum of the output's gradient over the rows, accumulated in
     float32 inside the GEMM), so no kernel reads that (rows, N) gradient again for a
     column sum: one pass over it a layer for fc1 (B*T x M) and for each of q, k, v
-    (docs/performance.md, "The memory-bound passes"). The data gradient comes from w
-    alone (K columns, not K + `ONES_WIDTH`)."""
-    return save_dot(_dense(x, w, varying_like(b, w), policy))
+    (docs/performance.md, "The memory-bound passes")."""
+    xa = jnp.concatenate([x, _ones_block(x)], axis=1)
+    pad = varying_like(jnp.zeros((ONES_WIDTH - 1, w.shape[1]), w.dtype), w)
+    wa = jnp.concatenate([w, varying_like(b, w).astype(w.dtype).reshape(1, -1), pad], axis=0)
+    return save_dot(_ones_matmul(xa, wa, policy))
 
 
 def _ones_block(x):
@@ -79,32 +81,27 @@ def _ones_block(x):
     return varying_like(jnp.broadcast_to(onehot, (x.shape[0], ONES_WIDTH)), x)
 
 
-def _augmented(x, w, b):
-    """(x | 1 0..0) and (w ; b ; 0), the operands of `dense`'s product."""
-    xa = jnp.concatenate([x, _ones_block(x)], axis=1)
-    pad = jnp.zeros((ONES_WIDTH - 1, w.shape[1]), w.dtype)
-    wa = jnp.concatenate([w, b.astype(w.dtype)[None], varying_like(pad, w)], axis=0)
-    return xa, wa
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ones_matmul(xa, wa, policy):
+    """xa @ wa as `policy.matmul` computes it, for `dense`'s operands. A custom VJP of one
+    product (what the pipeline's zero-bubble split defers to its W pass, pipeline/split.py)
+    so that the data gradient comes from wa's first K rows alone: the ones columns'
+    gradient is zeros, which XLA drops, not a (rows, K + ONES_WIDTH) product sliced."""
+    return jnp.einsum("rk,kn->rn", xa, wa, precision=policy.precision,
+                      preferred_element_type=policy.matmul_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense(x, w, b, policy):
-    xa, wa = _augmented(x, w, b)
-    return matmul(xa, wa, policy)
+def _ones_matmul_fwd(xa, wa, policy):
+    return _ones_matmul(xa, wa, policy), (xa, wa)
 
 
-def _dense_fwd(x, w, b, policy):
-    xa, wa = _augmented(x, w, b)
-    return matmul(xa, wa, policy), (xa, w, b)
-
-
-def _dense_bwd(policy, residuals, dy):
-    xa, w, b = residuals
-    K = w.shape[0]
+def _ones_matmul_bwd(policy, residuals, dy):
+    xa, wa = residuals
+    K = xa.shape[1] - ONES_WIDTH
     dy = dy.astype(xa.dtype)  # as `policy.einsum`'s backward: products in the compute dtype
-    dx = matmul(dy, w.T, policy).astype(xa.dtype)
-    dwa = einsum("rk,rn->kn", xa, dy, policy)  # (K + ONES_WIDTH, N)
-    return dx, dwa[:K].astype(w.dtype), dwa[K].astype(b.dtype)
+    dx = matmul(dy, wa[:K].T, policy).astype(xa.dtype)
+    dwa = matmul(xa.T, dy, policy).astype(wa.dtype)  # (K + ONES_WIDTH, N): w's and b's
+    return jnp.concatenate([dx, jnp.zeros_like(xa[:, K:])], axis=1), dwa
 
 
-_dense.defvjp(_dense_fwd, _dense_bwd)
+_ones_matmul.defvjp(_ones_matmul_fwd, _ones_matmul_bwd)
