@@ -19,7 +19,7 @@ from vit_pure import (
     step,
 )
 from vit_pure.config import DROPOUT_MASKS, Execution, ViTConfig
-from vit_pure.layers import dropout
+from vit_pure.layers import dropout, norm
 from vit_pure.run import cli, settings
 from vit_pure.tools.params_table import format_param_table
 
@@ -117,6 +117,20 @@ def test_no_gradient_is_summed_in_bf16(tiny_params):
                       text)
     assert len(sums) > 4 * TINY.depth  # the bias and LayerNorm gradients at least
     assert [t for t in sums if t.endswith("bf16")] == []
+
+
+def test_layer_norm_statistics_from_one_read_match_two_reads():
+    """The GPU's LayerNorm statistics (`norm._welford`, one reduction of (count, mean, M2)
+    triples) against the two passes every other backend runs, in float32: rows of unit
+    scale, and rows whose mean is 10^3 and 10^4 times their std, where the mean of
+    squares less the squared mean would lose every digit of the variance."""
+    rng = np.random.default_rng(0)
+    for mean, std, rtol in ((0.0, 1.0, 1e-5), (1e3, 1.0, 1e-3), (-3e4, 3.0, 1e-3)):
+        x = jnp.asarray(mean + std * rng.standard_normal((32, 384)), jnp.float32)
+        m_ref, v_ref = norm._two_pass(x)
+        m, v = jax.jit(norm._welford)(x)
+        np.testing.assert_allclose(m, m_ref, rtol=1e-6, atol=1e-5 * std)  # float32 ulps
+        np.testing.assert_allclose(v, v_ref, rtol=rtol)
 
 
 def test_dropout_and_drop_path_off_at_eval_on_in_training(tiny_params):

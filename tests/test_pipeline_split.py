@@ -36,10 +36,14 @@ def test_i_and_w_give_the_gradients_of_one_vjp(policy):
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(blocks)[0]]
     weights = {n for n, w in zip(names, split.weight_mask) if w}
     # The matmul kernels W takes (fc2's sits inside the GELU's recompute, a jax.checkpoint,
-    # bound whole: it stays in I); LayerNorm and biases always stay in I.
+    # bound whole: it stays in I), and the biases those matmuls add themselves (q, k, v's
+    # and fc1's, a row of the weight-gradient product: layers.linear.dense); LayerNorm and
+    # the other biases stay in I.
     assert {"['attn']['qkv']['kernel']", "['attn']['out']['kernel']",
             "['mlp']['fc1']['kernel']"} <= weights
-    assert not any("bias" in n or "ln" in n for n in weights)
+    assert {n for n in weights if "bias" in n} == {"['attn']['qkv']['bias']",
+                                                   "['mlp']['fc1']['bias']"}
+    assert not any("ln" in n for n in weights)
 
     @jax.jit  # one compile: faster here than running the interpreter op by op
     def both(blocks, x, offset):

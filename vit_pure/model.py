@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from vit_pure.config import Execution, ViTConfig, remat_saved_names
 from vit_pure.layers.attention import self_attention
 from vit_pure.layers.dropout import drop_path, dropout, example_keys
-from vit_pure.layers.linear import add_bias
+from vit_pure.layers.linear import add_bias, varying_like
 from vit_pure.layers.mlp import mlp
 from vit_pure.layers.norm import layer_norm
 from vit_pure.layers.remat import LN, save_dot, save_policy
@@ -181,6 +181,37 @@ def compute_params(tree, policy: Policy, gather: Callable | None = None, path: s
     return policy.cast_to_compute(tree)
 
 
+@jax.custom_vjp
+def _add_embeddings(x, bias, cls, pos):
+    """(cls rows, x + bias) + pos in float32: x (B, N, E) the patch embedding's product,
+    bias (E,), cls (n, E) the class token (n = 1) or nothing (n = 0), pos (n + N, E).
+
+    A custom VJP so that the backward pass sums the gradient over the batch once, for pos,
+    and takes cls's and the bias's gradients from that (its first n rows, the sum of the
+    others) instead of three sums over (B, T, E) (docs/performance.md, "The memory-bound
+    passes")."""
+    x = x.astype(F32) + bias.astype(F32)
+    head = jnp.broadcast_to(cls.astype(F32), (x.shape[0], *cls.shape))
+    return jnp.concatenate([head, x], axis=1) + pos.astype(F32)
+
+
+def _add_embeddings_fwd(x, bias, cls, pos):
+    # x's dtype rides along as an empty array (residuals must be arrays).
+    return _add_embeddings(x, bias, cls, pos), (jnp.zeros((0,), x.dtype), bias, cls, pos)
+
+
+def _add_embeddings_bwd(residuals, g):
+    x_like, bias, cls, pos = residuals
+    n = cls.shape[0]
+    g = g.astype(F32)
+    dpos = g.sum(0)  # (n + N, E), float32
+    return (g[:, n:].astype(x_like.dtype), dpos[n:].sum(0).astype(bias.dtype),
+            dpos[:n].astype(cls.dtype), dpos.astype(pos.dtype))
+
+
+_add_embeddings.defvjp(_add_embeddings_fwd, _add_embeddings_bwd)
+
+
 def _conv3x3_stride2(x, p, policy: Policy):
     """One stem layer: x (B, h, w, C) -> GELU(conv3x3 stride 2, zero padding 1) (B, h/2,
     w/2, C_out) in the compute dtype. Written as a matmul over the nine taps, so that it
@@ -204,11 +235,11 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
     p = cfg.stem_patch
     patches = rearrange(x, "b (gh p1) (gw p2) c -> b (gh gw) (p1 p2 c)", p1=p, p2=p)
     x = matmul(patches, params["patch_embed"]["kernel"], policy)
-    x = x.astype(F32) + params["patch_embed"]["bias"].astype(F32)  # (B, patches, E) f32
-    if cfg.class_token:
-        cls = jnp.broadcast_to(params["cls_token"].astype(F32), (x.shape[0], 1, x.shape[-1]))
-        x = jnp.concatenate([cls, x], axis=1)
-    x = x + params["pos_embed"].astype(F32)  # (B, T - R, E)
+    pos = params["pos_embed"]
+    cls = (params["cls_token"].reshape(1, -1) if cfg.class_token  # (n, E), n = 0 or 1
+           else jnp.zeros((0, x.shape[-1]), pos.dtype))
+    x = _add_embeddings(x, *(varying_like(a, x) for a in (  # (B, T - R, E) f32
+        params["patch_embed"]["bias"], cls, pos)))
     if cfg.registers:  # after the class token, no position embedding (DINOv2)
         n = int(cfg.class_token)
         reg = jnp.broadcast_to(params["reg_tokens"].astype(F32), (x.shape[0], *params[

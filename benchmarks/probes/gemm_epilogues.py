@@ -13,7 +13,8 @@ and a GELU into the GEMM as its "epilogue": BIAS, GELU, BIAS_GELU, their _AUX fo
 also write the pre-activation for the backward pass, ...), or a fusion XLA generates itself
 (Triton, `__triton_gemm`; cuDNN, `__cudnn$fusion`). The table counts them by target and
 epilogue. The kit's MLP is written so that the pattern is there to match: fc1's product
-in the matmul dtype, its bias added in that dtype, then `jax.nn.gelu`'s tanh form. Whether
+in the matmul dtype, its bias added by the product itself (a ones column,
+`layers.linear.dense`), then `jax.nn.gelu`'s tanh form. Whether
 XLA takes it depends on its flags (`--xla_gpu_enable_cublaslt`; docs/performance.md).
 On a CPU there are no such calls; the table counts XLA:CPU's dot instructions.
 """

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
-from vit_pure.layers.linear import add_bias
+from vit_pure.layers.linear import dense
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
 
@@ -44,8 +44,7 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
                          f"attention only, not {implementation!r}")
     if implementation == "einsum":  # (B, T, Hl*D)
         w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
-        qkv = save_dot(matmul(h, w_qkv, policy))  # (B*T, 3*Hl*D) in the matmul dtype
-        qkv = add_bias(qkv, b_qkv)
+        qkv = dense(h, w_qkv, b_qkv, policy)  # (B*T, 3*Hl*D) in the matmul dtype
         qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
         ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
     else:  # (B, Tp, Hl*D)
@@ -102,8 +101,9 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
     copied between the matmul and the call: one (B*T, 3*Hl*D) matmul would leave q, k
     and v interleaved in each row, and the call's operands must be dense (a pad copy of
     all three, and its gradient, a block). The padded rows of h are zeros, XLA writes
-    them in the LayerNorm's kernel; their q, k, v are the biases, masked as keys and
-    sliced off as queries (`attend_padded`). The cost: three matmuls of width Hl*D
+    them in the LayerNorm's kernel (with `linear.dense`'s ones column, which adds the
+    biases); their q, k, v are the biases, masked as keys and sliced off as queries
+    (`attend_padded`). The cost: three matmuls of width Hl*D
     reading h, each on Tp rows (the GEMMs' FLOPs x Tp / T for this one projection)."""
     E, T = h.shape[-1], cfg.seq_len
     B, Tp = h.shape[0] // T, padded_length(T)
@@ -112,7 +112,7 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
     b = qkv["bias"].reshape(3, -1)
     out = []
     for i in range(3):
-        y = add_bias(save_dot(matmul(hp, w[:, i], policy)), b[i])  # (B*Tp, Hl*D)
+        y = dense(hp, w[:, i], b[i], policy)  # (B*Tp, Hl*D)
         out.append(y.reshape(B, Tp, -1, cfg.head_dim).astype(policy.compute_dtype))
     return tuple(out)
 

@@ -1,4 +1,5 @@
-"""Bias adds with float32 gradients, and the cast that types a parameter like an activation.
+"""Bias adds with float32 gradients (`add_bias`; `dense`, a matmul that adds its own bias),
+and the cast that types a parameter like an activation.
 
 Inside `shard_map` a replicated parameter that meets a varying activation must be made
 varying first (`varying_like`): a custom VJP's cotangent for the parameter must have the
@@ -12,7 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from vit_pure.layers.remat import save_dot
+from vit_pure.policy import Policy, matmul
+
 F32 = jnp.float32
+ONES_WIDTH = 8  # the ones column and its zero padding: `dense`'s extra input columns
 
 
 def varying_like(w, x):
@@ -24,35 +29,79 @@ def varying_like(w, x):
 
 
 
-def add_bias(y, bias, barrier=False):
+def add_bias(y, bias):
     """`_add_bias`(y, bias) with bias marked varying like y (`varying_like`), as
     `layer_norm` does for its params."""
-    return _add_bias(y, varying_like(bias, y), barrier)
+    return _add_bias(y, varying_like(bias, y))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _add_bias(y, bias, barrier):
+@jax.custom_vjp
+def _add_bias(y, bias):
     """y + bias, the bias cast to y's dtype (the matmul dtype), its gradient summed over
     the rows in float32 (autodiff of the add would sum in the matmul dtype: bf16 on a GPU).
 
     The forward is a plain add after the matmul, the form XLA:GPU folds into cuBLASLt's
-    bias epilogue. With `barrier` (fc1's bias, whose gradient the GELU's derivative
-    makes) an optimisation barrier makes the sum read the incoming gradient as its
-    producer wrote it, in y's dtype; without it XLA:GPU writes that float32 product out
-    for the reduction to read (+15 GB of HBM traffic in the headline step,
-    docs/performance.md). For the other biases the barrier would cost a pass instead."""
+    bias epilogue; the sum shares a kernel with the gradient's other consumers. The
+    biases of matmuls whose input the kit writes itself go through `dense` instead."""
     return y + bias.astype(y.dtype)
 
 
-def _add_bias_fwd(y, bias, barrier):
-    return _add_bias(y, bias, barrier), bias
+def _add_bias_fwd(y, bias):
+    return _add_bias(y, bias), bias
 
 
-def _add_bias_bwd(barrier, bias, dy):
-    if barrier:
-        dy = jax.lax.optimization_barrier(dy)
+def _add_bias_bwd(bias, dy):
     rows = tuple(range(dy.ndim - 1))
     return dy, jnp.sum(dy.astype(F32), axis=rows).astype(bias.dtype)
 
 
 _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def dense(x, w, b, policy: Policy):
+    """x @ w + b for x (rows, K) and w (K, N), the bias added by the matmul itself: x
+    gets a column of ones (padded with zeros to `ONES_WIDTH` columns, the producer of x
+    writes them) and w the bias as its row K. The result is the matmul dtype, tagged as
+    a product (`save_dot`).
+
+    The backward pass's weight-gradient product then also makes the bias gradient (the
+    ones column's row: the sum of the output's gradient over the rows, accumulated in
+    float32 inside the GEMM), so no kernel reads that (rows, N) gradient again for a
+    column sum: one pass over it a layer for fc1 (B*T x M) and for each of q, k, v
+    (docs/performance.md, "The memory-bound passes")."""
+    xa = jnp.concatenate([x, _ones_block(x)], axis=1)
+    pad = varying_like(jnp.zeros((ONES_WIDTH - 1, w.shape[1]), w.dtype), w)
+    wa = jnp.concatenate([w, varying_like(b, w).astype(w.dtype).reshape(1, -1), pad], axis=0)
+    return save_dot(_ones_matmul(xa, wa, policy))
+
+
+def _ones_block(x):
+    """(rows, ONES_WIDTH) in x's dtype: a column of ones, then zeros; varying like x."""
+    onehot = (jnp.arange(ONES_WIDTH) == 0).astype(x.dtype)
+    return varying_like(jnp.broadcast_to(onehot, (x.shape[0], ONES_WIDTH)), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ones_matmul(xa, wa, policy):
+    """xa @ wa as `policy.matmul` computes it, for `dense`'s operands. A custom VJP of one
+    product (what the pipeline's zero-bubble split defers to its W pass, pipeline/split.py)
+    so that the data gradient comes from wa's first K rows alone: the ones columns'
+    gradient is zeros, which XLA drops, not a (rows, K + ONES_WIDTH) product sliced."""
+    return jnp.einsum("rk,kn->rn", xa, wa, precision=policy.precision,
+                      preferred_element_type=policy.matmul_dtype)
+
+
+def _ones_matmul_fwd(xa, wa, policy):
+    return _ones_matmul(xa, wa, policy), (xa, wa)
+
+
+def _ones_matmul_bwd(policy, residuals, dy):
+    xa, wa = residuals
+    K = xa.shape[1] - ONES_WIDTH
+    dy = dy.astype(xa.dtype)  # as `policy.einsum`'s backward: products in the compute dtype
+    dx = matmul(dy, wa[:K].T, policy).astype(xa.dtype)
+    dwa = matmul(xa.T, dy, policy).astype(wa.dtype)  # (K + ONES_WIDTH, N): w's and b's
+    return jnp.concatenate([dx, jnp.zeros_like(xa[:, K:])], axis=1), dwa
+
+
+_ones_matmul.defvjp(_ones_matmul_fwd, _ones_matmul_bwd)

@@ -1,9 +1,9 @@
 """The MLP of an encoder block: fc2(GELU(fc1 x + b1)), one call (`mlp`).
 
-fc1's matmul, then its bias add and the GELU written in the matmul dtype right after it
-(`add_bias`, `_gelu`), the form XLA:GPU folds into cuBLASLt's bias-GELU epilogue; then fc2
-(`_gelu_matmul`). The GELU is the tanh form (ViTConfig.gelu "tanh", the presets') or the
-exact erf form ("exact", imported timm / Hugging Face weights).
+fc1's matmul with its bias inside the product (`linear.dense`), then the GELU written in
+the matmul dtype right after it (`_gelu`), the form XLA:GPU folds into cuBLASLt's GELU
+epilogue; then fc2 (`_gelu_matmul`). The GELU is the tanh form (ViTConfig.gelu "tanh",
+the presets') or the exact erf form ("exact", imported timm / Hugging Face weights).
 
 fc2's bias is not added here: with tensor parallelism fc2 is a row-parallel matmul whose
 partial sums `model._block` adds up first.
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from vit_pure.config import Execution
-from vit_pure.layers.linear import add_bias
-from vit_pure.layers.remat import GELU, save_dot
+from vit_pure.layers.linear import dense
+from vit_pure.layers.remat import GELU
 from vit_pure.policy import Policy, matmul
 
 F32 = jnp.float32
@@ -30,8 +30,7 @@ def mlp(h, m, policy: Policy, execution: Execution, gelu: str = "tanh"):
     """h (rows, E) compute dtype, m this layer's "mlp" params -> fc2's output (rows, E)
     in the matmul dtype, before fc2's bias. With tensor parallelism m holds Ml of the M
     hidden units and the result is this device's partial sum. `gelu`: ViTConfig.gelu."""
-    h = save_dot(matmul(h, m["fc1"]["kernel"], policy))  # (rows, Ml), matmul dtype
-    h = add_bias(h, m["fc1"]["bias"], barrier=True)
+    h = dense(h, m["fc1"]["kernel"], m["fc1"]["bias"], policy)  # (rows, Ml), matmul dtype
     return _gelu_matmul(h, m["fc2"]["kernel"], policy.compute_dtype, policy,
                         recompute=execution.remat == "none", exact=gelu == "exact")
 
@@ -57,11 +56,11 @@ def _gelu(x, dtype, exact=False):
     """GELU (tanh form, `jax.nn.gelu`; with `exact` the erf form) of x in x's dtype (the
     matmul dtype), returned in `dtype`.
 
-    Written in x's dtype right after fc1's matmul and bias add so that XLA:GPU folds it
-    into the GEMM: cuBLASLt's `BIAS_GELU_AUX` epilogue applies bias and GELU before it
-    rounds its result, and writes x too, for the backward. A custom VJP so that the
-    backward keeps only x, in the matmul dtype, and evaluates the derivative's formula in
-    float32, returning x's gradient in x's dtype."""
+    Written in x's dtype right after fc1's matmul (its bias inside the product,
+    `linear.dense`) so that XLA:GPU folds it into the GEMM: cuBLASLt's `GELU_AUX`
+    epilogue applies the GELU before it rounds its result, and writes x too, for the
+    backward. A custom VJP so that the backward keeps only x, in the matmul dtype, and
+    evaluates the derivative's formula in float32, returning x's gradient in x's dtype."""
     return jax.nn.gelu(x, approximate=not exact).astype(dtype)
 
 

@@ -23,11 +23,40 @@ def layer_norm(x, p, eps):
 
 
 def _ln_statistics(x, eps):
-    """Per-token mean and 1 / std over the last axis, float32, shape (..., 1)."""
+    """Per-token mean and 1 / std over the last axis, float32, shape (..., 1).
+
+    On a GPU from one read of x (`_welford`), elsewhere in two (`_two_pass`): the same
+    figures to float32 rounding, and neither loses the variance to cancellation."""
     xf = x.astype(F32)
-    mean = xf.mean(-1, keepdims=True)
-    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    mean, var = jax.lax.platform_dependent(xf, cuda=_welford, rocm=_welford,
+                                           default=_two_pass)
     return mean, jax.lax.rsqrt(var + eps)
+
+
+def _two_pass(xf):
+    """The mean, then the mean of squared deviations from it: two reads of x."""
+    mean = xf.mean(-1, keepdims=True)
+    return mean, jnp.square(xf - mean).mean(-1, keepdims=True)
+
+
+def _welford(xf):
+    """Mean and variance from one reduction: per-element (count, mean, sum of squared
+    deviations) triples merged pairwise as Chan et al. do, so XLA:GPU makes them in the
+    kernel that writes x (the residual add) and the second read of x goes. Unlike the mean
+    of squares less the squared mean, it does not cancel when |mean| >> std. (XLA:CPU runs
+    a variadic reduction element by element: slower than the two sums there.)"""
+    n, mean, m2 = jax.lax.reduce((jnp.ones_like(xf), xf, jnp.zeros_like(xf)),
+                                 (F32(0), F32(0), F32(0)), _chan_merge, (xf.ndim - 1,))
+    return mean[..., None], (m2 / xf.shape[-1])[..., None]
+
+
+def _chan_merge(a, b):
+    """Two (count, mean, M2) partials -> their union's (Chan, Golub & LeVeque, 1979)."""
+    (na, ma, sa), (nb, mb, sb) = a, b
+    n = na + nb
+    w = jnp.where(n > 0, nb / jnp.maximum(n, 1), 0)  # nb / n; 0 for two empty partials
+    d = mb - ma
+    return n, ma + d * w, sa + sb + d * d * na * w
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
