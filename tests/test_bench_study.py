@@ -40,25 +40,29 @@ def unrolled_step():
 def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
     """Every dot_general of the lowered (unrolled) programs, counted: the forward pass is
     exactly the analytic count; the training step is 3x that minus the patch embedding's
-    input gradient, which autodiff does not compute (nothing needs it). The training
+    input gradient, which autodiff does not compute (nothing needs it); both plus the ones
+    columns through which `dense` adds its biases. The training
     step's program is one device's: 4 of the 8 images."""
     params = init_params(jax.random.key(0), TINY)
     images = np.zeros((6, 32, 32, 3), np.float32)
     fwd = jax.jit(lambda p, x: apply(p, x, TINY)).lower(params, images).as_text()
-    assert hlo.stablehlo_dot_flops(fwd) == 6 * flops.forward_flops_per_image(TINY)
+    assert hlo.stablehlo_dot_flops(fwd) == 6 * (flops.forward_flops_per_image(TINY)
+                                                + flops.bias_column_flops_per_image(TINY, False))
 
     # With a convolutional stem: its two layers (16x16 x 27 x 8, 8x8 x 72 x 12 multiply-
     # adds per image) count as dots of the forward pass too.
     stem = TINY.replace(name="tiny-stem", stem=(8, 12), patch_size=16)
     fwd = jax.jit(lambda p, x: apply(p, x, stem)).lower(init_params(jax.random.key(0), stem),
                                                         images).as_text()
-    assert hlo.stablehlo_dot_flops(fwd) == 6 * flops.forward_flops_per_image(stem)
+    assert hlo.stablehlo_dot_flops(fwd) == 6 * (flops.forward_flops_per_image(stem)
+                                                + flops.bias_column_flops_per_image(stem, False))
     assert flops.forward_flops_per_image(stem) - flops.forward_flops_per_image(
         stem.replace(stem=())) == 2 * (256 * 27 * 8 + 64 * 72 * 12) + 2 * 4 * (192 - 768) * 24
 
     patch_input_grad = 2 * TINY.num_patches * TINY.patch_dim * TINY.width
     assert hlo.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
-        flops.train_flops_per_image(TINY) - patch_input_grad)
+        flops.train_flops_per_image(TINY) - patch_input_grad
+        + flops.bias_column_flops_per_image(TINY))
 
 
 def test_analytic_flops_match_xla_cost_analysis():

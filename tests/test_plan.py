@@ -43,7 +43,7 @@ from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.run import cli, settings
 from vit_pure.run.settings import RunConfig
-from vit_pure.xla import hlo
+from vit_pure.xla import flops, hlo
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = PRESETS["tiny"]  # T = 17 tokens, E = 24, depth 4
@@ -127,10 +127,12 @@ def test_data_parallel_gradient_all_reduce_is_4_bytes_per_parameter(dp):
 
 def test_program_flops_are_the_model_flops_but_one_unneeded_gradient(dp):
     """The dot ops of the compiled per-device program = bench.py's training count for the
-    per-device batch, less the patch embedding's input gradient, which nothing needs."""
+    per-device batch, less the patch embedding's input gradient, which nothing needs, plus
+    the ones columns through which `layers.linear.dense` adds its biases."""
     unneeded = 2 * CFG.num_patches * CFG.patch_dim * E
     per_device = BATCH // 8
-    assert dp.program_flops == (bench.train_flops_per_image(CFG) - unneeded) * per_device
+    assert dp.program_flops == (bench.train_flops_per_image(CFG) - unneeded
+                                + flops.bias_column_flops_per_image(CFG)) * per_device
     assert dp.model_flops == bench.train_flops_per_image(CFG) * per_device
 
 

@@ -72,7 +72,10 @@ def dense(x, w, b, policy: Policy):
     xa = jnp.concatenate([x, _ones_block(x)], axis=1)
     pad = varying_like(jnp.zeros((ONES_WIDTH - 1, w.shape[1]), w.dtype), w)
     wa = jnp.concatenate([w, varying_like(b, w).astype(w.dtype).reshape(1, -1), pad], axis=0)
-    return save_dot(_ones_matmul(xa, wa, policy))
+    # Both operands typed alike before the custom VJP, whose cotangents keep their types
+    # (a replicated weight meeting a batch-split input is made varying here, as autodiff's
+    # implicit broadcast would: the transpose sums its gradient over those axes).
+    return save_dot(_ones_matmul(varying_like(xa, wa), varying_like(wa, xa), policy))
 
 
 def _ones_block(x):

@@ -4,6 +4,7 @@ benchmarks (benchmarks/bench.py, MFU) and the communication plan (vit_pure/plan/
 from __future__ import annotations
 
 from vit_pure.config import ViTConfig
+from vit_pure.layers.linear import ONES_WIDTH
 
 
 def forward_flops_per_image(cfg: ViTConfig) -> int:
@@ -38,3 +39,13 @@ def train_flops_per_image(cfg: ViTConfig) -> int:
     patch embedding's, or the stem's first convolution's), which nothing needs (0.06% of
     the total for vit-cifar)."""
     return 3 * forward_flops_per_image(cfg)
+
+
+def bias_column_flops_per_image(cfg: ViTConfig, train: bool = True) -> int:
+    """The FLOPs a program's dots do beyond `forward_flops_per_image`'s count: the ones
+    columns through which `layers.linear.dense` adds the q, k, v and fc1 biases (one image,
+    the layers' T rows; ONES_WIDTH extra input columns per product). Forward: the product;
+    training also the weight gradient's (the input gradient leaves them out). Not model
+    FLOPs: MFU counts `train_flops_per_image` alone."""
+    per_pass = 2 * cfg.depth * cfg.seq_len * ONES_WIDTH * (3 * cfg.width + cfg.mlp_dim)
+    return per_pass * (2 if train else 1)
