@@ -134,17 +134,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
                        min_scale=host_state["loss_scale"].min_scale)
     # --trainable head: the frozen backbone's features once, then the head alone on them
     # (probe.py); the step loop below then has no step left to run.
-    probe_metrics = None
-    if sc.trainable == "head" and strategy.features_step is not None and step < plan.total_steps:
-        state, probe_metrics = probe.run(
-            strategy, host_state, state, splits, sc=sc, optim=rc.schedule.optim,
-            batch=plan.batch, eval_batch=eval_batch, steps_per_epoch=plan.steps_per_epoch,
-            total_steps=plan.total_steps, start=step, seed=data.seed,
-            eval_every=rc.logging.eval_every, log=log, progress=is_main and rc.logging.progress)
-        step = plan.total_steps
-    elif sc.trainable == "head" and strategy.features_step is None:
-        log("--trainable head: this strategy has no features step (a pipeline): the frozen "
-            "backbone runs forward in every training step", event="probe_setup", images=0)
+    state, step, probe_metrics = _probe(rc, sc, strategy, host_state, state, splits, plan,
+                                        step, ckpts, log, is_main)
     del host_state
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
@@ -154,20 +145,11 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     train_step = mixing.train_step(strategy, step)
     if (not compiled_before and hasattr(train_step, "lower")  # a jitted step (both scripts')
             and step < plan.total_steps):
-        # Compiled here, said before and after, not silently inside step 1; the step's call
-        # then finds it in jit's cache.
-        batch = next(inputs)
-        inputs = itertools.chain([batch], inputs)
-        with compiling(log, f"the training step for {sc.cfg.name}, global batch {plan.batch}, "
-                            f"K={sc.accum_steps} micro-batches per device") as done:
-            train_step.lower(state, *batch).compile()
-        compiled_before = done["seconds"]
+        inputs, compiled_before = _compile_first_step(log, sc, plan, train_step, state, inputs)
     speed = Throughput(rc.schedule.batch, step, compiled_before)
     points = LogPoints(log, strategy, losses, speed)
     if probe_metrics is not None:
         points.last = probe_metrics
-        if ckpts.dir:
-            ckpts.save(strategy, state, step, "end of run", points.last)
 
     # ---- The step loop. The host waits for the step it has just dispatched only once, at
     # the first (its time and compile apart, then the memory): it reads a step's metrics
@@ -239,6 +221,40 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
 
 
 # --------------------------------------------------------------------------- the helpers
+def _probe(rc: RunConfig, sc: StepConfig, strategy: Strategy, host_state: dict, state,
+           splits: dict, plan: "StepPlan", step: int, ckpts: Checkpoints, log: Logger,
+           is_main: bool) -> tuple:
+    """--trainable head with a features step: the head fitted on cached features
+    (probe.py) and checkpointed at the last step; returns (state, step, the last metrics)
+    or, for any other run, (state, step, None) unchanged."""
+    if sc.trainable != "head" or step >= plan.total_steps:
+        return state, step, None
+    if strategy.features_step is None:
+        log("--trainable head: this strategy has no features step (a pipeline): the frozen "
+            "backbone runs forward in every training step", event="probe_setup", images=0)
+        return state, step, None
+    state, metrics = probe.run(
+        strategy, host_state, state, splits, sc=sc, optim=rc.schedule.optim,
+        batch=plan.batch, eval_batch=rc.data.eval_batch, steps_per_epoch=plan.steps_per_epoch,
+        total_steps=plan.total_steps, start=step, seed=rc.data.seed,
+        eval_every=rc.logging.eval_every, log=log, progress=is_main and rc.logging.progress)
+    if ckpts.dir:
+        ckpts.save(strategy, state, plan.total_steps, "end of run", metrics)
+    return state, plan.total_steps, metrics
+
+
+def _compile_first_step(log: Logger, sc: StepConfig, plan: "StepPlan", train_step, state,
+                        inputs):
+    """The training step compiled before the loop, said before and after, not silently
+    inside step 1 (the step's call then finds it in jit's cache). Returns the inputs (the
+    batch it compiled for put back in front) and the compile's seconds."""
+    batch = next(inputs)
+    with compiling(log, f"the training step for {sc.cfg.name}, global batch {plan.batch}, "
+                        f"K={sc.accum_steps} micro-batches per device") as done:
+        train_step.lower(state, *batch).compile()
+    return itertools.chain([batch], inputs), done["seconds"]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """How many steps of how many images, in how many epochs, and how often the loop logs."""
