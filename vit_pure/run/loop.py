@@ -134,8 +134,8 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
                        min_scale=host_state["loss_scale"].min_scale)
     # --trainable head: the frozen backbone's features once, then the head alone on them
     # (probe.py); the step loop below then has no step left to run.
-    state, step, probe_metrics = _probe(rc, sc, strategy, host_state, state, splits, plan,
-                                        step, ckpts, log, is_main)
+    state, step, probe_metrics = _probe(rc.schedule, rc.data, rc.logging, sc, strategy, host_state,
+                                        state, splits, plan, step, ckpts, log, is_main)
     del host_state
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
@@ -221,8 +221,9 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
 
 
 # --------------------------------------------------------------------------- the helpers
-def _probe(rc: RunConfig, sc: StepConfig, strategy: Strategy, host_state: dict, state,
-           splits: dict, plan: "StepPlan", step: int, ckpts: Checkpoints, log: Logger,
+def _probe(schedule: ScheduleSettings, data: DataSettings, logging: LogSettings,
+           sc: StepConfig, strategy: Strategy, host_state: dict, state, splits: dict,
+           plan: "StepPlan", step: int, ckpts: Checkpoints, log: Logger,
            is_main: bool) -> tuple:
     """--trainable head with a features step: the head fitted on cached features
     (probe.py) and checkpointed at the last step; returns (state, step, the last metrics)
@@ -234,10 +235,10 @@ def _probe(rc: RunConfig, sc: StepConfig, strategy: Strategy, host_state: dict, 
             "backbone runs forward in every training step", event="probe_setup", images=0)
         return state, step, None
     state, metrics = probe.run(
-        strategy, host_state, state, splits, sc=sc, optim=rc.schedule.optim,
-        batch=plan.batch, eval_batch=rc.data.eval_batch, steps_per_epoch=plan.steps_per_epoch,
-        total_steps=plan.total_steps, start=step, seed=rc.data.seed,
-        eval_every=rc.logging.eval_every, log=log, progress=is_main and rc.logging.progress)
+        strategy, host_state, state, splits, sc=sc, optim=schedule.optim,
+        batch=plan.batch, eval_batch=data.eval_batch, steps_per_epoch=plan.steps_per_epoch,
+        total_steps=plan.total_steps, start=step, seed=data.seed,
+        eval_every=logging.eval_every, log=log, progress=is_main and logging.progress)
     if ckpts.dir:
         ckpts.save(strategy, state, plan.total_steps, "end of run", metrics)
     return state, plan.total_steps, metrics
