@@ -130,6 +130,7 @@ SHARED = [
     (["--ema", "x"], "argument --ema: invalid float value: 'x'"),
     (["--mix-off-epochs", "-1", "--mixup", "0.8"], "--mix-off-epochs must be >= 0, got -1"),
     (["--mix-off-epochs", "2"], "--mix-off-epochs 2: there is no mixing to turn off"),
+    (["--eval-corners", "--trainable", "head"], "--eval-corners: not with --trainable head"),
     (["--mix-off-epochs", "5", "--epochs", "5", "--cutmix", "1"],
      "--mix-off-epochs 5 must be less than --epochs 5"),
     (["--mix-off-epochs", "1.5"], "argument --mix-off-epochs: invalid int value: '1.5'"),

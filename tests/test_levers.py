@@ -11,6 +11,7 @@
 * `--eval-flip`: evaluation scores each image by the mean of its logits and its mirror
   image's; the result is the same for an image and its mirror, and the same under tensor
   parallel and a pipeline as on one device.
+* `--eval-corners`: four corner crops of each image join the views (ten with the flip).
 
 Small model (tiny, depth 2, as tests/test_layout_matrix.py) and few steps.
 """
@@ -352,10 +353,43 @@ def test_eval_flip_scores_the_mean_logits_of_each_image_and_its_mirror():
     assert _eval_sums(SC, params, mirrored)["loss"] != pytest.approx(plain["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("mesh", ["data=4,model=2", "data=2,model=2,pipe=2"])
-def test_eval_flip_under_tensor_parallel_and_a_pipeline_equals_one_device(mesh):
+def test_eval_corners_scores_the_mean_logits_of_the_image_its_corners_and_mirrors():
+    """--eval-corners with --eval-flip: ten views, each corner crop made here by
+    jax.image.scale_and_translate (a crop of 90% of the area at each corner, resized back
+    to 32 px), not by the kit's crop."""
     split = SPLITS["test"]
-    flip = dataclasses.replace(SC, eval_flip=True, ema_decay=0.0)
+    params = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, _optimizer(),
+                                             )["params"])()
+    ten = dataclasses.replace(SC, eval_flip=True, eval_corners=True)
+    got = _eval_sums(ten, params, split)
+    forward = jax.jit(lambda p, x: apply(p, x, MODEL, POLICY))
+    images = step.prepare_images(split.images, None, None, train=False, image_size=32)
+    side = 32 * math.sqrt(0.9)
+
+    def corner(top, left):
+        scale = jax.numpy.array([32 / side, 32 / side])
+        shift = jax.numpy.array([-top * 32 / side, -left * 32 / side])
+        return jax.image.scale_and_translate(images, images.shape, (1, 2), scale, shift,
+                                             "linear", antialias=False)
+
+    views = [images] + [corner(t, x) for t in (0, 32 - side) for x in (0, 32 - side)]
+    views += [v[:, :, ::-1] for v in views]
+    mean = sum(np.asarray(forward(params, v), np.float64) for v in views) / 10
+    log_p = mean - mean.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    assert got["loss"] == pytest.approx(-log_p[np.arange(len(split)), split.labels].sum(),
+                                        rel=1e-5)
+    assert got["correct"] == (mean.argmax(-1) == split.labels).sum()
+    # The corners change the score: the flip alone gives another loss.
+    flip = _eval_sums(dataclasses.replace(SC, eval_flip=True), params, split)
+    assert flip["loss"] != pytest.approx(got["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("mesh", ["data=4,model=2", "data=2,model=2,pipe=2"])
+def test_eval_views_under_tensor_parallel_and_a_pipeline_equal_one_device(mesh):
+    """--eval-flip with --eval-corners (ten views) on 8 devices, as on one."""
+    split = SPLITS["test"]
+    flip = dataclasses.replace(SC, eval_flip=True, eval_corners=True, ema_decay=0.0)
     optimizer = _optimizer()
     host = jax.jit(lambda: step.init_state(jax.random.key(3), MODEL, POLICY, optimizer))()
     strategy = ts.ShardMapStrategy(flip, optimizer, mesh, devices=jax.devices()[:8],
@@ -374,11 +408,12 @@ def test_good_lever_values_parse():
     plain = ["--model", "tiny", "--dataset", "synthetic", "--batch", "16"]
     args = ts.cli.parse_args(ts.build_parser(), plain + [
         "--ema", "0.999", "--mixup", "0.8", "--epochs", "3", "--mix-off-epochs", "2",
-        "--repeat-aug", "4", "--eval-flip"])
+        "--repeat-aug", "4", "--eval-flip", "--eval-corners"])
     assert (args.ema, args.mix_off_epochs, args.repeat_aug, args.eval_flip) == (
         0.999, 2, 4, True)
-    assert settings.step_config(args).eval_flip
+    assert settings.step_config(args).eval_flip and settings.step_config(args).eval_corners
     defaults = ts.cli.parse_args(ts.cli.build_parser("train_pmap.py's flags"), plain)
     assert (defaults.ema, defaults.mix_off_epochs, defaults.repeat_aug, defaults.eval_flip) == (
         0.0, 0, 1, False)
     assert not settings.step_config(defaults).eval_flip
+    assert not settings.step_config(defaults).eval_corners

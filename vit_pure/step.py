@@ -253,6 +253,9 @@ class StepConfig:
     # --eval-flip: evaluation averages the logits of each image and its mirror image
     # (test-time augmentation; training is unchanged).
     eval_flip: bool = False
+    # --eval-corners: evaluation also scores four corner crops of each image
+    # (augment.corner_crops; with eval_flip, each with its mirror too: ten views).
+    eval_corners: bool = False
     # --trainable (OptimConfig.trainable): "head" differentiates the head's params alone.
     trainable: str = "all"
     # What the hardware decided for the flags left to it (run/backend.py resolve), for the
@@ -432,12 +435,15 @@ def eval_sums(sc: StepConfig, logits_fn: Callable, images_u8, labels, mask) -> d
     """The evaluation of one slice (`local_eval`, `pipeline.pipeline_eval`): the images
     prepared for evaluation, `logits_fn(images) -> logits`, then the masked sums
     {"loss", "correct", "count"}. With `sc.eval_flip` the logits are the mean of the
-    image's and its left-right mirror's (each example on its own: no collective)."""
+    image's and its left-right mirror's; with `sc.eval_corners` the views also hold four
+    corner crops of the image (and, with eval_flip, their mirrors), the logits the mean over
+    all views (each example on its own: no collective)."""
     images = prepare_images(images_u8, None, None, train=False, image_size=sc.cfg.image_size,
                             inputs=sc.cfg.inputs)
-    logits = logits_fn(images)
+    views = [images] + (augment_lib.corner_crops(images) if sc.eval_corners else [])
     if sc.eval_flip:
-        logits = (logits + logits_fn(images[:, :, ::-1])) / 2
+        views += [v[:, :, ::-1] for v in views]
+    logits = sum(logits_fn(v) for v in views) / len(views)
     loss = cross_entropy(logits, labels, sc.cfg.num_classes)
     correct = (jnp.argmax(logits, -1) == labels).astype(F32)
     return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),

@@ -32,6 +32,8 @@ from jax import lax
 # Random resized crop ranges (fractions of the image area; width/height ratio).
 CROP_SCALE = (0.9, 1.0)
 CROP_RATIO = (0.9, 1.1)
+# Evaluation's corner crops (--eval-corners): each a fraction of the image's area.
+CORNER_CROP_AREA = 0.9
 _AUGMENT_TAG = 0x61756700  # 'aug\0': keeps augmentation keys apart from others drawn from seed
 
 
@@ -104,6 +106,19 @@ def augment(key: jax.Array, images: jax.Array, example_ids: jax.Array) -> jax.Ar
         return crop_flip_resize(image, *crop_params(k, h, w))
 
     return jax.vmap(one)(keys, images)
+
+
+def corner_crops(images: jax.Array, area: float = CORNER_CROP_AREA) -> list[jax.Array]:
+    """The four corner crops of an NHWC batch, each `area` of the image, resized back.
+
+    Test-time views (step.eval_sums, --eval-corners): with the whole image they are the
+    ten-crop evaluation's five views, the whole image in place of the centre crop.
+    """
+    _, h, w, _ = images.shape
+    crop_h, crop_w = h * math.sqrt(area), w * math.sqrt(area)
+    corners = [(top, left) for top in (0.0, h - crop_h) for left in (0.0, w - crop_w)]
+    return [jax.vmap(crop_flip_resize, in_axes=(0, None, None, None, None, None))(
+        images, top, left, crop_h, crop_w, False) for top, left in corners]
 
 
 # ------------------------------------------------------------------------ mixup, CutMix

@@ -224,6 +224,7 @@ class StepFlags:
     cutmix: float
     ema: float
     eval_flip: bool
+    eval_corners: bool = False
     trainable: str = "all"
 
 
@@ -255,6 +256,7 @@ def step_config(flags: StepFlags, platform: str | None = None, device=None) -> S
                       cutmix_alpha=flags.cutmix,
                       ema_decay=flags.ema,
                       eval_flip=flags.eval_flip,
+                      eval_corners=flags.eval_corners,
                       trainable=flags.trainable,
                       notes=choices.notes)
 

@@ -49,20 +49,28 @@ def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: in
     weights "ema"). The validation split is evaluated with the raw weights too, logged on
     a second line (JSON: split "val-raw", weights "raw") and returned under "raw", so a
     run shows whether the EMA helps; the test split only with the EMA weights, once.
-    With --eval-flip every line says so (JSON: eval_flip true).
+    With --eval-flip / --eval-corners every line says so (JSON: eval_flip / eval_corners
+    true).
     """
     if len(splits[name]) == 0:
         log(f"{prefix}{name}: skipped, the split is empty", event="eval_skipped", name=name,
             **record)
         return None
-    # --eval-flip: each image is scored with its mirror (step.eval_sums); said on every line.
-    flip = {"eval_flip": True} if strategy.sc.eval_flip else {}
+    # --eval-flip, --eval-corners: each image is scored on several views (step.eval_sums);
+    # every line says which.
+    sc = strategy.sc
+    views = {**({"eval_flip": True} if sc.eval_flip else {}),
+             **({"eval_corners": True} if sc.eval_corners else {})}
+    how = {(True, False): ", each with its mirror",
+           (False, True): ", each with four corner crops",
+           (True, True): ", each with four corner crops and the five views' mirrors",
+           }.get((sc.eval_flip, sc.eval_corners), "")
 
     def run(state, label: str, **fields) -> dict:
         res = evaluate(strategy, state, splits[name], batch)
         log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
-            f"({res['count']} images{', each with its mirror' if flip else ''})",
-            **fields, **flip, **record, **res)
+            f"({res['count']} images{how})",
+            **fields, **views, **record, **res)
         return res
 
     if "ema" not in state:

@@ -232,6 +232,10 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-flip", action=argparse.BooleanOptionalAction, default=False,
                    help="evaluate on the mean of each image's logits and its mirror image's "
                         "(test-time augmentation; training is unchanged) (default: off)")
+    g.add_argument("--eval-corners", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluate also on four corner crops of 90%% of each image's area, "
+                        "resized back (with --eval-flip each with its mirror: ten views; not "
+                        "with --trainable head) (default: off)")
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ from vit_pure.step import StepConfig
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
     "attention", "pipeline_schedule", "virtual_stages",
-    "eval_only", "eval_flip",
+    "eval_only", "eval_flip", "eval_corners",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",

@@ -163,7 +163,8 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
         remat=args.remat,
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
-        ema=args.ema, eval_flip=args.eval_flip, trainable=args.trainable)
+        ema=args.ema, eval_flip=args.eval_flip, eval_corners=args.eval_corners,
+        trainable=args.trainable)
 
 
 def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
