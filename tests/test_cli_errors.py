@@ -131,6 +131,7 @@ SHARED = [
     (["--mix-off-epochs", "-1", "--mixup", "0.8"], "--mix-off-epochs must be >= 0, got -1"),
     (["--mix-off-epochs", "2"], "--mix-off-epochs 2: there is no mixing to turn off"),
     (["--eval-corners", "--trainable", "head"], "--eval-corners: not with --trainable head"),
+    (["--val-fraction", "0.1"], "--val-fraction needs --dataset cifar10"),
     (["--mix-off-epochs", "5", "--epochs", "5", "--cutmix", "1"],
      "--mix-off-epochs 5 must be less than --epochs 5"),
     (["--mix-off-epochs", "1.5"], "argument --mix-off-epochs: invalid int value: '1.5'"),
@@ -479,3 +480,14 @@ def test_help_gives_every_flag_a_text_and_its_true_default(parser):
         takes_value = action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction)
         assert len(_DEFAULT.findall(text)) == (1 if takes_value else 0), (flag, text)
     assert "(default: None)" not in parser.format_help()
+
+
+@pytest.mark.parametrize("value", ["0.7", "-0.1", "nan"])
+def test_val_fraction_out_of_range_is_one_line(value, capsys):
+    """--val-fraction outside [0, 0.5] on CIFAR-10 (BASE's synthetic set refuses the flag
+    before its range is read)."""
+    with pytest.raises(SystemExit) as excinfo:
+        cli.parse_args(train_shardmap.build_parser(), ["--val-fraction", value])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"--val-fraction must be in [0, 0.5], got {float(value):g}" in err[-1]

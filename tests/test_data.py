@@ -170,6 +170,19 @@ def test_split_indices_ratio_and_seed():
     assert not np.array_equal(va, va1)
 
 
+def test_val_fraction_moves_images_between_train_and_val(subset_dir):
+    """--val-fraction: 0 trains on every training image (no validation); another
+    fraction holds out that share; the test split never changes."""
+    tr, va = D.split_indices(4000, 0, val_fraction=0.0)
+    assert len(va) == 0
+    np.testing.assert_array_equal(tr, np.arange(4000))
+    assert len(D.split_indices(4000, 0, val_fraction=0.2)[1]) == 800
+    lines = []
+    splits = D.load_cifar10(subset_dir, download=False, val_fraction=0.0, log=lines.append)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 4000, "val": 0, "test": 1000}
+    assert any("train 4000, val 0, test 1000" in line for line in lines)
+
+
 def test_normalization_statistics(subset):
     """The step's own normalisation (step.prepare_images, no augmentation)."""
     from vit_pure.step import prepare_images

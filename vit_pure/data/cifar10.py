@@ -187,12 +187,14 @@ def _check_meta(path: pathlib.Path) -> None:
         raise DataError(f"{path}: expected {NUM_CLASSES} 'label_names'")
 
 
-def split_indices(n: int, split_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) indices into the n training images: a fixed-seed 90/10 split.
+def split_indices(n: int, split_seed: int = 0,
+                  val_fraction: float = VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) indices into the n training images: a fixed-seed split, 90/10 by
+    default; `val_fraction` 0 leaves the validation split empty.
 
     Each index set is sorted, so the splits keep the files' order.
     """
-    n_val = int(round(n * VAL_FRACTION))
+    n_val = int(round(n * val_fraction))
     perm = np.random.default_rng(split_seed).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
@@ -206,13 +208,14 @@ def _find_folder(data_dir: pathlib.Path) -> pathlib.Path:
 
 def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
                  md5: str | None = None, split_seed: int = 0,
-                 subset: tuple[int, int] | None = None,
+                 subset: tuple[int, int] | None = None, val_fraction: float = VAL_FRACTION,
                  log: Callable[[str], None] = print) -> dict[str, Split]:
     """Read CIFAR-10 from ``data_dir/cifar-10-batches-py`` (downloading it if missing).
 
     Returns {'train', 'val', 'test'}: the five training batches split 90/10 with a
     fixed-seed permutation (45,000 / 5,000 on the full set; the same ratio on a
-    subset), and the test batch (10,000). url/md5 default to the environment
+    subset; `val_fraction`, --val-fraction, sets another ratio, 0 none), and the test
+    batch (10,000). url/md5 default to the environment
     variables VIT_PURE_CIFAR10_URL / VIT_PURE_CIFAR10_MD5, then to the official ones.
 
     `subset` (n_train, n_test), `--subset`: the first n_train / 5 images of each training
@@ -248,7 +251,7 @@ def load_cifar10(data_dir, *, download: bool = True, url: str | None = None,
     labels = np.concatenate([p[1] for p in parts])
     if len(labels) < 2:
         raise DataError(f"{folder}: only {len(labels)} training images; need at least 2")
-    train_idx, val_idx = split_indices(len(labels), split_seed)
+    train_idx, val_idx = split_indices(len(labels), split_seed, val_fraction)
     splits = {
         "train": Split(images[train_idx], labels[train_idx]),
         "val": Split(images[val_idx], labels[val_idx]),

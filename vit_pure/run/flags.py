@@ -265,6 +265,10 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                         "each training batch and the first TEST test images (4000,1000 is the "
                         "cpu-quick recipe's; a folder that holds only that subset gives the "
                         "same; --dataset cifar10 only) (default: all of it)")
+    g.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                   help="the fraction of CIFAR-10's training images held out for validation, "
+                        "in [0, 0.5] (0: train on all of them, no validation; --dataset "
+                        "cifar10 only) (default: 0.1)")
     g.add_argument("--synthetic-train", type=int, default=None, metavar="N",
                    help="--dataset synthetic: training images (default: 45000)")
     g.add_argument("--synthetic-val", type=int, default=None, metavar="N",

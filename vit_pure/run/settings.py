@@ -29,6 +29,7 @@ class DataSettings:
     data_dir: str
     synthetic_sizes: tuple[tuple[str, int], ...]  # load_dataset keywords: (("n_train", N),)
     subset: tuple[int, int] | None  # --subset TRAIN,TEST of CIFAR-10 (None: all of it)
+    val_fraction: float | None      # --val-fraction of CIFAR-10 (None: the loader's 0.1)
     eval_batch: int                 # --eval-batch, or --batch when not given
     repeat_aug: int
     seed: int
@@ -38,7 +39,8 @@ class DataSettings:
         """The sizes `data.cifar10.load_dataset` takes: the synthetic set's, or the subset."""
         if self.dataset == "synthetic":
             return dict(self.synthetic_sizes)
-        return {} if self.subset is None else {"subset": self.subset}
+        return {**({} if self.subset is None else {"subset": self.subset}),
+                **({} if self.val_fraction is None else {"val_fraction": self.val_fraction})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,7 @@ class RunConfig:
                 dataset=args.dataset, data_dir=args.data_dir,
                 synthetic_sizes=tuple(sorted(args.synthetic_sizes.items())),
                 subset=tuple(args.subset) if args.subset else None,
+                val_fraction=args.val_fraction,
                 eval_batch=args.eval_batch or args.batch, repeat_aug=args.repeat_aug,
                 seed=args.seed),
             schedule=ScheduleSettings(
