@@ -580,8 +580,9 @@ def test_subset_of_the_subset_folder_is_the_folder(subset_dir):
 def test_cpu_recipe_from_a_bare_clone_downloads_once(tmp_path, http_server, monkeypatch,
                                                      capsys):
     """README's CPU command with only the clone and a network (a local server stands in):
-    --recipe cpu-quick downloads CIFAR-10 into --data-dir and trains on the recipe's subset
-    (made smaller here, and the model tiny, to fit a test); a second run downloads nothing."""
+    --recipe cpu-quick downloads CIFAR-10 into --data-dir and trains on all of the recipe's
+    subset (made smaller here, and the model tiny, to fit a test); a second run downloads
+    nothing."""
     import train_shardmap
     from vit_pure.run import cli
 
@@ -597,7 +598,7 @@ def test_cpu_recipe_from_a_bare_clone_downloads_once(tmp_path, http_server, monk
         assert cli.main_guard(lambda: train_shardmap.main(argv)) == 0
         out = capsys.readouterr().out
         assert ("downloading" in out) == (run == 0)
-        assert "train 23, val 2, test 5" in out and "step 1 done" in out
+        assert "train 25, val 0, test 5" in out and "step 1 done" in out
     assert requests == ["/cifar-10-python.tar.gz"]
 
 

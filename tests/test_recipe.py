@@ -37,8 +37,9 @@ GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs
 # subset folder, which --subset 4000,1000 reads unchanged (tests/test_data.py).
 CPU_QUICK_RUN = ("--model vit-cifar-conv-lsa --dtype auto --batch 128 --epochs 60 --lr 2e-3 "
                  "--warmup-steps 140 --weight-decay 0.05 --label-smoothing 0.1 "
-                 "--randaugment 2,5 --ema 0.99 --eval-flip --eval-every 10 --cpu-devices 2 "
-                 "--no-scan --accum-steps 1 --subset 4000,1000")
+                 "--randaugment 2,5 --ema 0.99 --eval-flip --eval-corners --eval-every 0 "
+                 "--val-fraction 0 --cpu-devices 2 --no-scan --accum-steps 1 "
+                 "--subset 4000,1000")
 
 
 # And for --recipe finetune-dinov2-s14, the linear probe measured in docs/training.md.

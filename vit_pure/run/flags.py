@@ -39,8 +39,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     #     34 s (another job on the cores for its first 90 s). Earlier seeds: docs/notes.
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
-                      randaugment=(2, 5), ema=0.99, eval_flip=True, eval_every=10,
-                      cpu_devices=2, scan=False, accum_steps=1, subset=(4000, 1000)),
+                      randaugment=(2, 5), ema=0.99, eval_flip=True, eval_corners=True,
+                      eval_every=0, val_fraction=0.0, cpu_devices=2, scan=False,
+                      accum_steps=1, subset=(4000, 1000)),
     # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
     # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
     # cutmix off for the last tenth, evaluated with an EMA of the weights.
