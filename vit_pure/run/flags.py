@@ -192,6 +192,11 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (default: 5%% of the run)")
     g.add_argument("--weight-decay", type=float, default=0.05, help="AdamW decoupled weight decay")
+    g.add_argument("--layer-decay", type=_layer_decay, default=1.0, metavar="D",
+                   help="layer-wise learning-rate decay (BEiT's): the update of the params "
+                        "at depth i (embeddings 0, block j j+1, final LayerNorm and head "
+                        "L+1) scaled by D^(L+1-i), weight decay with it; 1 turns it off "
+                        "(default: 1.0)")
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="global-norm gradient clipping (0: off)")
     g.add_argument("--seed", type=int, default=0,
@@ -419,6 +424,17 @@ def _randaugment(text: str) -> tuple[int, int]:
     if len(values) != 2 or values[0] < 0 or not 0 <= values[1] <= 10:
         raise argparse.ArgumentTypeError(f"expected N,M with N >= 0 and 0 <= M <= 10, got {text!r}")
     return values
+
+
+def _layer_decay(text: str) -> float:
+    """--layer-decay: a number D with 0 < D <= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def _subset(text: str) -> tuple[int, int]:
