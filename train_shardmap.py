@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from vit_pure import layout, pipeline, step
 from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
+from vit_pure.layout import like_param as _like_param
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
@@ -263,9 +264,10 @@ class ShardMapStrategy:
         self.params_shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg))
         self.opt_state_shapes = jax.eval_shape(optimizer.init, self.params_shapes)
         # The optimizer state is laid out like the parameters it belongs to (Adam's mu and
-        # nu); its other leaves (the step count) are replicated.
+        # nu; --layer-decay's factors, whose size-1 axes stay whole); its other leaves
+        # (the step count) are replicated.
         self.opt_specs = optax.tree_map_params(
-            optimizer, lambda _, spec: spec, self.opt_state_shapes, self.param_specs,
+            optimizer, _like_param, self.opt_state_shapes, self.param_specs,
             transform_non_params=lambda _: P(), is_leaf=_is_spec)
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
                             "loss_scale": P(), "step": P()}

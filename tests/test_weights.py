@@ -16,7 +16,7 @@ from vit_pure.config import ViTConfig, get_preset
 from vit_pure.errors import WeightsError
 from vit_pure.layers.mlp import _gelu
 from vit_pure.model import apply, init_params
-from vit_pure.run import checkpoint, cli
+from vit_pure.run import checkpoint, cli, settings
 from vit_pure.step import OptimConfig, make_optimizer, prepare_images, trainable_params
 from vit_pure.tools import export
 from vit_pure.weights import bigvision, fetch, hf, safetensors, timm, tree
@@ -446,3 +446,14 @@ def test_dinov2_recipe_needs_init_from(capsys):
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     r = cli.RECIPES["finetune-dinov2-s14"]
     assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)
+
+
+def test_dinov2_gpu_recipe_needs_init_from_and_fine_tunes_everything(capsys):
+    code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14-gpu",
+                                                   "--dataset", "synthetic"]))
+    assert code == 2 and "give --init-from" in capsys.readouterr().err
+    args = cli.parse_args(cli.build_parser("test"), ["--recipe", "finetune-dinov2-s14-gpu"])
+    optim = settings.RunConfig.from_args(args).schedule.optim
+    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.75)
+    assert (args.image_size, args.cfg.pool, args.cfg.drop_path, args.eval_flip) == \
+        (224, "cls+mean", 0.1, True)

@@ -28,6 +28,14 @@ def is_spec(x):
     return isinstance(x, P)
 
 
+def like_param(state_leaf, spec: P) -> P:
+    """The PartitionSpec of an optimizer-state leaf that belongs to a param laid out with
+    `spec`: the param's, except that axes of size 1 stay whole (--layer-decay's factors,
+    step.layer_factors: (L, 1, ..., 1) for the stacked blocks, split over 'pipe' with them,
+    and (1, ..., 1) for the others). A param-shaped leaf (Adam's mu, nu) gets `spec`."""
+    return P(*(None if n == 1 else entry for n, entry in zip(state_leaf.shape, spec)))
+
+
 def _bytes(shape_dtype, spec, mesh_shape) -> int:
     """Bytes of one device's block of an array with this shape, dtype and spec."""
     shards = math.prod(mesh_shape[a] for a in mesh_axes(spec))

@@ -21,10 +21,11 @@ both run through it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from vit_pure.config import INPUT_SCALINGS, Execution, ViTConfig
@@ -57,9 +58,59 @@ class OptimConfig:
     # --trainable: "all" the params, or only the "head" (a linear probe of a frozen
     # backbone: the others are neither updated nor decayed; `trainable_params`).
     trainable: str = "all"
+    # --layer-decay D in (0, 1]: layer-wise learning-rate decay (`scale_by_layer`); 1.0 off.
+    layer_decay: float = 1.0
 
 
 TRAINABLE = ("all", "head")  # --trainable
+# The params at depth 0 under layer-wise decay (`layer_factors`): the embeddings, with
+# the stem and the register tokens; the stacked blocks are depths 1..L, the rest L + 1.
+EMBEDDINGS = ("stem", "patch_embed", "cls_token", "pos_embed", "reg_tokens")
+
+
+class LayerDecayState(NamedTuple):
+    """`scale_by_layer`'s state: each param's update factors, in a tree like the params."""
+    factors: Any
+
+
+def layer_factors(params, decay: float):
+    """The factor of each param's update under layer-wise learning-rate decay, in a tree
+    like `params`: decay^(L + 1 - i) at depth i, the embeddings (`EMBEDDINGS`) at i = 0,
+    block j at i = j + 1, the final LayerNorm and the head at i = L + 1 (factor 1), L the
+    depth (BEiT's assignment: H. Bao et al. 2021, arXiv:2106.08254; MAE's layer_decay).
+
+    A stacked-block leaf (L, ...) gets an (L, 1, ..., 1) float32 array, its row j block
+    j's factor; every other leaf a (1, ..., 1) array of its rank. Same rank as the param,
+    so the optimizer state's layout takes the param's PartitionSpec (the training scripts
+    leave the size-1 axes unsplit): the rows go where the blocks go, a pipeline stage's
+    rows with its blocks, permuted with them under an interleaved schedule's block order.
+    Each device then holds the factors of the blocks it holds, with no collective."""
+    blocks = params.get("blocks") if isinstance(params, dict) else None
+    depth = jax.tree.leaves(blocks)[0].shape[0] if blocks else 0
+
+    def factor(path, p):
+        top = path[0].key
+        if top == "blocks":
+            rows = decay ** (depth - np.arange(depth, dtype=np.float64))
+            return jnp.asarray(rows.reshape(depth, *(1,) * (p.ndim - 1)), F32)
+        power = depth + 1 if top in EMBEDDINGS else 0
+        return jnp.full((1,) * p.ndim, decay ** power, F32)
+    return jax.tree_util.tree_map_with_path(factor, params)
+
+
+def scale_by_layer(decay: float) -> optax.GradientTransformation:
+    """Each param's update times its `layer_factors` entry. Placed after the whole
+    optimizer, it scales AdamW's decoupled weight decay with the learning rate, as
+    per-layer learning rates would. The factors are state, laid out like the params
+    (see `layer_factors`), so the update is elementwise on each device's own block."""
+    def init(params):
+        return LayerDecayState(layer_factors(params, decay))
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, f: (u * f).astype(u.dtype), updates,
+                            state.factors), state
+    return optax.GradientTransformation(init, update)
 
 
 def frozen_updates(optimizer, trainable: str) -> optax.GradientTransformation:
@@ -83,10 +134,14 @@ def trainable_params(params, trainable: str):
 
 def make_optimizer(optim: OptimConfig,
                    total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """AdamW (or SGD with momentum) with linear warm-up and cosine decay. Gradient
+    """AdamW (or SGD with momentum) with linear warm-up and cosine decay, and with
+    `optim.layer_decay` < 1 each update scaled by its layer's factor (`scale_by_layer`;
+    not under --trainable head, where only the head, factor 1, trains). Gradient
     clipping is not in here: it
     needs the *global* gradient norm, which under model parallelism is a collective, so
     the scripts compute the norm and `apply_gradients` clips."""
+    if not 0.0 < optim.layer_decay <= 1.0:
+        raise ValueError(f"layer_decay must be in (0, 1], got {optim.layer_decay}")
     warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
     warmup = min(warmup, max(total_steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -99,6 +154,8 @@ def make_optimizer(optim: OptimConfig,
     else:
         optimizer = optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=optim.weight_decay,
                                 mask=decay_mask)
+    if optim.layer_decay != 1.0 and optim.trainable == "all":
+        optimizer = optax.chain(optimizer, scale_by_layer(optim.layer_decay))
     if optim.trainable != "all":
         optimizer = frozen_updates(optimizer, optim.trainable)
     return optimizer, schedule

@@ -91,8 +91,10 @@ def fit_head(sc: StepConfig, optim: OptimConfig, host_state: dict, feats: np.nda
              val: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
     """Steps `start` to `total_steps` of the head on cached features (see the module
     docstring); returns the head's state after them (`head_step`'s)."""
-    # The run's optimizer on the head's leaves alone ("all" of this small tree).
-    optimizer, _ = make_optimizer(dataclasses.replace(optim, trainable="all"), total_steps)
+    # The run's optimizer on the head's leaves alone ("all" of this small tree; the head's
+    # layer-decay factor is 1).
+    optimizer, _ = make_optimizer(dataclasses.replace(optim, trainable="all", layer_decay=1.0),
+                                  total_steps)
     head = jax.tree.map(jnp.asarray, host_state["params"]["head"])
     state = {"params": head, "opt_state": optimizer.init(head),
              "loss_scale": host_state["loss_scale"], "step": jnp.asarray(start, jnp.int32)}

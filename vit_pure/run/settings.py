@@ -110,7 +110,7 @@ class RunConfig:
                 stop_after=args.stop_after,
                 optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay,
                                   warmup_steps=args.warmup_steps, optimizer=args.optimizer,
-                                  trainable=args.trainable),
+                                  trainable=args.trainable, layer_decay=args.layer_decay),
                 accum_steps=args.accum_steps, memory_budget=args.memory_budget,
                 mix_off_epochs=args.mix_off_epochs),
             logging=LogSettings(
@@ -199,7 +199,7 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
     if args.image_size is not None and args.image_size < 1:
         raise UsageError(f"--image-size must be positive, got {args.image_size}")
     if args.init_from is None:
-        if args.recipe in ("finetune-b16", "finetune-dinov2-s14"):
+        if args.recipe is not None and args.recipe.startswith("finetune-"):
             raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
