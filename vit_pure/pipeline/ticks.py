@@ -280,28 +280,25 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
     the ring with its residuals written at slot `write`, the loss and accuracy sums).
     Stage 0 embeds its first chunk's input; every other F reads the received activation.
-    The branch returns the residual set and the tick writes it into the ring, in place
-    (the scan's carry). The ring is not the branch's operand: XLA gives a conditional's
-    results buffers of their own, so a ring written inside the branch is a second ring
-    (the whole ring copied in and out each tick, on XLA:GPU and XLA:CPU alike). An idle
-    tick writes nothing (a scatter whose index lies past the ring, dropped), so the ring
-    needs no slot beyond the live sets and no copy of the slot is read to keep it."""
+    The branch returns the residual set (an idle tick: what slot `write` holds) and the
+    tick writes it into the ring, in place (the scan's carry). The branch only reads the
+    ring: XLA gives a conditional's results buffers of their own, so a ring written inside
+    the branch was a second ring (copied into the branch's result and back each tick: the
+    deviceless H100 program held both)."""
     y0, loss0, _ = layout.outputs
 
-    def do_f(x):
+    def do_f(x, rings):
         (y, loss, acc), pull, acts = stage.pulled(f_v, f_mb, x)
-        return y, layout.pack(pull, acts), loss, acc
+        return y, [vary_like(a, r) for a, r in zip(layout.pack(pull, acts), rings)], loss, acc
 
-    def no_f(x):
+    def no_f(x, rings):
         zero = jnp.zeros_like(loss0)
-        return jnp.zeros_like(y0), [jnp.zeros_like(e) for e in layout.entries], zero, zero
+        return jnp.zeros_like(y0), [r[write] for r in rings], zero, zero
 
     x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
                  lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
-    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x)
-    # An idle tick's slot index lies past the ring's end: "drop" writes nothing there.
-    slot = jnp.where(f_mb >= 0, write, rings[0].shape[0])
-    rings = [r.at[slot].set(vary_like(a, r), mode="drop") for a, r in zip(res, rings)]
+    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x, rings)
+    rings = [r.at[write].set(a) for a, r in zip(res, rings)]
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
