@@ -25,7 +25,7 @@ import train_shardmap
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.pipeline import schedules, ticks
+from vit_pure.pipeline import schedules, split, ticks
 from vit_pure.pipeline.schedules import IDLE
 
 CFG = PRESETS["tiny"]
@@ -198,6 +198,40 @@ def test_residual_layout_keeps_what_depends_on_the_input():
     _, pull, acts = pulled(zero, jnp.int32(3), x)
     stored = layout.pack(pull, acts)
     np.testing.assert_array_equal(stored[-1], x * 2)
+    again = pulled(zero, zero, jnp.zeros_like(x))[1]
+    np.testing.assert_allclose(layout.unpack(again, stored)(1.0)[0], pull(1.0)[0], rtol=1e-6)
+    assert not np.allclose(again(1.0)[0], pull(1.0)[0])  # the trace again alone differs
+
+
+def test_residual_layout_keeps_one_copy_of_a_reshaped_residual():
+    """A residual that holds another's elements under another shape (an attention's
+    output and the next matmul's operand) is kept once: `same_data` finds it, the ring
+    holds the first, and the pull-back rebuilt from the ring equals F's own."""
+    @jax.custom_vjp
+    def square(x):
+        return (x * x).sum()
+
+    def square_fwd(x):
+        return square(x), (x, x.reshape(-1), jnp.cos(x))
+
+    def square_bwd(res, ct):
+        x, flat, c = res
+        return (ct * (x + flat.reshape(x.shape)) * c / c,)
+
+    square.defvjp(square_fwd, square_bwd)
+
+    def pulled(v, mb, x):
+        out, pull = jax.vjp(square, x * (mb + 1.0))
+        return (out, out, out), pull, []
+
+    zero, x0 = jnp.int32(0), jnp.ones((2, 3))
+    same = split.same_data(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    assert same == [None, 0, None]  # x; x reshaped; cos(x), another value
+    layout = ticks.residual_layout(pulled, zero, x0)
+    assert [e.shape for e in layout.entries] == [(2, 3), (2, 3)]  # x and cos(x) alone
+    x = jnp.array([[0.5, -1.0, 2.0], [0.25, 3.0, -0.5]])
+    _, pull, _ = pulled(zero, jnp.int32(2), x)
+    stored = layout.pack(pull, [])
     again = pulled(zero, zero, jnp.zeros_like(x))[1]
     np.testing.assert_allclose(layout.unpack(again, stored)(1.0)[0], pull(1.0)[0], rtol=1e-6)
     assert not np.allclose(again(1.0)[0], pull(1.0)[0])  # the trace again alone differs

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
-from vit_pure.layers.linear import dense
+from vit_pure.layers.linear import dense, dense_with_ones, with_ones
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
 
@@ -110,9 +110,10 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy):
     hp = jnp.pad(h.reshape(B, T, E), ((0, 0), (0, Tp - T), (0, 0))).reshape(B * Tp, E)
     w = qkv["kernel"].reshape(E, 3, -1)
     b = qkv["bias"].reshape(3, -1)
+    hp = with_ones(hp)  # one copy for the three products (and their backward)
     out = []
     for i in range(3):
-        y = dense(hp, w[:, i], b[i], policy)  # (B*Tp, Hl*D)
+        y = dense_with_ones(hp, w[:, i], b[i], policy)  # (B*Tp, Hl*D)
         out.append(y.reshape(B, Tp, -1, cfg.head_dim).astype(policy.compute_dtype))
     return tuple(out)
 

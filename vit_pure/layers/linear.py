@@ -69,7 +69,17 @@ def dense(x, w, b, policy: Policy):
     float32 inside the GEMM), so no kernel reads that (rows, N) gradient again for a
     column sum: one pass over it a layer for fc1 (B*T x M) and for each of q, k, v
     (docs/performance.md, "The memory-bound passes")."""
-    xa = jnp.concatenate([x, _ones_block(x)], axis=1)
+    return dense_with_ones(with_ones(x), w, b, policy)
+
+
+def with_ones(x):
+    """x (rows, K) with `dense`'s ones columns: (rows, K + ONES_WIDTH). Matmuls that read
+    the same x share one (`dense_with_ones`): the backward pass then keeps one copy."""
+    return jnp.concatenate([x, _ones_block(x)], axis=1)
+
+
+def dense_with_ones(xa, w, b, policy: Policy):
+    """`dense` of x given as `with_ones(x)`."""
     pad = varying_like(jnp.zeros((ONES_WIDTH - 1, w.shape[1]), w.dtype), w)
     wa = jnp.concatenate([w, varying_like(b, w).astype(w.dtype).reshape(1, -1), pad], axis=0)
     # Both operands typed alike before the custom VJP, whose cotangents keep their types

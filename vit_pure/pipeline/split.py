@@ -21,7 +21,7 @@ VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls staying in I. No coll
 its own: the model's tensor-parallel ones are bound where the model wrote them.
 
 Beside it, the small typing helpers the program's rings need (`vary_like`, `zeros_ring`,
-`input_free`).
+`input_free`, `same_data`).
 """
 from __future__ import annotations
 
@@ -104,6 +104,27 @@ def input_free(fn, *inputs) -> list[bool]:
         if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
             dep.update(eqn.outvars)
     return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
+
+
+# Equations whose result holds its operand's elements in the same (row-major) order.
+_SAME_ELEMENTS = frozenset({"reshape", "squeeze"})
+
+
+def same_data(fn, *inputs) -> list[int | None]:
+    """Per output leaf of fn(*inputs): the index of an earlier output leaf that holds the
+    same elements (the same value, or a reshape of the same value), else None. Such a
+    leaf is a reshape of the earlier one (a ring keeps the earlier one alone)."""
+    jaxpr = jax.make_jaxpr(fn)(*inputs).jaxpr
+    base = {}  # a variable -> the variable whose elements it holds
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _SAME_ELEMENTS and isinstance(eqn.invars[0], jex.Var):
+            base[eqn.outvars[0]] = base.get(eqn.invars[0], eqn.invars[0])
+    first, out = {}, []
+    for i, o in enumerate(jaxpr.outvars):
+        b = base.get(o, o) if isinstance(o, jex.Var) else None
+        out.append(None if b is None else first.setdefault(b, i))
+        out[-1] = None if out[-1] == i else out[-1]
+    return out
 
 
 def varying(x) -> frozenset:

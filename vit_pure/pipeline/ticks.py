@@ -34,7 +34,7 @@ from jax import lax
 
 from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
 from vit_pure.pipeline import schedules
-from vit_pure.pipeline.split import Split, input_free, vary_like, zeros_ring
+from vit_pure.pipeline.split import Split, input_free, same_data, vary_like, zeros_ring
 from vit_pure.step import StepConfig, train_metrics
 
 IDLE = schedules.IDLE
@@ -195,6 +195,8 @@ class ResidualLayout:
     A PRNG key residual (a rematerialised block's dropout keys) is kept as its raw bits:
     a ring of keys would not keep the varying type that the branches need."""
     fixed: tuple          # per pull-back leaf: True = traced again at B, not kept
+    same: tuple           # per pull-back leaf: an earlier kept leaf holding its elements
+                          # (it is that leaf reshaped: not kept), or None
     tree: object          # the pull-back's tree structure
     impls: tuple          # per kept pull-back leaf: its PRNG key implementation, or None
     entries: tuple        # one traced value per ring entry: its shape and type
@@ -202,23 +204,30 @@ class ResidualLayout:
     x: jax.Array          # the traced F's input (its shape and type)
 
     @property
+    def kept(self) -> tuple:
+        """Per pull-back leaf: True where the ring keeps it."""
+        return tuple(not f and s is None for f, s in zip(self.fixed, self.same))
+
+    @property
     def n_pull(self) -> int:
         """The ring's first n_pull entries are the pull-back's; the rest W's operands."""
-        return self.fixed.count(False)
+        return self.kept.count(True)
 
     def pack(self, pull, acts) -> list:
-        """What the ring keeps of one F: its non-fixed residuals (keys as bits), acts."""
+        """What the ring keeps of one F: its kept residuals (keys as bits), acts."""
         leaves = jax.tree.leaves(pull)
-        return [_bits(a) for a, f in zip(leaves, self.fixed) if not f] + list(acts)
+        return [_bits(a) for a, k in zip(leaves, self.kept) if k] + list(acts)
 
     def unpack(self, again, stored):
         """The pull-back of the F whose ring entries are `stored`, from `again`, the
         pull-back of the same chunk traced again at B (on any input: its fixed leaves)."""
         it = iter(a if k is None else jax.random.wrap_key_data(a, impl=k)
                   for a, k in zip(stored[:self.n_pull], self.impls))
-        leaves = jax.tree.leaves(again)
-        return jax.tree.unflatten(self.tree, [a if f else next(it)
-                                              for a, f in zip(leaves, self.fixed)])
+        leaves = list(jax.tree.leaves(again))
+        for i, (fixed, same) in enumerate(zip(self.fixed, self.same)):
+            if not fixed:  # an earlier leaf's elements, or the ring's next entry
+                leaves[i] = next(it) if same is None else leaves[same].reshape(leaves[i].shape)
+        return jax.tree.unflatten(self.tree, leaves)
 
     def rings(self, slots: int, axis: str) -> list:
         """The ring: `slots` zero copies of each entry, varying over `axis`."""
@@ -228,13 +237,20 @@ class ResidualLayout:
 def residual_layout(pulled, zero, x0) -> ResidualLayout:
     """The layout of `pulled(v, mb, x) -> (outputs, pull-back, acts)`'s residuals, from
     traces at v = mb = `zero` and x = `x0`."""
-    fixed = input_free(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    def residuals(mb, x):
+        return jax.tree.leaves(pulled(zero, mb, x)[1])
+
+    fixed = input_free(residuals, zero, x0)
+    # A leaf that is another kept leaf reshaped (the same value under two shapes, as an
+    # attention's output and the next matmul's operand) is made from it at B.
+    same = [None if f or s is None or fixed[s] else s
+            for f, s in zip(fixed, same_data(residuals, zero, x0))]
     out, pull, acts = pulled(zero, zero, x0)
     leaves, tree = jax.tree.flatten(pull)
-    kept = [a for a, f in zip(leaves, fixed) if not f]
-    layout = ResidualLayout(tuple(fixed), tree, tuple(
-        jax.random.key_impl(a) if _is_key(a) else None for a in kept), (), tuple(out), x0)
-    return dataclasses.replace(layout, entries=tuple(layout.pack(pull, acts)))
+    layout = ResidualLayout(tuple(fixed), tuple(same), tree, (), (), tuple(out), x0)
+    impls = tuple(jax.random.key_impl(a) if _is_key(a) else None
+                  for a, k in zip(leaves, layout.kept) if k)
+    return dataclasses.replace(layout, impls=impls, entries=tuple(layout.pack(pull, acts)))
 
 
 # ------------------------------------------------------------------ phase 5: the tick
@@ -264,24 +280,25 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     """F of micro-batch f_mb through chunk f_v (idle where f_mb < 0): (the output to send,
     the ring with its residuals written at slot `write`, the loss and accuracy sums).
     Stage 0 embeds its first chunk's input; every other F reads the received activation.
-    The ring is written inside the branch, in place (the cond's ring operand and result
-    share a buffer): the residuals go straight into their slot, with no set-sized copy
-    beside the ring, and an idle tick writes nothing, so the ring needs no slot beyond the
-    live residual sets."""
+    The branch returns the residual set (an idle tick: what slot `write` holds) and the
+    tick writes it into the ring, in place (the scan's carry). The branch only reads the
+    ring: XLA gives a conditional's results buffers of their own, so a ring written inside
+    the branch was a second ring (copied into the branch's result and back each tick: the
+    deviceless H100 program held both)."""
     y0, loss0, _ = layout.outputs
 
     def do_f(x, rings):
         (y, loss, acc), pull, acts = stage.pulled(f_v, f_mb, x)
-        return y, [r.at[write].set(vary_like(a, r)) for a, r in
-                   zip(layout.pack(pull, acts), rings)], loss, acc
+        return y, [vary_like(a, r) for a, r in zip(layout.pack(pull, acts), rings)], loss, acc
 
     def no_f(x, rings):
         zero = jnp.zeros_like(loss0)
-        return jnp.zeros_like(y0), rings, zero, zero
+        return jnp.zeros_like(y0), [r[write] for r in rings], zero, zero
 
     x = lax.cond((stage.stage == 0) & (f_v == 0) & (f_mb >= 0),
                  lambda r: vary_like(stage.embed_mb(stage.top, f_mb), r), lambda r: r, recv_f)
-    y, rings, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x, rings)
+    y, res, loss, acc = lax.cond(f_mb >= 0, do_f, no_f, x, rings)
+    rings = [r.at[write].set(a) for a, r in zip(res, rings)]
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
