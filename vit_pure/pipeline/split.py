@@ -121,9 +121,10 @@ def same_data(fn, *inputs) -> list[int | None]:
             base[eqn.outvars[0]] = base.get(eqn.invars[0], eqn.invars[0])
     first, out = {}, []
     for i, o in enumerate(jaxpr.outvars):
-        b = base.get(o, o) if isinstance(o, jex.Var) else None
-        out.append(None if b is None else first.setdefault(b, i))
-        out[-1] = None if out[-1] == i else out[-1]
+        earlier = None
+        if isinstance(o, jex.Var):
+            earlier = first.setdefault(base.get(o, o), i)
+        out.append(None if earlier in (None, i) else earlier)
     return out
 
 

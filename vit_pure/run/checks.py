@@ -175,12 +175,20 @@ def check_synthetic_flags(parser, args) -> None:
         if v < 0:
             parser.error(f"--synthetic-{k[2:]} must be >= 0")
     args.synthetic_sizes = sizes
+
+
+def check_split_and_views(parser, args) -> None:
+    """--val-fraction (CIFAR-10 only, in [0, 0.5]) and --eval-corners (not with
+    --trainable head, whose cached features hold two views of each image)."""
     if args.val_fraction is not None:
         if args.dataset != "cifar10":
             parser.error("--val-fraction needs --dataset cifar10 (the synthetic set's sizes: "
                          "--synthetic-val)")
         if not 0.0 <= args.val_fraction <= 0.5:
             parser.error(f"--val-fraction must be in [0, 0.5], got {args.val_fraction:g}")
+    if args.eval_corners and args.trainable == "head":
+        parser.error("--eval-corners: not with --trainable head, whose cached features "
+                     "hold each image and its mirror only")
 
 
 def check_process_flags(parser, args) -> None:

@@ -23,6 +23,7 @@ from vit_pure.run.checks import (
     check_paths,
     check_process_flags,
     check_profile_flags,
+    check_split_and_views,
     check_synthetic_flags,
     flag_name,
 )
@@ -45,9 +46,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     check_checkpoint_flags(parser, args)
     check_profile_flags(parser, args)
     check_synthetic_flags(parser, args)
-    if args.eval_corners and args.trainable == "head":
-        parser.error("--eval-corners: not with --trainable head, whose cached features "
-                     "hold each image and its mirror only")
+    check_split_and_views(parser, args)
     try:
         if (args.policy or args.dtype) != "auto":  # checked here; built by backend.step_config
             Policy.parse(args.policy or args.dtype, args.matmul_precision)

@@ -39,8 +39,8 @@ class DataSettings:
         """The sizes `data.cifar10.load_dataset` takes: the synthetic set's, or the subset."""
         if self.dataset == "synthetic":
             return dict(self.synthetic_sizes)
-        return {**({} if self.subset is None else {"subset": self.subset}),
-                **({} if self.val_fraction is None else {"val_fraction": self.val_fraction})}
+        sizes = {"subset": self.subset, "val_fraction": self.val_fraction}
+        return {k: v for k, v in sizes.items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)
