@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import os
 import sys
@@ -255,6 +256,8 @@ class ShardMapStrategy:
         # and exports keep the layers in order.
         self.block_order = (pipeline.block_order(sc.cfg.depth, self.stages, virtual_stages)
                             if self.stages > 1 and virtual_stages > 1 else None)
+        if self.stages > 1:  # every stage runs one program: the last block keeps every row
+            sc = dataclasses.replace(sc, execution=sc.execution.replace(last_block="all"))
         self.optimizer = optimizer
         self.batch_divisor = sizes[DATA]
         self.sc = sc

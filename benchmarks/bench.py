@@ -274,7 +274,7 @@ def run_config(job: dict) -> dict:
     step_s = statistics.median(res["step_s"])
     ips = job["batch"] / step_s
     ips_cpu = job["batch"] / statistics.median(res["step_cpu_s"])
-    flops = train_flops_per_image(cfg)
+    flops = train_flops_per_image(cfg, strategy.sc.execution)
     achieved = flops * ips
 
     xla_flops = None

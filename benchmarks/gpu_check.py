@@ -10,8 +10,9 @@ writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summar
     env      30   jax and torch versions, the device, and which `--hardware` describes it
                   (vit_pure/plan/targets/: h100, h200), used by the parts below
     steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
-                  first, then the headline as shipped, `--dropout-masks bernoulli`,
-                  `--attention einsum`: img/s, step ms, peak GiB (DIR/steps.json, .md)
+                  first, then the headline as shipped, `--remat gelu` (the GELU output
+                  recomputed), `--last-block all` (the last block on every token:
+                  torch.compile's work): img/s, step ms, peak GiB (DIR/steps.json, .md)
     log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
                   bf16 --dataset synthetic`), its own log (DIR/headline.log)
     profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms, and each
@@ -39,7 +40,7 @@ from vit_pure.run import cli
 LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-STEP_ROWS = ("as shipped=", "bernoulli=--dropout-masks bernoulli", "einsum=--attention einsum")
+STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 

@@ -6,7 +6,7 @@
         --mult 1 2 --hardware cpu                                # a quick check
 
 Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 --mesh
-data=1,pipe=P --microbatches K --pipeline-schedule S [--virtual-stages V] --plan P
+data=1,pipe=P --microbatches K --pipeline-schedule S [--virtual-stages V] --remat R --plan P
 --hardware H`, in a process of its own (benchmarks/harness.py's child runner): the plan's
 compile of the whole training step, deviceless for a GPU target (JAX's CUDA plugin, no
 GPU). The columns, per device: `table`; the F / B / I / W costs the modelled columns use:
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import train_shardmap  # imports jax, but starts no backend
 from benchmarks import harness
 from vit_pure import model
-from vit_pure.config import PRESETS
+from vit_pure.config import PRESETS, Execution
 from vit_pure.pipeline import schedules
 from vit_pure.pipeline.split import Split
 from vit_pure.run import backend
@@ -42,6 +42,7 @@ def row_argv(job: dict) -> list[str]:
         flags += ["--virtual-stages", str(job["virtual"])]
     if job.get("image_size"):
         flags += ["--image-size", str(job["image_size"])]
+    flags += ["--remat", job.get("remat", "none")]
     return ["--model", job["model"], "--batch", str(job["batch"]), "--dtype", job["dtype"],
             "--accum-steps", "1", "--mesh", f"data=1,pipe={job['stages']}", "--microbatches",
             str(job["microbatches"]), *flags, "--plan", str(job["stages"]),
@@ -59,7 +60,8 @@ def run_row(job: dict) -> dict:
 
 # ==================================================================== the stage's costs
 def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
-                hardware: str = "h100", image_size: int | None = None) -> dict:
+                hardware: str = "h100", image_size: int | None = None,
+                remat: str = "none") -> dict:
     """FLOPs of one stage's F, B, I, W at `micro` examples, with the matmul output dtype
     the training script picks for `hardware`.
 
@@ -83,7 +85,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
     x = jax.ShapeDtypeStruct((micro, cfg.seq_len, cfg.width), policy.compute_dtype)
 
     def f(p, x):
-        return model.encoder(p, x, cfg, policy)
+        return model.encoder(p, x, cfg, policy, execution=Execution(remat=remat))
 
     def flops(fn, *args):
         cost = jax.jit(fn).lower(*args).compile().cost_analysis()
@@ -165,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=None, metavar="PX",
                    help="the model's resolution (default: the preset's)")
     p.add_argument("--hardware", default="h100")
+    p.add_argument("--remat", default="none", help="the training scripts' --remat")
     p.add_argument("--stages", type=int, nargs="+", default=[4], help="pipe sizes P")
     p.add_argument("--mult", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="micro-batch counts K = mult x P")
@@ -215,7 +218,7 @@ def main(argv=None) -> dict:
     print(f"# {record['command']}\n# {record['machine']}", flush=True)
     for P in args.stages:
         costs = stage_costs(args.model, P, max(1, args.batch // (8 * P)), args.dtype,
-                            args.hardware, args.image_size)
+                            args.hardware, args.image_size, args.remat)
         record.setdefault("stage_costs", {})[P] = costs
         print(f"# P={P}: one stage's FLOPs at {max(1, args.batch // (8 * P))} examples: "
               + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in costs.items()), flush=True)
@@ -224,7 +227,7 @@ def main(argv=None) -> dict:
             for name in args.schedules:
                 V = args.virtual if name == "interleaved" else 1
                 job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
-                       "image_size": args.image_size,
+                       "image_size": args.image_size, "remat": args.remat,
                        "hardware": args.hardware, "stages": P, "microbatches": M,
                        "schedule": name, "virtual": V}
                 row = dict(job)

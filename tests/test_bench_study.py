@@ -8,6 +8,7 @@ import pytest
 from benchmarks import bench, study
 from train_shardmap import ShardMapStrategy
 from vit_pure import PRESETS, apply, init_params, step
+from vit_pure.config import Execution
 from vit_pure.xla import flops, hlo
 
 TINY = PRESETS["tiny"]
@@ -28,6 +29,17 @@ def test_analytic_flops_by_hand_and_for_vit_cifar():
     assert flops.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
     # The reference model, vit-cifar: about 4.26 GFLOP per training image (docs/performance.md).
     assert flops.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
+    # The last block on the class token (the scripts' default): k and v on 17 rows, the
+    # query, both attention products, the output projection and the MLP on one.
+    last = 17 * 24 * 48 + 24 * 24 + 2 * 17 * 24 + 24 * 24 + 2 * 24 * 40
+    cls = Execution(last_block="class-token")
+    assert flops.forward_flops_per_image(TINY, cls) == 2 * (16 * 192 * 24 + 3 * block + last
+                                                            + 24 * 10)
+    assert flops.train_flops_per_image(PRESETS["vit-cifar"], cls) / 1e9 == pytest.approx(
+        3.68, abs=0.01)
+    # Other pools read every token: the count is the whole block's.
+    assert flops.forward_flops_per_image(TINY.replace(pool="mean"), cls) == \
+        flops.forward_flops_per_image(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +71,12 @@ def test_analytic_flops_equal_the_dots_jax_emits(unrolled_step):
     assert flops.forward_flops_per_image(stem) - flops.forward_flops_per_image(
         stem.replace(stem=())) == 2 * (256 * 27 * 8 + 64 * 72 * 12) + 2 * 4 * (192 - 768) * 24
 
+    # The scripts' step runs the last block on the class token.
     patch_input_grad = 2 * TINY.num_patches * TINY.patch_dim * TINY.width
+    cls = Execution(last_block="class-token")
     assert hlo.stablehlo_dot_flops(unrolled_step.as_text()) == 4 * (
-        flops.train_flops_per_image(TINY) - patch_input_grad
-        + flops.bias_column_flops_per_image(TINY))
+        flops.train_flops_per_image(TINY, cls) - patch_input_grad
+        + flops.bias_column_flops_per_image(TINY, True, cls))
 
 
 def test_analytic_flops_match_xla_cost_analysis():
@@ -87,9 +101,10 @@ def test_matmul_precision_reaches_every_dot(precision, expected):
     gradients) must carry it."""
     lowered = _lowered_train_step("bf16", precision=precision, scan=True).as_text()
     # With scan the layer is written once: 6 forward dots (qkv, scores, probs.v, out,
-    # fc1, fc2) and 12 backward ones (2 per dot); outside it the patch embedding (forward
-    # + weight gradient) and the head (forward + 2): 18 + 5.
-    assert hlo.dot_precisions(lowered) == {expected: 23}
+    # fc1, fc2) and 12 backward ones (2 per dot); outside it the last block, on the class
+    # token (k, v and q each its own product: 8 forward, 16 backward), the patch embedding
+    # (forward + weight gradient) and the head (forward + 2): 18 + 24 + 5.
+    assert hlo.dot_precisions(lowered) == {expected: 47}
 
 
 def test_parse_configs_and_bad_input():

@@ -103,7 +103,8 @@ SHARED = [
     (["--policy", "p=f32,c=bf17"], "--policy: unknown dtype 'bf17'"),
     (["--policy", "p=f32,c=bf16,o=f32,m=f16"], "--policy: policy matmul dtype must be"),
     (["--matmul-precision", "ultra"], "argument --matmul-precision: invalid choice"),
-    (["--remat", "nope"], "argument --remat: remat must be one of none, block, block-save-dots "
+    (["--remat", "nope"], "argument --remat: remat must be one of none, gelu, block, "
+                          "block-save-dots "
                           "or block-save:NAMES"),
     (["--remat", "block-save:dot+foo"], "with distinct NAMES from dot+ln+gelu+mask, got "
                                         "'block-save:dot+foo'"),

@@ -397,7 +397,8 @@ def _transposes(module: hlo.Module, instr: hlo.Instr) -> bool:
 @pytest.mark.slow
 def test_the_headline_program_calls_cudnn_attention(tmp_path):
     """vit-cifar in bf16 on the H100: cuDNN's fused attention, forward and backward, once
-    per layer each (6 layers), chosen for the target (not for this CPU); its q, k and v
+    per layer each but the last (6 layers; the last block, on the class token, runs its
+    one query row as two einsums), chosen for the target (not for this CPU); its q, k and v
     each come from a GEMM of their own on the padded LayerNorm output, and the kernels
     that read its outputs only slice the token axis: no head transposes or pad copies
     around it. Nor around the matmuls: with the residual
@@ -407,14 +408,14 @@ def test_the_headline_program_calls_cudnn_attention(tmp_path):
     the product, layers.linear.dense), once per layer."""
     record, program = _plan(tmp_path, "--batch", "64", "--dtype", "bf16", "--plan", "1",
                             "--accum-steps", "1")
-    assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 6
+    assert record["gpu_program"]["classes"]["attention"]["kernels"] == 2 * 5
     assert any("attention: cuDNN fused" in note for note in record["notes"])
     entry = {i.name: i for i in program.computations[program.entry]}
     calls = [i for i in entry.values() if kernels.classify(i) == "attention"]
     targets_called = [re.search(r'custom_call_target="([^"]+)"', c.attrs).group(1)
                       for c in calls]
-    assert sorted(targets_called) == (["__cudnn$fmhaSoftmax"] * 6
-                                      + ["__cudnn$fmhaSoftmaxBackward"] * 6)
+    assert sorted(targets_called) == (["__cudnn$fmhaSoftmax"] * 5
+                                      + ["__cudnn$fmhaSoftmaxBackward"] * 5)
     readers = {}  # kernel -> the kernels that read its outputs
     for i in entry.values():
         if i.opcode not in ("get-tuple-element", "bitcast"):

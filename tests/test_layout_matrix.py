@@ -2,10 +2,11 @@
 
 The matrix: layouts {TP, FSDP, PP, PP+TP+FSDP, pmap} x policies {fp32; bf16 with float32
 matmul outputs (m=f32, the CPU default, which runs policy.py's custom VJP); bf16 with bf16
-matmul outputs (m=bf16, the GPU default); fp16 with its dynamic loss scale} x {unrolled,
-scan} x {remat none, block-save-dots}. Each cell runs two training steps of a small model
-(dropout and stochastic depth on) on 8 fake CPU devices and compares them with the
-shard_map data-parallel step (data=8) under the same policy, loop and remat mode:
+matmul outputs (m=bf16, the GPU default); fp16 with its dynamic loss scale} x four (loop,
+remat) pairs: {unrolled, scan} x remat {none, gelu, block-save-dots} (`LOOPS`). Each cell
+runs two training steps of a small model (dropout and stochastic depth on) on 8 fake CPU
+devices and compares them with the shard_map data-parallel step (data=8) under the same
+policy, loop and remat mode:
 
 * the loss and the global gradient norm of both steps, relative to the reference, and
 * the parameters after the two steps, relative to how far the reference moved them,
@@ -70,7 +71,7 @@ POLICIES = {
     "bf16,m=bf16": "p=f32,c=bf16,o=f32,m=bf16",
     "fp16": "fp16",
 }
-LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "block-save-dots"),
+LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "gelu"),
          (True, "none")]  # (scan, remat)
 
 
@@ -152,9 +153,11 @@ def _initial_state(policy_text: str, cfg=CFG) -> dict:
 def run(layout: str, policy_text: str, scan: bool, remat: str, cfg=CFG,
         attention: str = "einsum", dropout_masks: str = "bernoulli") -> dict:
     """Two steps of one cell from the same initial state and batches: the host metrics
-    of each step and the final host params. layout "dp" is the reference, data=8."""
+    of each step and the final host params. layout "dp" is the reference, data=8. The
+    last block on the class token, as the scripts run it (the pipelines, which keep its
+    every row, then check that too)."""
     execution = Execution(scan=scan, remat=remat, attention=attention,
-                          dropout_masks=dropout_masks)
+                          dropout_masks=dropout_masks, last_block="class-token")
     sc = step.StepConfig(cfg, Policy.parse(policy_text), execution=execution)
     optimizer = _optimizer()
     if layout == "pmap":

@@ -5,13 +5,16 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.extend.random import threefry2x32_p
 
+import train_shardmap
 from vit_pure import (
     PRESETS,
     Policy,
     apply,
+    config,
     count_params,
     init_params,
     model,
@@ -334,6 +337,15 @@ def test_remat_keeps_the_named_values_and_only_those(tiny_params, capsys, remat,
         assert got[name] - base[name] == per_block[name] * TINY.depth, (name, got, base)
 
 
+def test_remat_gelu_recomputes_the_gelu_output_and_none_keeps_it(tiny_params, capsys):
+    """remat "none" keeps every activation, the GELU's output of each block too; "gelu"
+    keeps all of them but that one, recomputed in the backward pass."""
+    none = _saved_names(tiny_params, "none", capsys)
+    gelu = _saved_names(tiny_params, "gelu", capsys)
+    assert none["gelu"] == TINY.depth and gelu["gelu"] == 0
+    assert none - collections.Counter(gelu=TINY.depth) == gelu
+
+
 @pytest.mark.parametrize("bad", ["blocks", "block-save:", "block-save:dot+foo",
                                  "block-save:dot+dot", "block-save:dot,ln"])
 def test_remat_mode_errors(bad):
@@ -574,3 +586,68 @@ def test_lsa_needs_the_einsum_attention():
     params = init_params(jax.random.key(0), LSA)
     with pytest.raises(ValueError, match="einsum"):
         apply(params, _images(2, LSA), LSA, execution=Execution(attention="xla"))
+
+
+_LAST_BLOCK_CASES = {  # name -> (config changes, Execution fields)
+    "unrolled": ({}, {}),
+    "scan": ({}, {"scan": True}),
+    "threefry16": ({}, {"dropout_masks": "threefry16"}),
+    "unpacked masks": ({}, {"packed_masks": False}),
+    "remat block": ({}, {"remat": "block"}),
+    "save dots": ({}, {"remat": "block-save-dots"}),
+    "lsa": ({"lsa": True}, {}),
+    "layer scale, exact gelu": ({"layer_scale": 0.1, "gelu": "exact"}, {"scan": True}),
+    "depth 1": ({"depth": 1}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_LAST_BLOCK_CASES))
+def test_last_block_on_the_class_token_gives_the_same_loss_and_gradients(case):
+    """Execution.last_block "class-token" (the scripts' default): after the last block's
+    attention only the class token's row goes on, and the loss and every gradient equal
+    the whole block's (float32, dropout and stochastic depth on, every mask kind, loop,
+    remat mode, locality self-attention, layer scale) to float32 rounding."""
+    changes, fields = _LAST_BLOCK_CASES[case]
+    cfg = TINY.replace(dropout=0.1, drop_path=0.1, **changes)
+    params = init_params(jax.random.key(0), cfg)
+    images, labels = _images(4, cfg), jnp.arange(4) % cfg.num_classes
+
+    def loss(p, last_block):
+        execution = Execution(last_block=last_block, **fields)
+        logits = apply(p, images, cfg, train=True, rng=jax.random.key(3),
+                       example_ids=jnp.arange(4) + 5, execution=execution)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels])
+
+    (l_all, g_all), (l_cls, g_cls) = (jax.value_and_grad(loss)(params, b)
+                                      for b in ("all", "class-token"))
+    assert l_cls == pytest.approx(float(l_all), rel=1e-6)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_all))
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g_all), jax.tree.leaves(g_all),
+                          jax.tree.leaves(g_cls), strict=True):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, jax.tree_util.keystr(path[0])
+    # Every block's parameters get a gradient: the last block's query too.
+    assert float(jnp.abs(g_cls["blocks"]["attn"]["qkv"]["kernel"][-1, :, 0]).max()) > 0
+
+
+def test_last_block_on_the_class_token_returns_its_row_and_only_for_pool_cls():
+    """The encoder returns the class token's row (B, 1, E), equal to the whole block's
+    first row; the flag's default reaches the step, and pools that read other tokens keep
+    every row (`config.class_token_rows`), as do the pipelines (one program a stage)."""
+    params = init_params(jax.random.key(0), TINY)
+    x = model.embed(params, _images(3), TINY, Policy())
+    whole = model.encoder(params["blocks"], x, TINY, Policy())
+    first = model.encoder(params["blocks"], x, TINY, Policy(), class_token_only=True)
+    assert first.shape == (3, 1, TINY.width)
+    np.testing.assert_allclose(first[:, 0], whole[:, 0], rtol=1e-5, atol=1e-5)
+
+    parser = cli.build_parser("test")
+    sc = settings.step_config(cli.parse_args(parser, ["--model", "tiny"]), platform="cpu")
+    assert sc.execution.last_block == "class-token"
+    assert config.class_token_rows(TINY, sc.execution)
+    for pool in ("mean", "gap", "cls+mean"):
+        assert not config.class_token_rows(TINY.replace(pool=pool), sc.execution)
+    args = cli.parse_args(parser, ["--model", "tiny", "--last-block", "all"])
+    assert settings.step_config(args, platform="cpu").execution.last_block == "all"
+    strategy = train_shardmap.ShardMapStrategy(sc, optax.sgd(0.1), "pipe=2",
+                                               devices=jax.devices()[:2])
+    assert strategy.sc.execution.last_block == "all"

@@ -35,12 +35,12 @@ def test_i_and_w_give_the_gradients_of_one_vjp(policy):
     split = Split(fn, blocks, x, offset)
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(blocks)[0]]
     weights = {n for n, w in zip(names, split.weight_mask) if w}
-    # The matmul kernels W takes (fc2's sits inside the GELU's recompute, a jax.checkpoint,
-    # bound whole: it stays in I), and the biases those matmuls add themselves (q, k, v's
-    # and fc1's, a row of the weight-gradient product: layers.linear.dense); LayerNorm and
-    # the other biases stay in I.
+    # The matmul kernels W takes (all four: under remat "gelu" fc2's would sit inside the
+    # GELU's recompute, a jax.checkpoint bound whole, and stay in I), and the biases those
+    # matmuls add themselves (q, k, v's and fc1's, a row of the weight-gradient product:
+    # layers.linear.dense); LayerNorm and the other biases stay in I.
     assert {"['attn']['qkv']['kernel']", "['attn']['out']['kernel']",
-            "['mlp']['fc1']['kernel']"} <= weights
+            "['mlp']['fc1']['kernel']", "['mlp']['fc2']['kernel']"} <= weights
     assert {n for n in weights if "bias" in n} == {"['attn']['qkv']['bias']",
                                                    "['mlp']['fc1']['bias']"}
     assert not any("ln" in n for n in weights)
@@ -53,7 +53,7 @@ def test_i_and_w_give_the_gradients_of_one_vjp(policy):
         got_out, pull_i, acts = split.forward(blocks, x, offset)
         g_cheap, dx, dys = split.input_grads(pull_i(cot))
         g_weights = split.weight_grads(blocks, acts, dys, offset)
-        assert len(acts) == len(dys) == len(split.matmuls) == 3 * CFG.depth
+        assert len(acts) == len(dys) == len(split.matmuls) == 4 * CFG.depth
         return out, want_p, want_x, got_out, g_cheap, dx, g_weights
 
     out, want_p, want_x, got_out, g_cheap, dx, g_weights = both(blocks, x, offset)

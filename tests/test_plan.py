@@ -35,7 +35,7 @@ import train_pmap
 import train_shardmap as ts
 from benchmarks import bench
 from vit_pure import layout, step
-from vit_pure.config import PRESETS
+from vit_pure.config import PRESETS, Execution
 from vit_pure.model import count_params, init_params
 from vit_pure.pipeline import schedules
 from vit_pure.plan import build as plan
@@ -131,9 +131,12 @@ def test_program_flops_are_the_model_flops_but_one_unneeded_gradient(dp):
     the ones columns through which `layers.linear.dense` adds its biases."""
     unneeded = 2 * CFG.num_patches * CFG.patch_dim * E
     per_device = BATCH // 8
-    assert dp.program_flops == (bench.train_flops_per_image(CFG) - unneeded
-                                + flops.bias_column_flops_per_image(CFG)) * per_device
-    assert dp.model_flops == bench.train_flops_per_image(CFG) * per_device
+    execution = Execution(last_block="class-token")  # the scripts' default
+    assert dp.program_flops == (bench.train_flops_per_image(CFG, execution) - unneeded
+                                + flops.bias_column_flops_per_image(CFG, True, execution)
+                                - flops.outer_product_flops_per_image(CFG, execution)
+                                ) * per_device
+    assert dp.model_flops == bench.train_flops_per_image(CFG, execution) * per_device
 
 
 def test_fsdp_gathers_and_scatters_each_weight_once(fsdp):
@@ -168,11 +171,17 @@ def test_tensor_parallel_four_activation_all_reduces_per_layer(tp):
                     "vit_pure/model.py")
     backward = _from(p, 'return x if tp_axis is None else jax.lax.pcast(x, tp_axis, to="varying")',
                      "vit_pure/model.py")
-    assert len(forward) == len(backward) == 2 * L
+    # Each block's two branches, every token's row, but in the last block (on the class
+    # token, the scripts' default): its output projection and MLP all-reduce one row an
+    # example, and of its two inputs' gradients the MLP's is one row (the attention's,
+    # from the keys and values, covers every token).
+    rows, cls = b_local * T * E, b_local * E
+    assert sorted(c.elements for c in forward) == sorted([rows] * (2 * L - 2) + [cls] * 2)
+    assert sorted(c.elements for c in backward) == sorted([rows] * (2 * L - 1) + [cls])
     for c in forward + backward:
-        assert (c.kind, c.axes, c.count, c.elements) == ("all-reduce", "model", 1, b_local * T * E)
+        assert (c.kind, c.axes, c.count) == ("all-reduce", "model", 1)
         # XLA:CPU compiled it in f32; the target reduces bf16 (the lowered program's dtype).
-        assert (c.compiled_dtype, c.dtype, c.nbytes) == ("f32", "bf16", 2 * b_local * T * E)
+        assert (c.compiled_dtype, c.dtype, c.nbytes) == ("f32", "bf16", 2 * c.elements)
     assert any("_reduce_from_tp" in line and "counted as bf16" in line for line in p.corrections)
     # Every parameter is replicated over 'data' (its TP block): 4 bytes each, once.
     grads = _from(p, "lambda g, s: g if over_data(s) else lax.pmean(g, DATA)", "train_shardmap.py")
@@ -220,10 +229,13 @@ def test_scan_and_accumulation_multiply_by_trip_counts(loops):
     p, _ = loops
     K, b_micro = 2, BATCH // 2 // 2
     tp_ops = [c for c in p.collectives if c.axes == "model" and c.elements == b_micro * T * E]
-    # One forward and one backward loop body, each with two all-reduces, run L times per
-    # micro-batch, K micro-batches per step.
-    assert len(tp_ops) == 4 and all(c.count == L * K for c in tp_ops)
-    assert sum(c.count for c in tp_ops) == 4 * L * K
+    # One forward and one backward loop body, each with two all-reduces, run L - 1 times
+    # per micro-batch, K micro-batches per step; the last block, on the class token, runs
+    # once per micro-batch after the loop: its attention input's gradient over every
+    # token, its other three all-reduces over one row an example.
+    assert sorted(c.count for c in tp_ops) == [K] + [(L - 1) * K] * 4
+    cls_ops = [c for c in p.collectives if c.axes == "model" and c.elements == b_micro * E]
+    assert [c.count for c in cls_ops] == [K] * 3
     # The gradient all-reduce runs once per optimizer step, after the accumulation.
     grads = _from(p, "lambda g, s: g if over_data(s) else lax.pmean(g, DATA)", "train_shardmap.py")
     assert grads and all(c.count == 1 for c in grads)
@@ -383,8 +395,11 @@ def test_plan_for_64_devices_from_the_command_line(tmp_path):
                "install -r requirements-gpu.txt" in run.stdout
     activations = [c for c in record["collectives"] if c["axes"] == "model" and c["bytes"] > 8]
     assert len(activations) == 4 * L
-    assert ({(c["dtype"], c["bytes"], c["count"]) for c in activations}
-            == {("bf16", 2 * 4 * T * E, 1)})
+    # Every token's row (4 images a device), but three of the last block's, on the class
+    # token (`test_tensor_parallel_four_activation_all_reduces_per_layer`).
+    assert sorted(c["bytes"] for c in activations) == sorted(
+        [2 * 4 * E] * 3 + [2 * 4 * T * E] * (4 * L - 3))
+    assert {(c["dtype"], c["count"]) for c in activations} == {("bf16", 1)}
     # The gradients' all-reduces (4 bytes a param) and the two float32 metric sums (loss,
     # correct count): separate calls on XLA:CPU, one combined call on XLA:GPU.
     data = [c for c in record["collectives"] if c["axes"] == "data"]

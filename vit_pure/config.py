@@ -21,10 +21,12 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
     "minus1to1": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
-# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat).
+# The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat,
+# --last-block).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
-REMAT_MODES = ("none", "block", "block-save-dots")
+LAST_BLOCKS = ("all", "class-token")
+REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
 # `checkpoint_name`s vit_pure/layers/remat.py puts on values in the model's block.
@@ -151,9 +153,10 @@ class ViTConfig:
 
 
 def remat_saved_names(remat: str) -> tuple[str, ...]:
-    """The names `remat` keeps for the backward pass: () for "none" and "block" (which
-    keep nothing inside a block), ("dot",) for "block-save-dots", the names listed in
-    "block-save:NAME+NAME..." (from REMAT_SAVE_NAMES). ValueError for anything else."""
+    """The names `remat` keeps for the backward pass: () for "none", "gelu" and "block"
+    (no block checkpoint, or one that saves nothing inside), ("dot",) for
+    "block-save-dots", the names listed in "block-save:NAME+NAME..." (from
+    REMAT_SAVE_NAMES). ValueError for anything else."""
     if remat in REMAT_MODES:
         return ("dot",) if remat == "block-save-dots" else ()
     names = remat[len(REMAT_SAVE):].split("+") if remat.startswith(REMAT_SAVE) else []
@@ -165,7 +168,7 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How the model runs: seven performance knobs, each a choice between programs that
+    """How the model runs: six performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
     same distribution). The defaults are the reference program; the training scripts
     pick per backend (vit_pure/run/backend.py).
@@ -174,9 +177,10 @@ class Execution:
                    Python loop, unrolled in the trace (False: measured faster on CPU
                    and GPU, docs/performance.md).
     remat          what the backward pass keeps (vit_pure/layers/remat.py tags the values):
-      "none"             every activation the backward pass needs but the GELU's
-                         output, which the backward recomputes in the kernel of its
-                         derivative (layers/mlp.py's `_gelu_matmul`; fastest);
+      "none"             every activation the backward pass needs, nothing recomputed;
+      "gelu"             all of those but the GELU's output, which the backward pass
+                         recomputes in the kernel of its derivative (layers/mlp.py's
+                         `_gelu_matmul`): a (B*T, M) array less a block, written once more;
       "block"            only each block's input: the whole block forward is recomputed
                          in the backward pass (about one more forward pass);
       "block-save-dots"  the outputs of the block's matmuls and attention products (with
@@ -198,6 +202,14 @@ class Execution:
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same
                    masks and results; less memory and HBM traffic on a GPU.
+    last_block     "all" or "class-token": with ViTConfig.pool "cls" the head reads the
+                   class token alone, so after the last block's attention (whose keys and
+                   values need every token) only that token's row is needed. "class-token"
+                   computes its query, attention, output projection and MLP for that row
+                   alone (`model.encoder`'s `class_token_only`; 13.7% fewer FLOPs a step
+                   for vit-cifar); the same logits, loss and gradients. The pipelines
+                   keep every row: each stage runs one program, the last layer is not
+                   static there. Other pools read every token: "all" regardless.
     """
 
     scan: bool = False
@@ -205,14 +217,23 @@ class Execution:
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
     packed_masks: bool = True
+    last_block: str = "all"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
         _one_of("attention", self.attention, ATTENTION_IMPLS)
         _one_of("dropout_masks", self.dropout_masks, DROPOUT_MASKS)
+        _one_of("last_block", self.last_block, LAST_BLOCKS)
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
+
+
+def class_token_rows(cfg: ViTConfig, execution: Execution) -> bool:
+    """Whether the whole model's last block computes the class token's row alone
+    (`Execution.last_block`): the head reads that token only (pool "cls") and
+    `execution.last_block` says so."""
+    return cfg.pool == "cls" and execution.last_block == "class-token"
 
 
 PRESETS: dict[str, ViTConfig] = {

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from vit_pure.config import Execution, ViTConfig, remat_saved_names
-from vit_pure.layers.attention import self_attention
+from vit_pure.config import Execution, ViTConfig, class_token_rows, remat_saved_names
+from vit_pure.layers.attention import class_token_attention, self_attention
 from vit_pure.layers.dropout import drop_path, dropout, example_keys
 from vit_pure.layers.linear import add_bias, varying_like
 from vit_pure.layers.mlp import mlp
@@ -252,9 +252,11 @@ def embed(params, images, cfg: ViTConfig, policy: Policy, ex_keys=None,
 
 
 def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Execution,
-           tp_axis):
+           tp_axis, class_token_only: bool = False):
     """One pre-LayerNorm encoder block. p: this layer's params (no L axis); x (B*T, E),
     the residual stream as one row per token (`encoder`); attention alone sees (B, T).
+    `class_token_only`: after the attention's keys and values, only each example's first
+    row goes on (`attention.class_token_attention`): returns (B, E).
 
     Matmuls return the policy's matmul dtype (bf16 on GPU, f32 on CPU, see policy.py);
     the bias adds and the GELU run in it, the softmax and LayerNorm in float32. With
@@ -278,8 +280,12 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
         return (y.astype(F32) * ls["gamma"].astype(F32)).astype(y.dtype)
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
-    y = save_dot(_reduce_from_tp(self_attention(h, p["attn"], cfg, policy, execution),
-                                 tp_axis))  # the sum over heads
+    if class_token_only:  # the class token's rows from here on: (B, E)
+        y = class_token_attention(h, p["attn"], cfg, policy)
+        x = x.reshape(-1, cfg.seq_len, x.shape[-1])[:, 0]
+    else:
+        y = self_attention(h, p["attn"], cfg, policy, execution)
+    y = save_dot(_reduce_from_tp(y, tp_axis))  # the sum over heads
     x = x + residual(y, p["attn"]["out"]["bias"], _SITE_ATTN, _SITE_PATH_ATTN, p.get("ls1"))
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
@@ -290,8 +296,10 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
 
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
             execution: Execution = Execution(), tp_axis=None, gather: Callable | None = None,
-            layer_offset=0):
-    """Run the stacked blocks (leading axis = layers) over x (B, T, E); returns (B, T, E).
+            layer_offset=0, class_token_only: bool = False):
+    """Run the stacked blocks (leading axis = layers) over x (B, T, E); returns (B, T, E),
+    or with `class_token_only` (B, 1, E): the last block computes the class token's row
+    alone after its attention (`_block`; `class_token_rows` says when).
 
     Inside, the residual stream is a (B*T, E) matrix, one row per token (a free reshape):
     every matmul, LayerNorm, bias, GELU and dropout then works on rows, and attention
@@ -313,28 +321,36 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     layered = isinstance(blocks, (list, tuple))
     num_layers = len(blocks) if layered else jax.tree.leaves(blocks)[0].shape[0]
 
-    def body(x, p_and_layer):
-        p, layer = p_and_layer
-        p = compute_params(p, policy, gather, "blocks")
-        return _block(p, x, layer, cfg, policy, ex_keys, execution, tp_axis)
+    def make_body(last_row_only):
+        def body(x, p_and_layer):
+            p, layer = p_and_layer
+            p = compute_params(p, policy, gather, "blocks")
+            return _block(p, x, layer, cfg, policy, ex_keys, execution, tp_axis,
+                          last_row_only)
 
-    if execution.remat == "block":
-        body = jax.checkpoint(body)  # saves nothing inside the block
-    elif saved:
-        body = jax.checkpoint(body, policy=save_policy(saved))
+        if execution.remat == "block":
+            return jax.checkpoint(body)  # saves nothing inside the block
+        return jax.checkpoint(body, policy=save_policy(saved)) if saved else body
+
+    body = make_body(False)
     layers = layer_offset + jnp.arange(num_layers)
     B, T, E = x.shape
     if T != cfg.seq_len:  # `_block` splits the rows into examples of cfg.seq_len tokens
         raise ValueError(f"{cfg.name}: the encoder takes {cfg.seq_len} tokens, got {T}")
     x = x.reshape(B * T, E)
-    if execution.scan:
+    full = num_layers - class_token_only  # the layers that keep every row
+    if execution.scan and full:
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *blocks) if layered else blocks
-        x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x, (stacked, layers))
+        x, _ = jax.lax.scan(lambda x, pl: (body(x, pl), None), x,
+                            (jax.tree.map(lambda a: a[:full], stacked), layers[:full]))
     else:
-        for i in range(num_layers):
+        for i in range(full):
             p = blocks[i] if layered else jax.tree.map(lambda a: a[i], blocks)
             x = body(x, (p, layers[i]))
-    return x.reshape(B, T, E)
+    if not class_token_only:
+        return x.reshape(B, T, E)
+    p = blocks[-1] if layered else jax.tree.map(lambda a: a[-1], blocks)
+    return make_body(True)(x, (p, layers[-1])).reshape(B, 1, E)
 
 
 def pool(params, x, cfg: ViTConfig) -> jax.Array:
@@ -396,7 +412,8 @@ def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: b
     top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
     x = embed(top, images, cfg, policy, ex_keys, execution)
     x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution,
-                tp_axis=tp_axis, gather=gather)
+                tp_axis=tp_axis, gather=gather,
+                class_token_only=class_token_rows(cfg, execution))
     return head(top, x, cfg, policy)
 
 
@@ -410,5 +427,6 @@ def features(params, images, cfg: ViTConfig, policy: Policy = Policy(), *,
                          policy, gather)
     x = embed(top, images, cfg, policy, None, execution)
     x = encoder(params["blocks"], x, cfg, policy, None, execution=execution,
-                tp_axis=tp_axis, gather=gather)
+                tp_axis=tp_axis, gather=gather,
+                class_token_only=class_token_rows(cfg, execution))
     return pool(top, x, cfg)

@@ -12,6 +12,10 @@ Three attention implementations compute the same function of the same parameters
   and v each come from its own matmul on the padded LayerNorm output, already in the
   call's layout (`padded_projections`).
 
+With ViTConfig.pool "cls" the last block may compute the class token's row alone
+(`class_token_attention`, Execution.last_block "class-token"): keys and values from every
+token, the query from the class token, the two products as einsums of one query row.
+
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.
 """
@@ -55,6 +59,34 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     if Tc != T:
         y = y.reshape(B, Tc * E)[:, :T * E].reshape(B * T, E)
     return y
+
+
+def class_token_attention(h, a, cfg: ViTConfig, policy: Policy):
+    """`self_attention` for the class token's row alone: h (B*T, E) compute dtype, the
+    class token each example's first row -> (B, E), that row's output projection in the
+    matmul dtype, before its bias (with tensor parallelism a partial sum over Hl heads).
+
+    Keys and values come from every row (one ones-column copy of h for both, `with_ones`),
+    the query from the first row alone; the two products are einsums with one query row
+    (scores (B, Hl, T), no padding and no fused kernel: a (1, T) score matrix per head).
+    With locality self-attention the class token's score for itself (key 0) is masked."""
+    E, T, D = h.shape[-1], cfg.seq_len, cfg.head_dim
+    B, cd = h.shape[0] // T, policy.compute_dtype
+    w, b = a["qkv"]["kernel"].reshape(E, 3, -1), a["qkv"]["bias"].reshape(3, -1)
+    hk = with_ones(h)
+    k, v = (dense_with_ones(hk, w[:, i], b[i], policy).reshape(B, T, -1, D).astype(cd)
+            for i in (1, 2))  # (B, T, Hl, D) each
+    q = dense(h.reshape(B, T, E)[:, 0], w[:, 0], b[0], policy).reshape(B, -1, D).astype(cd)
+    scores = save_dot(einsum("bhd,bthd->bht", q, k, policy)).astype(F32)  # (B, Hl, T)
+    log_scale = a.get("log_scale")
+    if log_scale is None:
+        scores = scores / math.sqrt(D)
+    else:
+        scores = scores * jnp.exp(log_scale.astype(F32))[:, None]
+        scores = jnp.where(jnp.arange(T) == 0, -jnp.inf, scores)  # the token itself
+    probs = jax.nn.softmax(scores, axis=-1).astype(cd)
+    ctx = save_dot(einsum("bht,bthd->bhd", probs, v, policy)).astype(cd)  # (B, Hl, D)
+    return matmul(ctx.reshape(B, -1), a["out"]["kernel"].reshape(-1, E), policy)
 
 
 def attention_einsum(qkv, cfg: ViTConfig, policy: Policy, log_scale=None):

@@ -32,7 +32,7 @@ def mlp(h, m, policy: Policy, execution: Execution, gelu: str = "tanh"):
     hidden units and the result is this device's partial sum. `gelu`: ViTConfig.gelu."""
     h = dense(h, m["fc1"]["kernel"], m["fc1"]["bias"], policy)  # (rows, Ml), matmul dtype
     return _gelu_matmul(h, m["fc2"]["kernel"], policy.compute_dtype, policy,
-                        recompute=execution.remat == "none", exact=gelu == "exact")
+                        recompute=execution.remat == "gelu", exact=gelu == "exact")
 
 
 def gelu_and_slope(x):
@@ -77,7 +77,7 @@ _gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def _gelu_matmul(x, w, dtype, policy: Policy, recompute: bool, exact: bool = False):
-    """`_gelu`(x) @ w with the policy's matmul. With `recompute` (remat "none", where
+    """`_gelu`(x) @ w with the policy's matmul. With `recompute` (remat "gelu", where
     nothing else is recomputed) the GELU's output, a (B*T, M) activation, is not kept
     for the backward pass: the backward recomputes it from x, which the GELU's
     derivative reads anyway, and XLA makes both in one kernel. A block then holds one

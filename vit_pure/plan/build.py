@@ -137,9 +137,10 @@ def params_per_device(strategy, sc) -> int:
                                             is_leaf=lambda x: isinstance(x, P))))
 
 
-def model_flops_per_device(cfg, global_batch: int, devices: int) -> float:
-    """bench.py's count (matmuls, training = 3 x forward) for this device's share."""
-    return train_flops_per_image(cfg) * global_batch / devices
+def model_flops_per_device(sc, global_batch: int, devices: int) -> float:
+    """bench.py's count (matmuls, training = 3 x forward) for this device's share, of the
+    program `sc` runs (its `execution`: the last block on the class token or not)."""
+    return train_flops_per_image(sc.cfg, sc.execution) * global_batch / devices
 
 
 def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
@@ -238,7 +239,8 @@ def build_plan(strategy, sc, optimizer, global_batch: int, hw: ic.Hardware, *,
     return Plan(script, devices, mesh, hw, efficiency, global_batch, per_device_batch,
                 sc.cfg.seq_len, params_per_device(strategy, sc), found,
                 calls, corrections, program_flops,
-                model_flops_per_device(sc.cfg, global_batch, devices), memory, compile_s, notes,
+                model_flops_per_device(strategy.sc, global_batch, devices),
+                memory, compile_s, notes,
                 compiled, platform="gpu" if gpu else "cpu", gpu_program=gpu_program,
                 algorithm=algorithm, pipeline=pipeline_summary(strategy))
 

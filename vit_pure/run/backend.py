@@ -226,6 +226,7 @@ class StepFlags:
     eval_flip: bool
     eval_corners: bool = False
     trainable: str = "all"
+    last_block: str = "all"
 
 
 def step_config(flags: StepFlags, platform: str | None = None, device=None) -> StepConfig:
@@ -248,7 +249,7 @@ def step_config(flags: StepFlags, platform: str | None = None, device=None) -> S
     _check_attention(choices.attention, choices.policy, platform, flags.cfg)
     execution = Execution(scan=choices.scan, remat=flags.remat, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
-                          packed_masks=choices.packed_masks)
+                          packed_masks=choices.packed_masks, last_block=flags.last_block)
     return StepConfig(flags.cfg, choices.policy, flags.label_smoothing, flags.grad_clip,
                       execution=execution,
                       randaugment=tuple(flags.randaugment),

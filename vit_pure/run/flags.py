@@ -9,6 +9,7 @@ from typing import Any
 from vit_pure.config import (
     ATTENTION_IMPLS,
     DROPOUT_MASKS,
+    LAST_BLOCKS,
     POOLS,
     PRESETS,
     REMAT_SAVE_NAMES,
@@ -158,13 +159,20 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="recompute in the backward pass: each whole encoder block (block), all "
                         "but its matmul outputs (block-save-dots), or all but the values named "
                         f"(block-save:NAMES, NAMES from {'+'.join(REMAT_SAVE_NAMES)}, e.g. "
-                        "block-save:dot+mask), or nothing (none); same results, less memory")
+                        "block-save:dot+mask), only the GELU's output (gelu), or nothing "
+                        "(none); same results, less memory")
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         "einsum")
+    g.add_argument("--last-block", default="class-token", choices=list(LAST_BLOCKS),
+                   help="with --pool cls, the last block's query, attention, output projection "
+                        "and MLP for the class token alone, the only row the head reads "
+                        "(class-token), or for every token (all); same results, 13.7%% fewer "
+                        "FLOPs for vit-cifar (docs/performance.md). Pipelines and other pools "
+                        "compute every row (default: class-token)")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "

@@ -33,14 +33,14 @@ from vit_pure.step import StepConfig
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
 # the same computation runs (devices, mesh layout, FSDP, accumulation, scan / remat, the
-# attention implementation -- the same math, though float sums may round differently),
-# what is logged and evaluated, and the checkpoint / profiling plumbing. Every other flag
-# fixes the trajectory and must match; a flag added later is compared unless it is listed
-# here. A checkpoint written while one of these was still compared records it: it is
-# ignored there too (`first_difference`).
+# attention implementation, the last block's rows -- the same math, though float sums may
+# round differently), what is logged and evaluated, and the checkpoint / profiling
+# plumbing. Every other flag fixes the trajectory and must match; a flag added later is
+# compared unless it is listed here. A checkpoint written while one of these was still
+# compared records it: it is ignored there too (`first_difference`).
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
-    "attention", "pipeline_schedule", "virtual_stages",
+    "attention", "last_block", "pipeline_schedule", "virtual_stages",
     "eval_only", "eval_flip", "eval_corners",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",

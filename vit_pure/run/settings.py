@@ -167,7 +167,7 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
         ema=args.ema, eval_flip=args.eval_flip, eval_corners=args.eval_corners,
-        trainable=args.trainable)
+        trainable=args.trainable, last_block=args.last_block)
 
 
 def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
