@@ -601,7 +601,12 @@ _LAST_BLOCK_CASES = {  # name -> (config changes, Execution fields)
 }
 
 
-@pytest.mark.parametrize("case", list(_LAST_BLOCK_CASES))
+_LAST_BLOCK_DEFAULT = ("unrolled", "threefry16", "remat block", "lsa")  # the rest `slow`
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=() if case in _LAST_BLOCK_DEFAULT else (pytest.mark.slow,))
+    for case in _LAST_BLOCK_CASES])
 def test_last_block_on_the_class_token_gives_the_same_loss_and_gradients(case):
     """Execution.last_block "class-token" (the scripts' default): after the last block's
     attention only the class token's row goes on, and the loss and every gradient equal
