@@ -70,6 +70,10 @@ def test_kit_variant_flags():
         peers.check_kit_flags(["--no-such-flag"], "x=--no-such-flag")
 
 
+# The kit row of the tests below: no dropout, no RandAugment (cheaper to compile).
+NODROP = "--dropout 0 --randaugment 0"
+
+
 def test_kit_row_and_skipped_peers(tmp_path):
     """The real kit step on the tiny model, 2 timed steps, in a child process; the peers
     whose package is missing are rows that say so (those installed: test below)."""
@@ -77,7 +81,7 @@ def test_kit_row_and_skipped_peers(tmp_path):
     out = tmp_path / "peers.json"
     record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
                          "--only", ",".join(["kit", *missing]),
-                         "--kit", "nodrop=VIT_PURE_PEERS_PROBE=on --dropout 0 --randaugment 0",
+                         "--kit", f"nodrop=VIT_PURE_PEERS_PROBE=on {NODROP}",
                          "--matmul-size", "64", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     assert record["ceiling"]["flops_per_s"] > 0
@@ -114,8 +118,12 @@ def test_installed_peer_runs(entry):
 @pytest.mark.slow
 def test_rounds_run_each_row_again_in_reverse(tmp_path, capsys):
     out = tmp_path / "peers.json"
+    # Both rows run the program of test_kit_row_and_skipped_peers's row (no dropout, no
+    # RandAugment: RandAugment alone doubles the tiny step's compile time), which the run's
+    # compilation cache holds once any of them has compiled it: the rounds' bookkeeping is
+    # under test here, not what the rows run.
     record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
-                         "--only", "kit", "--kit", "a=", "--kit", "b=--dropout 0",
+                         "--only", "kit", "--kit", f"a={NODROP}", "--kit", f"b={NODROP}",
                          "--rounds", "2", "--matmul-size", "64", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "# round 1/2: kit: a, kit: b" in printed and "# round 2/2: kit: b, kit: a" in printed
@@ -130,8 +138,10 @@ def test_rounds_run_each_row_again_in_reverse(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_profile_kit(tmp_path, capsys):
+    # The row of test_kit_row_and_skipped_peers's program (its compile cached), whose
+    # matmuls the profile's categories must show as any step's would.
     record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "1", "--warmup", "1",
-                         "--only", "kit", "--matmul-size", "64",
+                         "--only", "kit", "--kit", f"nodrop={NODROP}", "--matmul-size", "64",
                          "--profile-kit", str(tmp_path)])
     assert record["profile"]["total_us"] > 0
     assert "gemm/matmul" in {c["category"] for c in record["profile"]["categories"]}

@@ -10,6 +10,7 @@ devices) against `jax.grad` of the mean loss on one device, within the tolerance
 tests/test_layout_matrix.py: one zb-h1 cell in the default tier, the rest `slow`.
 """
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -300,14 +301,9 @@ def _run(sc, mesh=None, k=None, schedule="gpipe", v=1, fsdp=False, steps=0, n=BA
     return jax.device_get(grads), jax.device_get(metrics), losses
 
 
-_REFERENCES = {}
-
-
-def _reference(policy, accum, steps):
-    key = (policy, accum, steps)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _run(_sc(policy, accum), steps=steps)
-    return _REFERENCES[key]
+@functools.cache  # cells of one recipe share its reference (the remat cells, THREE at n=20)
+def _reference(sc, steps, n):
+    return _run(sc, steps=steps, n=n)
 
 
 def _sc(policy, accum):
@@ -315,18 +311,16 @@ def _sc(policy, accum):
 
 
 def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None, n=BATCH):
-    if sc is not None:  # a recipe of its own: its own reference
-        ref_grads, ref_metrics, ref_losses = _run(sc, steps=steps, n=n)
-    elif Policy.parse(policy).needs_loss_scaling:
+    sc = sc or _sc(policy, accum)  # (given: a recipe of its own, with its own reference)
+    assert sc.policy == Policy.parse(policy)
+    if sc.policy.needs_loss_scaling:
         # fp16: the scaled per-device loss overflows or not depending on the per-device
         # batch, so the reference is GPipe on the same mesh (tests/test_pipeline.py ties
         # GPipe to the single-device step), as tests/test_layout_matrix.py compares fp16
         # layouts with data parallelism over the same devices.
-        ref_grads, ref_metrics, ref_losses = _run(_sc(policy, accum), mesh, k, "gpipe",
-                                                  steps=steps)
+        ref_grads, ref_metrics, ref_losses = _run(sc, mesh, k, "gpipe", steps=steps, n=n)
     else:
-        ref_grads, ref_metrics, ref_losses = _reference(policy, accum, steps)
-    sc = sc or _sc(policy, accum)
+        ref_grads, ref_metrics, ref_losses = _reference(sc, steps, n)
     grads, metrics, losses = _run(sc, mesh, k, schedule, v, fsdp, steps, n)
     tol_metrics, tol_params = tolerances(Policy.parse(policy))
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=tol_metrics)
@@ -373,22 +367,27 @@ def test_zb_h1_equals_the_reference():
 
 
 DEEP = dataclasses.replace(_sc("fp32", 1), cfg=CFG.replace(depth=6))  # splits into 3 stages
+# One block a stage on 3 stages, for the cells about the schedule on an odd number of
+# stages: the stage's body is the same code for one block or several (the cells on 2
+# stages run 2 blocks a stage), and each block more costs seconds of compile time.
+THREE = dataclasses.replace(_sc("fp32", 1), cfg=CFG.replace(depth=3))
 
 
 @pytest.mark.slow
 def test_three_stages_and_five_micro_batches_equal_the_reference():
     """1F1B on an odd number of stages (pairs (0,1) swap at even ticks, (1,2) at odd ones,
     stage 2 alone at even ticks) and a K that is no multiple of them."""
-    _check("fp32", 1, "data=2,pipe=3", 5, "1f1b", sc=DEEP, n=20)
+    _check("fp32", 1, "data=2,pipe=3", 5, "1f1b", sc=THREE, n=20)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,k,schedule,v,n", [
-    ("data=2,pipe=3", 3, "interleaved", 2, 12),   # virtual stages round three devices
-    ("data=2,pipe=3", 5, "zb-h1", 1, 20),
-])
-def test_three_stages_slow_cells(mesh, k, schedule, v, n):
-    _check("fp32", 1, mesh, k, schedule, v, sc=DEEP, n=n)
+@pytest.mark.parametrize("mesh,k,schedule,v,sc,n", [
+    # virtual stages round three devices (2 chunks of 3 stages: DEEP's 6 blocks)
+    ("data=2,pipe=3", 3, "interleaved", 2, DEEP, 12),
+    ("data=2,pipe=3", 5, "zb-h1", 1, THREE, 20),
+], ids=["data=2,pipe=3-3-interleaved-2-12", "data=2,pipe=3-5-zb-h1-1-20"])
+def test_three_stages_slow_cells(mesh, k, schedule, v, sc, n):
+    _check("fp32", 1, mesh, k, schedule, v, sc=sc, n=n)
 
 
 @pytest.mark.slow
@@ -396,8 +395,8 @@ def test_zb_h1_with_tensor_parallelism_without_fsdp():
     _check("fp32", 1, "data=2,model=2,pipe=2", 4, "zb-h1")
 
 
-def _mixing(policy="fp32"):
-    return dataclasses.replace(_sc(policy, 1), mixup_alpha=0.8, cutmix_alpha=1.0)
+def _mixing(policy="fp32", cfg=CFG):
+    return dataclasses.replace(_sc(policy, 1), cfg=cfg, mixup_alpha=0.8, cutmix_alpha=1.0)
 
 
 @pytest.mark.slow
@@ -405,7 +404,9 @@ def test_mixed_micro_batches_equal_the_reference():
     """mixup / cutmix: the table-driven program prepares each micro-batch where stage 0
     embeds it; its rows must be the whole slice's preparation (pairs 2k, 2k+1 and the
     step's draws), so the step equals the reference that mixes the slice at once."""
-    _check("fp32", 1, "data=4,pipe=2", 2, "1f1b", sc=_mixing())
+    # Two blocks, one a stage: the batch is prepared before the first block, so the blocks
+    # behind it prove nothing more here (depth 4 compiled this program in twice the time).
+    _check("fp32", 1, "data=4,pipe=2", 2, "1f1b", sc=_mixing(cfg=CFG.replace(depth=2)))
 
 
 def test_mixing_needs_even_micro_batches():
