@@ -35,8 +35,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     # test image scored by an EMA of the weights on ten views (itself, four corner crops,
     # and the five's mirrors).
     #   python train_shardmap.py --recipe cpu-quick --data-dir ../shared/data/cifar10-subset
-    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-27: 61.5% test (EMA), 6 min 7 s wall,
-    #     compilation and evaluation included; --seed 1: 62.4%.
+    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-27: 61.1% test (EMA), 5 min 5 s wall,
+    #     compilation and evaluation included; --seed 1: 60.1%.
     #   Not yet run on the avx512_bf16 and AMX CPUs (bf16 there); the recipe before the
     #     4,000 images and ten views: 58.5% (AMX Xeon, 5 min 5 s) and 58.6% (avx512_bf16,
     #     2 min 31 s), 2026-11-26.
