@@ -230,9 +230,8 @@ class Execution:
 
 
 def class_token_rows(cfg: ViTConfig, execution: Execution) -> bool:
-    """Whether the whole model's last block computes the class token's row alone
-    (`Execution.last_block`): the head reads that token only (pool "cls") and
-    `execution.last_block` says so."""
+    """Whether the whole model's last block computes the class token's row alone: the
+    head reads that token only (pool "cls") and `execution.last_block` says so."""
     return cfg.pool == "cls" and execution.last_block == "class-token"
 
 

@@ -22,6 +22,12 @@ def _block_flops(cfg: ViTConfig, rows: int) -> int:
             + 2 * rows * E * M)            # fc1, fc2
 
 
+def _last_block_rows(cfg: ViTConfig, execution: Execution) -> int:
+    """The rows the last block's query, output projection and MLP run on: 1 on the class
+    token (`config.class_token_rows`), else every token."""
+    return 1 if class_token_rows(cfg, execution) else cfg.seq_len
+
+
 def forward_flops_per_image(cfg: ViTConfig, execution: Execution = Execution()) -> int:
     """Matmul FLOPs (2 per multiply-add) of one image's forward pass.
 
@@ -38,8 +44,8 @@ def forward_flops_per_image(cfg: ViTConfig, execution: Execution = Execution()) 
         stem += side * side * 9 * c_in * c_out
         c_in = c_out
     patch_embed = stem + cfg.num_patches * cfg.patch_dim * E
-    last = 1 if class_token_rows(cfg, execution) else T
-    blocks = (cfg.depth - 1) * _block_flops(cfg, T) + _block_flops(cfg, last)
+    blocks = ((cfg.depth - 1) * _block_flops(cfg, T)
+              + _block_flops(cfg, _last_block_rows(cfg, execution)))
     head = E * cfg.num_classes
     return 2 * (patch_embed + blocks + head)
 
@@ -62,8 +68,8 @@ def bias_column_flops_per_image(cfg: ViTConfig, train: bool = True,
     weight gradient's (the input gradient leaves them out). Not model FLOPs: MFU counts
     `train_flops_per_image` alone."""
     T, E, M = cfg.seq_len, cfg.width, cfg.mlp_dim
-    last = 1 if class_token_rows(cfg, execution) else T
-    columns = (cfg.depth - 1) * T * (3 * E + M) + T * 2 * E + last * (E + M)
+    columns = ((cfg.depth - 1) * T * (3 * E + M) + T * 2 * E
+               + _last_block_rows(cfg, execution) * (E + M))
     return 2 * ONES_WIDTH * columns * (2 if train else 1)
 
 
