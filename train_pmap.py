@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from vit_pure import step
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, hostmem, loop
-from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_flags
+from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
 
 AXIS = "data"
 
@@ -147,14 +147,14 @@ def main(argv=None) -> dict:
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
         return plan.run(PlanConfig.from_args(args), functools.partial(
-            backend.step_config, step_flags(args)), lambda sc, optimizer, devices: PmapStrategy(
+            step_config, args), lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
     backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
     # --init-from: the file's weights fitted to the model (which it may change), or None.
     pretrained = pretrained_weights(args)
     # The flags become two frozen values, here, once: nothing below reads `args`.
-    sc, rc = backend.step_config(step_flags(args)), RunConfig.from_args(args)
+    sc, rc = step_config(args), RunConfig.from_args(args)
     return loop.run(rc, sc, PmapStrategy, init_params=pretrained)
 
 

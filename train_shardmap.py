@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import os
 import sys
@@ -54,7 +53,7 @@ from vit_pure.layout import like_param as _like_param
 from vit_pure.model import init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_flags
+from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -256,8 +255,8 @@ class ShardMapStrategy:
         # and exports keep the layers in order.
         self.block_order = (pipeline.block_order(sc.cfg.depth, self.stages, virtual_stages)
                             if self.stages > 1 and virtual_stages > 1 else None)
-        if self.stages > 1:  # every stage runs one program: the last block keeps every row
-            sc = dataclasses.replace(sc, execution=sc.execution.replace(last_block="all"))
+        if self.stages > 1:  # what the pipeline runs of it (every row of the last block)
+            sc = pipeline.step_config(sc)
         self.optimizer = optimizer
         self.batch_divisor = sizes[DATA]
         self.sc = sc
@@ -501,7 +500,7 @@ def main(argv=None) -> dict:
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
         return plan.run(PlanConfig.from_args(args), functools.partial(
-            backend.step_config, step_flags(args)), lambda sc, optimizer, devices: ShardMapStrategy(
+            step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches, schedule=args.pipeline_schedule,
             virtual_stages=args.virtual_stages), "train_shardmap.py")
@@ -510,7 +509,7 @@ def main(argv=None) -> dict:
     # --init-from: the file's weights fitted to the model (which it may change), or None.
     pretrained = pretrained_weights(args)
     # The flags become two frozen values, here, once: nothing below reads `args`.
-    sc, rc = backend.step_config(step_flags(args)), RunConfig.from_args(args)
+    sc, rc = step_config(args), RunConfig.from_args(args)
 
     def make_strategy(sc, optimizer):
         return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,

@@ -289,10 +289,9 @@ class StepConfig:
     policy: Policy
     label_smoothing: float = 0.0
     grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
-    # How the model runs (--scan, --remat, --attention, --dropout-masks): config.Execution.
-    # Its default layer loop, unrolled, is what the training scripts resolve to on CPU and
-    # GPU (run/backend.py resolve, measured faster there), so a StepConfig built directly
-    # runs the program users run; `backend.step_config` sets it per backend (a scan on TPU).
+    # How the model runs (--scan, --remat, --attention, --dropout-masks, --last-block):
+    # config.Execution, whose defaults are what the scripts run on a CPU; run/settings.py
+    # `step_config` lets the flags and the backend (run/backend.py) change them.
     execution: Execution = Execution()
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix

@@ -24,6 +24,7 @@ sends are all in `ticks.exchange`. The 'data' axis (and FSDP) stays in the scrip
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -52,6 +53,13 @@ def check_pipeline(cfg: ViTConfig, stages: int, microbatches: int,
     if local_batch is not None and local_batch % microbatches:
         raise ValueError(f"pipeline: the per-device batch {local_batch} does not divide into "
                          f"{microbatches} micro-batches")
+
+
+def step_config(sc: StepConfig) -> StepConfig:
+    """What a pipeline runs of `sc`: the last block on every row. Each stage runs one
+    program for whichever blocks it holds (`pipelined_encoder`), so no stage's last layer is
+    statically the model's, and the class token's row cannot be split off there."""
+    return dataclasses.replace(sc, execution=sc.execution.replace(last_block="all"))
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

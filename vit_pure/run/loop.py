@@ -441,6 +441,8 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
+    log(f"execution: {sc.execution.describe()}", event="execution",
+        **dataclasses.asdict(sc.execution))
 
 
 def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
