@@ -50,7 +50,7 @@ from vit_pure import layout, pipeline, step
 from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.layout import like_param as _like_param
-from vit_pure.model import init_params, param_axes
+from vit_pure.model import Parallel, init_params, param_axes
 from vit_pure.plan import build as plan
 from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
 from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
@@ -320,9 +320,13 @@ class ShardMapStrategy:
 
     # -------------------------------------------------------------------- the two steps
     def _build(self, optimizer):
-        sc, tp, specs = self.sc, self.tp_axis, self.param_specs
-        gather = (make_gather(fsdp_gather_axes(specs), sc.policy.compute_dtype) if self.fsdp
-                  else None)
+        sc, specs = self.sc, self.param_specs
+        # Where the model's own collectives go: tensor parallelism's axis, FSDP's gather
+        # hook, the pipeline's axis (model.Parallel).
+        par = Parallel(tp_axis=self.tp_axis,
+                       gather=(make_gather(fsdp_gather_axes(specs), sc.policy.compute_dtype)
+                               if self.fsdp else None),
+                       pipe_axis=PIPE if self.stages > 1 else None)
 
         def over_data(spec):  # is this leaf split over 'data' (FSDP)?
             return DATA in mesh_axes(spec)
@@ -343,12 +347,12 @@ class ShardMapStrategy:
             if self.stages > 1:  # pipelined over 'pipe' (vit_pure/pipeline/)
                 grads, metrics = pipeline.pipeline_grads(
                     sc, params, state["loss_scale"], images, labels, example_ids, key,
-                    pipe_axis=PIPE, microbatches=self.microbatches, tp_axis=tp, gather=gather,
-                    schedule=self.schedule, virtual=self.virtual_stages)
+                    par=par, microbatches=self.microbatches, schedule=self.schedule,
+                    virtual=self.virtual_stages)
             else:
                 grads, metrics = step.local_grads(
                     sc, params, state["loss_scale"], images, labels, example_ids, key,
-                    tp_axis=tp, gather=gather)
+                    par=par)
             # All-reduce (mean) over 'data' of the gradients of the data-replicated params:
             # local -> global mean loss. FSDP shards skip this: their gradients were
             # reduce-scattered (mean) over 'data' in fsdp_gather's backward pass. (The
@@ -383,19 +387,17 @@ class ShardMapStrategy:
         def eval_step(state, images, labels, mask):
             if self.stages > 1:
                 sums = pipeline.pipeline_eval(sc, state["params"], images, labels, mask,
-                                              pipe_axis=PIPE, microbatches=self.microbatches,
-                                              tp_axis=tp, gather=gather,
+                                              par=par, microbatches=self.microbatches,
                                               virtual=self.virtual_stages)
             else:
-                sums = step.local_eval(sc, state["params"], images, labels, mask, tp_axis=tp,
-                                       gather=gather)
+                sums = step.local_eval(sc, state["params"], images, labels, mask, par=par)
             # All-reduce (sum) of loss / correct / count over 'data' (padding is masked).
             return lax.psum(sums, DATA)
 
         def features_step(state, images):
             # A frozen backbone's features (--trainable head: vit_pure/run/probe.py), each
             # device's rows of the batch; no collective beyond the model's own.
-            return step.local_features(sc, state["params"], images, tp_axis=tp, gather=gather)
+            return step.local_features(sc, state["params"], images, par=par)
 
         batch = P(DATA)
         self.train_step = jax.jit(jax.shard_map(

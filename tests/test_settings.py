@@ -15,9 +15,9 @@ import pytest
 
 import train_shardmap
 from vit_pure.config import Execution
+from vit_pure.policy import Policy
 from vit_pure.run import cli, settings
 from vit_pure.run.settings import PlanConfig, RunConfig
-from vit_pure.policy import Policy
 from vit_pure.step import OptimConfig, StepConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -11,12 +11,12 @@ the pieces, once:
     state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
 
 What the trace of `local_grads` / `local_eval` may still hold comes from what they are
-handed or call: with `tp_axis`, the model's two tensor-parallel operators
-(`model._copy_to_tp`, a pcast whose transpose is a psum, and `model._reduce_from_tp`, a
-psum); with `gather`, the script's FSDP hook (an all_gather, a reduce-scatter in the
-backward pass). `accumulate` is the one gradient path: `local_grads` and
-`pipeline.pipeline_grads` (whose loss carries the pipeline schedule's ppermute and psum)
-both run through it.
+handed in `model.Parallel` or call: with its `tp_axis`, the model's two tensor-parallel
+operators (`model._copy_to_tp`, a pcast whose transpose is a psum, and
+`model._reduce_from_tp`, a psum); with its `gather`, the script's FSDP hook (an
+all_gather, a reduce-scatter in the backward pass). `accumulate` is the one gradient
+path: `local_grads` and `pipeline.pipeline_grads` (whose loss carries the pipeline
+schedule's ppermute and psum) both run through it.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from vit_pure.config import INPUT_SCALINGS, Execution, ViTConfig
 from vit_pure.data import augment as augment_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
-from vit_pure.model import apply, features, init_params
+from vit_pure.model import Parallel, apply, features, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
 
 F32 = jnp.float32
@@ -320,20 +320,19 @@ class StepConfig:
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
-                key, *, tp_axis=None, gather=None):
+                key, *, par: Parallel = Parallel()):
     """Loss and gradients of *this device's* slice of the batch; it writes no collective.
 
     Returns (grads of the local mean loss, unscaled), {"loss", "accuracy"} local means.
     `key` is the step's key (the same on every device); each example's randomness comes
     from its global `example_ids` entry, never from the device it sits on. The model's
-    tensor-parallel operators (`tp_axis`) and the FSDP hook (`gather`) put their own
-    collectives into the trace; see the module docstring. Gradient accumulation
-    (`sc.accum_steps`): see `accumulate`.
+    tensor-parallel operators (`par.tp_axis`) and the FSDP hook (`par.gather`, both of
+    `model.Parallel`) put their own collectives into the trace; see the module docstring.
+    Gradient accumulation (`sc.accum_steps`): see `accumulate`.
     """
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                       example_ids=example_ids, execution=sc.execution, tp_axis=tp_axis,
-                       gather=gather)
+                       example_ids=example_ids, execution=sc.execution, par=par)
         return train_metrics(sc, logits, labels, targets)
 
     return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
@@ -465,15 +464,15 @@ def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
     return new, finite
 
 
-def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
+def local_eval(sc: StepConfig, params, images_u8, labels, mask, *,
+               par: Parallel = Parallel()):
     """Sums over this device's slice (padding masked out): loss, correct, count."""
     return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy,
-                                              execution=sc.execution, tp_axis=tp_axis,
-                                              gather=gather),
+                                              execution=sc.execution, par=par),
                      images_u8, labels, mask)
 
 
-def local_features(sc: StepConfig, params, images_u8, *, tp_axis=None, gather=None):
+def local_features(sc: StepConfig, params, images_u8, *, par: Parallel = Parallel()):
     """The head's inputs for this device's slice, of each image and of its left-right
     mirror: (b, 2, F) float32 (the evaluation's preparation, no augmentation or dropout).
     A frozen backbone's features for a linear probe (vit_pure/run/probe.py); no collective
@@ -482,8 +481,8 @@ def local_features(sc: StepConfig, params, images_u8, *, tp_axis=None, gather=No
                             inputs=sc.cfg.inputs)
 
     def one(x):
-        return features(params, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
-                        gather=gather).astype(F32)
+        return features(params, x, sc.cfg, sc.policy, execution=sc.execution,
+                        par=par).astype(F32)
     return jnp.stack([one(images), one(images[:, :, ::-1])], axis=1)
 
 
