@@ -1,4 +1,4 @@
-"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
+r"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
 
     python train_shardmap.py --batch 4096 --dtype bf16 --data-dir ./data
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \

@@ -1,4 +1,4 @@
-"""Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
+r"""Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
 
     python -m benchmarks.bench --cpu-devices 8 \
         --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"

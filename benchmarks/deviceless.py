@@ -1,4 +1,4 @@
-"""The kit's training step compiled for a GPU without one, configurations side by side.
+r"""The kit's training step compiled for a GPU without one, configurations side by side.
 
     python -m benchmarks.deviceless                       # the default rows (build_jobs)
     python -m benchmarks.deviceless --kit "as written=" --kit "einsum=--attention einsum" \

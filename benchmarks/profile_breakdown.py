@@ -1,4 +1,4 @@
-"""Device time of a jax.profiler trace, split by kind of kernel.
+r"""Device time of a jax.profiler trace, split by kind of kernel.
 
     python -m benchmarks.profile_breakdown /tmp/prof             # newest run under it
     python -m benchmarks.profile_breakdown /tmp/prof/plugins/profile/RUN/host.trace.json.gz

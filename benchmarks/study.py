@@ -1,4 +1,4 @@
-"""Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
+r"""Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
 precision do to memory, speed and the loss, measured on the real training step.
 
     python -m benchmarks.study --model vit-cifar --steps 3 --out study.md --png study.png

@@ -1,4 +1,4 @@
-"""Peer benchmark: this kit's training step against Flax NNX and PyTorch, same ViT, one device.
+r"""Peer benchmark: this kit's training step against Flax NNX and PyTorch, same ViT, one device.
 
     python -m benchmarks.peers --batch 4096 --dtype bf16 \
         --kit "as written=" --kit "no-scan=--no-scan" --kit "nodrop=--no-scan --dropout 0"

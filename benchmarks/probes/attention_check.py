@@ -1,4 +1,4 @@
-"""Check and time the attention implementations (--attention) against the einsum path.
+r"""Check and time the attention implementations (--attention) against the einsum path.
 
 On a GPU (the measurement this script exists for; vit-cifar, one device):
 

@@ -1,4 +1,4 @@
-"""Which library runs each matrix product of the compiled training step, with which epilogue.
+r"""Which library runs each matrix product of the compiled training step, with which epilogue.
 
     python -m benchmarks.probes.gemm_epilogues --batch 4096 --dtype bf16
     XLA_FLAGS=--xla_gpu_enable_cublaslt=true \
