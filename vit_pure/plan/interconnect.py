@@ -149,13 +149,12 @@ class Hardware:
 # [book]  "How to Scale Your Model" (the JAX scaling book, jax-ml.github.io/scaling-book),
 #         "All About TPUs": ICI 4.5e10 B/s one way per link on v5e, 9e10 on v5p; a ring
 #         along one torus axis uses both directions: 9e10 (v5e) and 1.8e11 (v5p).
-# [MFU]   The kit's own step on one H100 80GB HBM3 (docs/performance.md, "Attention
-#         implementations", 2026-11-23): vit-cifar, batch 4096, bf16, cuDNN attention,
-#         39,358 img/s x 4.264 GFLOP/img = 167.8 TFLOP/s, 0.170 of the 989 peak.
+# [MFU]   The kit's own step on one H100 80GB HBM3, the MFU bench.py reports for vit-cifar,
+#         batch 4096, bf16, cuDNN attention (the measurement: docs/performance.md).
 # Flat links (no curve) and their latencies for A100 and TPUs: assumed, large messages only.
 H100_INSIDE = Link(370 * GB, 19e6, 0.81, 10e-6, all_reduce_peak=480 * GB, min_chunk=2**20)
 H100_ACROSS = Link(24.7 * GB, 11.9e6, 0.81, 123e-6, min_chunk=2**19)
-H100_MFU = (0.170, "vit-cifar, batch 4096, bf16, one H100 (docs/performance.md, 2026-11-23)")
+H100_MFU = (0.170, "vit-cifar, batch 4096, bf16, one H100 (docs/performance.md)")
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", "gpu", 989e12, 80 * 2**30, H100_INSIDE, H100_ACROSS, 8,
                      "H100 datasheet; NVLink curve [NVL]; across nodes the fabric profile "

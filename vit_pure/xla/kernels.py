@@ -75,15 +75,15 @@ class Rates:
 
 
 # The H100 SXM: 64 INT32 operations per SM a clock, 132 SMs at 1.98 GHz; e_mem, e_gemm and
-# e_attention fitted to the four steps measured on one H100 on 2026-11-23, their
-# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
-# benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
-# docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
-# operand count misses what the L2 serves.
+# e_attention are least-squares fits of the predicted step to steps measured on one H100,
+# their programs compiled again deviceless (benchmarks/fit_step.py on the rows in
+# benchmarks/data/; the fit, its residuals and its command: docs/performance.md, "Without a
+# GPU: the deviceless compile"). e_mem at the grid's bound (1.0) says the operand count
+# misses what the L2 serves.
 H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, int_per_s=64 * 132 * 1.98e9)
 # The H200 is the same die (132 SMs at 1.98 GHz) with faster, larger memory: the H100's
-# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile).
-# On the H200's own program (2026-11-27) at its 4.8 TB/s it predicts 73.9 ms, 73.4 measured.
+# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile);
+# how it predicts the H200's own program: docs/performance.md.
 H200_RATES = H100_RATES
 RATES = {"h100": H100_RATES, "h200": H200_RATES}  # --hardware name -> its rates
 
