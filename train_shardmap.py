@@ -52,8 +52,7 @@ from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.layout import like_param as _like_param
 from vit_pure.model import init_params, param_axes
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
+from vit_pure.run import accum, backend, cli, distributed, hostmem, loop, planning
 from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_flags
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
@@ -500,7 +499,7 @@ def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(PlanConfig.from_args(args), functools.partial(
+        return planning.run(PlanConfig.from_args(args), functools.partial(
             backend.step_config, step_flags(args)), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches, schedule=args.pipeline_schedule,

@@ -7,7 +7,7 @@ r"""The kit's training step compiled for a GPU without one, configurations side 
     python -m benchmarks.deviceless --kit "headline=" --top 12   # where its traffic goes
 
 Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FLAGS]
---plan G --hardware H` (the plan's deviceless compile, vit_pure/plan/build.py), run in a
+--plan G --hardware H` (the plan's deviceless compile, vit_pure/run/planning.py), run in a
 process of its own (benchmarks/harness.py's child runner). `--kit LABEL=FLAGS` (repeatable)
 gives a row's label and extra training-script flags, after any NAME=VALUE words that set
 environment variables for that row only (as benchmarks.peers reads them).

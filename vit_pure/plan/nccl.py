@@ -1,8 +1,8 @@
 """A collective's time as NCCL runs it: ring, tree, NVLS or NVLS-tree, the fastest chosen as
 NCCL's tuner chooses, or the one forced (as NCCL_ALGO does).
 
-Used by vit_pure/plan/report.py (`--plan N`) and vit_pure/plan/collective.py (one collective
-on the command line). Pure arithmetic: no JAX here.
+Used by vit_pure/plan/report.py (`--plan N`) and vit_pure/tools/price_collective.py (one
+collective on the command line). Pure arithmetic: no JAX here.
 
 A group of n GPUs in m nodes, p of them in a node (p_nic: the fewest in a node, whose NICs
 carry the most; p: the most, whose NVLink stage is the longest). S: the call's bytes per

@@ -1,10 +1,10 @@
 r"""Price one collective as the plan does, to hold the model against your own cluster's
 nccl-tests before trusting a plan:
 
-    python -m vit_pure.plan.collective --op all-reduce --size 32MiB --nodes 8 \
+    python -m vit_pure.tools.price_collective --op all-reduce --size 32MiB --nodes 8 \
         --gpus-per-node 8 --hardware h100 [--fabric NAME] [--inter-gbps G] \
         [--latency-us US] [--algo auto|ring|tree|nvls|nvlstree] [--json]
-    python -m vit_pure.plan.collective --published
+    python -m vit_pure.tools.price_collective --published
 
 
 It prints the predicted time of one call, its bus bandwidth (nccl-tests' busbw, so it reads
