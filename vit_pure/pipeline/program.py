@@ -3,10 +3,10 @@ table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py)
 
 The stacked blocks are split into S contiguous stages over 'pipe' (interleaved's V chunks
 in `schedules.block_order`); embedding, final norm and head are replicated over it; each
-device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1 ticks, every stage running what it holds and
-one `lax.ppermute` handing each output on; `jax.grad` of the loop runs it in reverse:
-bubble (S - 1) / (K + S - 1). Dropout draws from each example's global id and the global
-layer index (`layer_offset`).
+device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1 ticks,
+every stage running what it holds and one `lax.ppermute` handing each output on;
+`jax.grad` of the loop runs it in reverse: bubble (S - 1) / (K + S - 1). Dropout draws
+from each example's global id and the global layer index (`layer_offset`).
 
 Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick; `lax.psum`
 over 'pipe' of the loss and metrics and of the pipe-replicated parameters' gradients

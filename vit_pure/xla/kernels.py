@@ -1,24 +1,16 @@
 """The kernels of a program compiled for a GPU (XLA:GPU's HLO text) and the HBM traffic
 each one makes, by class, with the step's bandwidth / compute floor and predicted time.
 
-A kernel is an instruction of a computation that runs on its own (the entry, a while
-body), not inside a fusion: a fusion, a library call (cuBLAS GEMM, cuDNN attention), a
-copy or transpose, a collective. Its traffic is what it reads and writes: operand bytes
-plus output bytes (a cuBLAS call's scratch workspace left out). That is a floor, not a
-prediction: a kernel re-reading an operand, or caches serving it, changes the real figure.
-
-The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
-peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
-predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
-max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of the GEMMs or
-cuDNN's attention (its FLOPs counted from q's shape), plus its integer work (`int_ops`:
-each integer add, multiply, bitwise or shift instruction inside it, times its elements;
-mostly dropout's random bits) at the GPU's INT32 rate, plus a launch (`Rates`, `RATES`).
-
-`traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
-layer, say) together: class, output shape as laid out, the JAX operation they came from.
-`gemms` lists the program's distinct GEMMs, operands as laid out in memory: what
-benchmarks.gpu_check times one by one.
+A kernel is an instruction that runs on its own (in the entry or a while body, not inside
+a fusion): a fusion, a library call (cuBLAS GEMM, cuDNN attention), a copy, a collective.
+Its traffic is operand plus output bytes (a cuBLAS workspace left out): a floor, since
+re-reads and caches change the real figure. The step's floor: per kernel max(bytes /
+bandwidth, GEMM FLOPs / peak) plus a launch, summed in order. The predicted step
+(`predicted_s`) prices each kernel at fitted efficiencies instead: max(bytes / (bandwidth
+x e_mem), FLOPs / (peak x e_class)), e_class the GEMMs' or cuDNN attention's, plus its
+integer work (`int_ops`, mostly dropout's random bits) at the INT32 rate, plus a launch
+(`Rates`, `RATES`). `traffic` also lists the kernels that move the most bytes; `gemms` the
+distinct GEMMs, operands as laid out (what benchmarks.gpu_check times one by one).
 """
 from __future__ import annotations
 
