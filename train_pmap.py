@@ -31,8 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import step
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, hostmem, loop
+from vit_pure.run import accum, backend, cli, hostmem, loop, planning
 from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
 
 AXIS = "data"
@@ -146,7 +145,7 @@ def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(PlanConfig.from_args(args), functools.partial(
+        return planning.run(PlanConfig.from_args(args), functools.partial(
             step_config, args), lambda sc, optimizer, devices: PmapStrategy(
             sc, optimizer, devices=devices), "train_pmap.py")
     cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job

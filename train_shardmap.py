@@ -1,26 +1,17 @@
-"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
+r"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
 
     python train_shardmap.py --batch 4096 --dtype bf16 --data-dir ./data
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \
         --mesh data=2,model=4 --fsdp
 
-The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device count):
-
-* 'data': the batch is split over it (data parallelism); with `--fsdp` the weight
-  matrices and their optimizer state too (ZeRO-3): `fsdp_gather` all-gathers each layer's
-  weights just before use, and its backward pass reduce-scatters their gradients.
-* 'model': Megatron-style tensor parallelism over heads and MLP units; its two operators
-  are in vit_pure/model.py (`_copy_to_tp`, "f", and `_reduce_from_tp`, "g").
-* 'pipe': pipeline parallelism, `--microbatches K`: each stage holds depth/S blocks; the
-  schedules and their collectives are in vit_pure/pipeline/.
-
-Which array is split over which axis comes from the parameters' logical axis names and the
-two rule tables `TP_RULES` and `FSDP_RULES` below. Inside `shard_map` nothing moves between
-devices unless a collective says so: the data-parallel and FSDP ones are in this file.
-The gradient pitfall (a replicated parameter's gradient comes back already summed over
-'data') and how this file avoids it are at `global_grads`; tests/test_train.py pins the
-naive recipe's factor of N down, tests/test_model_parallel.py checks every layout against
-a single-device reference.
+`--mesh data=D,model=M,pipe=S`: 'data' splits the batch (with `--fsdp` also the weights and
+their optimizer state, ZeRO-3: `fsdp_gather`); 'model' is Megatron-style tensor
+parallelism (its two operators in vit_pure/model.py); 'pipe' is pipeline parallelism
+(`--microbatches K`, vit_pure/pipeline/). Which array splits over which axis: the rule
+tables `TP_RULES` and `FSDP_RULES`. Inside `shard_map` nothing moves unless a collective
+says so; the data-parallel and FSDP ones are in this file. The gradient pitfall (a
+replicated parameter's gradient comes back already summed over 'data') is handled at
+`global_grads`; tests/test_train.py and tests/test_model_parallel.py check it.
 """
 from __future__ import annotations
 
@@ -51,8 +42,7 @@ from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.layout import like_param as _like_param
 from vit_pure.model import Parallel, init_params, param_axes
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
+from vit_pure.run import accum, backend, cli, distributed, hostmem, loop, planning
 from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
@@ -501,7 +491,7 @@ def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
     if args.plan is not None:  # compile for --plan N devices and print the plan; no training
         pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(PlanConfig.from_args(args), functools.partial(
+        return planning.run(PlanConfig.from_args(args), functools.partial(
             step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
             sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
             microbatches=args.microbatches, schedule=args.pipeline_schedule,

@@ -4,20 +4,13 @@
     python -m benchmarks.fit_step --rows benchmarks/data/h100-2026-11-23.json
     python -m benchmarks.fit_step --profile gpu-check/kernel_times.json --hardware h200
 
-A row is a measured step (LABEL=MS=FILE: the step's milliseconds on the GPU and its
-program, an optimised XLA:GPU module, compiled deviceless for the GPU from the kit that
-was measured). Its kernels are read with vit_pure/xla/kernels.py and kept, alike kernels
-together, in --save's JSON (the compiles take minutes on a small CPU; the JSON is the
-cache). The fit: e_mem, e_gemm and e_attention of `kernels.Rates` on a grid (0.01 steps),
-minimising the squared relative errors of the predicted steps (`kernels.predicted_s`;
-the INT32 rate and launch cost as `kernels.H100_RATES`), then each row's error
-at the fit and left out of it (fitted on the others, predicted). Prints a Markdown table,
-and which terms the rows cannot separate (a term whose work is the same in every row acts
-as an intercept: its efficiency is whatever absorbs the rest).
-
-`--profile` fits from kernel times instead (benchmarks.gpu_check's profile part): each
-class's efficiency from its own kernels' device time (GEMMs also per shape), the INT32
-rate from what the random-bit kernels take beyond their memory time.
+A row is a measured step, LABEL=MS=FILE: its milliseconds on the GPU and its program (an
+optimised XLA:GPU module compiled deviceless from the kit measured), whose kernels are read
+with vit_pure/xla/kernels.py and kept in --save's JSON (the cache of slow compiles). `fit`:
+e_mem, e_gemm and e_attention of `kernels.Rates` on a 0.01 grid, minimising the squared
+relative errors of `kernels.predicted_s`; then each row's error at the fit and left out of
+it; and the terms the rows cannot separate (`unseparable`). `--profile` fits from kernel
+times instead (benchmarks.gpu_check's profile part: `fit_profile`).
 """
 from __future__ import annotations
 

@@ -3,26 +3,12 @@
     python -m benchmarks.gpu_check --out gpu-check            # on the GPU: at most 8 minutes
     python -m benchmarks.gpu_check --out /tmp/c --dry-run     # on a CPU: all but the timing (_part)
 
-Parts, in order, each in a process of its own with its own time limit (seconds), each
-writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summary.md
-(the tables), rewritten after every part, so a loan cut short keeps what was done.
-
-    env      30   jax and torch versions, the device, and which `--hardware` describes it
-                  (vit_pure/plan/targets/: h100, h200), used by the parts below
-    steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
-                  first, then the headline as shipped, `--remat gelu` (the GELU output
-                  recomputed), `--last-block all` (the last block on every token:
-                  torch.compile's work): img/s, step ms, peak GiB (DIR/steps.json, .md)
-    log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
-                  bf16 --dataset synthetic`), its own log (DIR/headline.log)
-    profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms, and each
-                  kernel's device time from a jax.profiler trace, by the predictor's
-                  classes (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
-    gemms    60   each distinct GEMM of that program timed alone at its shape, layout and
-                  dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
-    program  70   that program read by `benchmarks.deviceless --program`, beside the
-                  deviceless compile of the same flags where the CUDA 12 plugin is:
-                  kernels, traffic, floor, predicted step (DIR/program.md)
+Parts, in order, each in a process of its own with its own time limit: env (versions, the
+device), steps (benchmarks.peers rows), log (the headline command's own log), profile (the
+shipped step's program and kernel times), gemms (each GEMM timed alone) and program (that
+program read by benchmarks.deviceless); what each writes: the comment above LIMITS.
+DIR/gpu_check.json (every figure) and DIR/summary.md (the tables) are rewritten after
+every part, so a loan cut short keeps what was done.
 """
 from __future__ import annotations
 
@@ -37,6 +23,23 @@ from benchmarks import harness
 from vit_pure.errors import UsageError
 from vit_pure.run import cli
 
+# The parts, in order, with their time limits in seconds (LIMITS):
+#   env      jax and torch versions, the device, and which `--hardware` describes it
+#            (vit_pure/plan/targets/: h100, h200), used by the parts below
+#   steps    benchmarks.peers, one fresh process per row, one run: torch.compile first,
+#            then the headline as shipped, `--remat gelu` (the GELU output recomputed),
+#            `--last-block all` (the last block on every token: torch.compile's work):
+#            img/s, step ms, peak GiB (DIR/steps.json, .md)
+#   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
+#            --dataset synthetic`), its own log (DIR/headline.log)
+#   profile  the shipped step: its program (DIR/step.hlo.txt), step ms, and each kernel's
+#            device time from a jax.profiler trace, by the predictor's classes
+#            (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
+#   gemms    each distinct GEMM of that program timed alone at its shape, layout and
+#            dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
+#   program  that program read by `benchmarks.deviceless --program`, beside the
+#            deviceless compile of the same flags where the CUDA 12 plugin is: kernels,
+#            traffic, floor, predicted step (DIR/program.md)
 LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU

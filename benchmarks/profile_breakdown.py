@@ -1,23 +1,17 @@
-"""Device time of a jax.profiler trace, split by kind of kernel.
+r"""Device time of a jax.profiler trace, split by kind of kernel.
 
     python -m benchmarks.profile_breakdown /tmp/prof             # newest run under it
     python -m benchmarks.profile_breakdown /tmp/prof/plugins/profile/RUN/host.trace.json.gz
     python train_shardmap.py --model tiny --dataset synthetic --steps 6 --batch 16 \
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
 
-Reads the `*.trace.json.gz` that `jax.profiler` writes (the training scripts' `--profile
-DIR`, vit_pure/run/loop.py's Profiler, or `python -m benchmarks.peers --profile-kit DIR`):
-under DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
-
-Which events count as device time (`device_events`), and how nested or overlapping ones
-count (`self_times`): those functions' docstrings.
-
-Categories are assigned by name, first match wins (`CATEGORIES`); a kernel whose name says
-nothing (e.g. a vendor library kernel) is classified by its `hlo_op` instead. Names are
-only a hint: XLA names a fusion after its root op, so e.g. a fusion ending in a convert
-counts as "convert" even if it also adds and multiplies. `kernel_times` instead joins each
-event to the program's own kernel (its `hlo_op`) and groups the times by the predictor's
-classes (vit_pure/xla/kernels.py): what benchmarks.fit_step fits the efficiencies to.
+Reads the `*.trace.json.gz` that `jax.profiler` writes (the scripts' `--profile DIR`, or
+`benchmarks.peers --profile-kit DIR`) under DIR/plugins/profile/<run>/; a directory means
+its newest run. What counts as device time: `device_events` and `self_times`. Categories
+are assigned by name, first match wins (`CATEGORIES`; a nameless kernel by its `hlo_op`):
+only a hint, since XLA names a fusion after its root op. `kernel_times` instead joins each
+event to the program's own kernel and groups the times by the predictor's classes
+(vit_pure/xla/kernels.py): what benchmarks.fit_step fits the efficiencies to.
 """
 from __future__ import annotations
 

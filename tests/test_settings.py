@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the step's StepConfig) and the stand-alone tools with parsers of their own.
 ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/settings.py",
          "vit_pure/tools/plot.py", "vit_pure/tools/params_table.py",
-         "vit_pure/tools/export.py", "vit_pure/plan/collective.py"}
+         "vit_pure/tools/export.py", "vit_pure/tools/price_collective.py"}
 
 
 def _parse(*argv):

@@ -3,23 +3,15 @@
     params = init_params(key, cfg)                      # dict of jax.Array, nothing else
     logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
 
-Axis letters in shape comments: B batch, T tokens (patches, class token, registers), E width,
-H heads, D head dim (E = H * D), M MLP hidden, L layers, P patch pixels (p*p*C), K classes.
-
-The encoder blocks are *stacked* along a leading layer axis L (`blocks/attn/qkv/kernel` is
-(L, E, 3, H, D), `blocks/mlp/fc1/kernel` (L, E, M)), one layout for a Python loop, a
-`lax.scan` and a pipeline; `param_axes(cfg)` gives each leaf's logical axis names, and
-docs/training.md ("The model") lists every parameter and its initialisation.
-
-`_block` reads LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, each a
-call into vit_pure/layers/, which emit no collective. Dropout and stochastic depth draw
-every mask from `fold_in(rng, example_id)`, so 1, 2 or 8 devices give the same numbers.
-
-Tensor parallelism (`Parallel.tp_axis`): inside `shard_map` the heads and MLP units may be split
-over a mesh axis; the block reads its local head count from the kernel shapes, and the two
-Megatron operators are here: `_copy_to_tp` ("f": identity forward, all-reduce of the
-gradient backward) before each column-parallel matmul, `_reduce_from_tp` ("g": all-reduce
-forward, identity backward) after each row-parallel one.
+Axis letters in shape comments: B batch, T tokens, E width, H heads, D head dim (E = H*D),
+M MLP hidden, L layers, P patch pixels (p*p*C), K classes. The blocks are stacked along L
+(`blocks/attn/qkv/kernel` is (L, E, 3, H, D)): one layout for a loop, a `lax.scan` and a
+pipeline; `param_axes(cfg)` names each leaf's axes (every parameter: docs/training.md).
+`_block` is LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, calls into
+vit_pure/layers/; masks come from `fold_in(rng, example_id)`, the same on any device count.
+Tensor parallelism (`Parallel.tp_axis`) splits heads and MLP units over a mesh axis with Megatron's
+two operators, here: `_copy_to_tp` ("f") before each column-parallel matmul and
+`_reduce_from_tp` ("g") after each row-parallel one.
 """
 from __future__ import annotations
 

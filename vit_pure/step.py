@@ -1,22 +1,18 @@
 """The step math both training scripts share: optimizer, loss, per-device gradients, update.
 
-This module writes no collective: no psum, pmean, all_gather or ppermute appears here.
-The per-device training step is split so that each script writes its collectives between
-the pieces, once:
+This module writes no collective. The step is split so that each script writes its
+collectives between the pieces, once:
 
     grads, metrics = local_grads(sc, params, ...)     # this device's slice of the batch
-    grads   = <all-reduce over 'data'>(grads)         # written in the script
-    metrics = <all-reduce over 'data'>(metrics)       # written in the script
-    norm    = <global gradient norm>                  # a collective under model parallelism
-    state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
+    grads, metrics = <all-reduce over 'data'>(...)    # written in the script
+    norm = <global gradient norm>                     # a collective under model parallelism
+    state = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
 
-What the trace of `local_grads` / `local_eval` may still hold comes from what they are
-handed in `model.Parallel` or call: with its `tp_axis`, the model's two tensor-parallel
-operators (`model._copy_to_tp`, a pcast whose transpose is a psum, and
-`model._reduce_from_tp`, a psum); with its `gather`, the script's FSDP hook (an
-all_gather, a reduce-scatter in the backward pass). `accumulate` is the one gradient
-path: `local_grads` and `pipeline.pipeline_grads` (whose loss carries the pipeline
-schedule's ppermute and psum) both run through it.
+A trace of `local_grads` / `local_eval` may still hold what it is handed in
+`model.Parallel`: with its `tp_axis` the model's two tensor-parallel operators, with its
+`gather` the script's FSDP hook.
+`accumulate` is the one gradient path: `local_grads` and the pipeline's gradients both run
+through it.
 """
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """On-device RandAugment, in pure jax.numpy (flip + crop and mixup / CutMix: data/augment.py).
 
 Everything here runs inside jit / vmap / shard_map: no host callbacks, no Python loops over
-images. Images are float32 HWC (one image) or NHWC (a batch) with pixel values in [0, 1],
-not yet normalised (the caller normalises after augmenting).
+images. Images are float32 HWC (one image) or NHWC (a batch) in [0, 1], not yet normalised.
+Every single-image op is ``op(image, magnitude, key=None) -> image``, clipped to [0, 1];
+``magnitude`` in [0, 1], 0 the identity for every op that has one. Signed ops take the sign
+from ``key`` (a fair coin), or with ``key=None`` from ``magnitude`` itself, so
+``rotate(img, -0.5)`` turns 15 degrees clockwise. identity, auto_contrast, equalize and
+invert have no magnitude (as in the paper), so the last three act even at 0.
 
-Single-image ops
-----------------
-Every op has the signature ``op(image, magnitude, key=None) -> image`` with the same shape
-and dtype, values clipped to [0, 1]. ``magnitude`` is a float in [0, 1]; 0 is the identity,
-exactly, for every op that has a magnitude. Ops that move or tint in a direction ("signed")
-take the sign from ``key`` (a fair coin); with ``key=None`` they use the sign of
-``magnitude`` as given, so ``rotate(img, -0.5)`` is a clockwise turn of 15 degrees.
-The ops without a magnitude (identity, auto_contrast, equalize, invert) ignore it, as in the
-paper, so auto_contrast, equalize and invert act even at magnitude 0.
-
-The op table, ranges, warp, colour semantics, sources and cost: `rand_augment`.
-
-Batched functions
------------------
-``rand_augment(key, images, example_ids, ...)`` takes per-example randomness from
-``jax.random.fold_in(key, example_id)``, where ``example_ids`` are the examples' positions in
-the global batch. Any split of the batch across devices (or into chunks) therefore gives the
-same images, as long as each piece passes its own examples' global ids.
+``rand_augment(key, images, example_ids, ...)`` draws per example from
+``fold_in(key, example_id)`` with the examples' global batch positions, so any split of the
+batch gives the same images; the op table, ranges, sources and cost are in its docstring.
 """
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
 """Pipeline parallelism for the ViT inside `jax.shard_map`: GPipe, and the entry to the
 table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
 
-The encoder's stacked blocks are split into S contiguous stages over the 'pipe' mesh axis
-(stage s holds layers s L/S .. (s+1) L/S - 1; with interleaved's V chunks per stage the
-script stores them in `schedules.block_order`, so stage s holds its chunks); the
-embedding (used on stage 0) and the final norm and head (last stage) are replicated over
-it. Each device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1
-ticks: every stage runs its layers on what it holds (stage 0 a fresh micro-batch), then
-one `lax.ppermute` hands each output to the next stage; `jax.grad` of the loop runs it in
-reverse with each ppermute transposed (s+1 -> s): all forwards, then all backwards,
-bubble (S - 1) / (K + S - 1).
+The stacked blocks are split into S contiguous stages over 'pipe' (interleaved's V chunks
+in `schedules.block_order`); embedding, final norm and head are replicated over it; each
+device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1 ticks,
+every stage running what it holds and one `lax.ppermute` handing each output on;
+`jax.grad` of the loop runs it in reverse: bubble (S - 1) / (K + S - 1). Dropout draws
+from each example's global id and the global layer index (`layer_offset`).
 
-    tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
-    stage 0:   m0   m1   m2   m3   .
-    stage 1:   .    m0   m1   m2   m3         "." = idle: computes, masked to zero
-
-Dropout draws from each example's global id and the global layer index (`layer_offset`).
-
-Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick (activations
-s -> s+1); `lax.psum` over 'pipe' of the loss and metrics (last stage only) and of the
-pipe-replicated parameters' gradients (`pipeline_grads`). The table-driven schedules'
-sends are all in `ticks.exchange`. The 'data' axis (and FSDP) stays in the script.
+Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick; `lax.psum`
+over 'pipe' of the loss and metrics and of the pipe-replicated parameters' gradients
+(`pipeline_grads`). The table schedules' sends are in `ticks.exchange`; 'data' (and FSDP)
+stays in the script.
 """
 from __future__ import annotations
 

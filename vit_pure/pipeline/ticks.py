@@ -1,27 +1,17 @@
 """The table-driven pipeline program (1f1b, interleaved, zb-h1), phase by phase.
 
-`schedule_grads` runs one schedule's table (pipeline/schedules.py) inside shard_map:
+`schedule_grads` runs a schedule's table (pipeline/schedules.py) inside shard_map:
+`static_plan` (numbers off the table), `prepare_params` (FSDP gather, this stage's chunks),
+`Stage`, `residual_layout` (what the ring keeps of a chunk's pull-back), a `lax.scan` of
+ticks (`run_f`, `run_b`, `run_w`, `exchange`) and `finish` (the gradients, cast).
 
-    plan = static_plan(table)                   numbers read off the table, no jax
-    top, chunks, pull_params = prepare_params(...)   the FSDP gather and this stage's
-                                                V chunks, kept for its vjp
-    stage = Stage(...)                          the micro-batches and the chunk function
-    layout = residual_layout(stage)             what the ring keeps of a chunk's pull-back
-    carry = lax.scan(tick, ...)                 per tick: run_f, run_b, run_w, exchange
-    finish(...)                                 the gradients pulled back, cast, returned
-
-Every point-to-point send of these schedules is in ONE function, `exchange`: the
-`lax.ppermute`s over the pipe axis that end a tick (activations forward, input cotangents
-back). The only other collectives run here are others' code: the model's
-tensor-parallel psums over 'model', bound inside the chunk, and FSDP's all-gathers over
-'data' (the script's `Parallel.gather`, in `prepare_params`). Nothing gathers the blocks over
-'pipe': each stage stores exactly the chunks it runs (the layout's block order,
-`schedules.block_order`, which the script applies when it places the state).
-
-The parameters used on one stage only (embedding, head) are varying over the pipe axis
-before the ticks (the caller's pcast): a replicated one would get an implicit psum over
-'pipe' from the pull-back inside the B branch, which only the devices on that branch would
-join (a deadlock). Their gradients are summed over 'pipe' once, after (the caller's).
+Every point-to-point send is in ONE function, `exchange`: the `lax.ppermute`s over 'pipe'
+that end a tick. The only other collectives are others' code: the model's tensor-parallel
+psums, FSDP's all-gathers (`Parallel.gather`). Each stage stores exactly the chunks it
+runs (`schedules.block_order`), so nothing gathers blocks over 'pipe'. Parameters used on
+one stage only (embedding, head) are made varying over 'pipe' by the caller before the
+ticks: a replicated one would get an implicit psum inside the B branch, which only that
+branch's devices would join (a deadlock); the caller sums their gradients once, after.
 """
 from __future__ import annotations
 
@@ -286,8 +276,7 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     The branch returns the residual set (an idle tick: what slot `write` holds) and the
     tick writes it into the ring, in place (the scan's carry). The branch only reads the
     ring: XLA gives a conditional's results buffers of their own, so a ring written inside
-    the branch was a second ring (copied into the branch's result and back each tick: the
-    deviceless H100 program held both)."""
+    the branch would be a second ring, copied into the branch's result and back each tick."""
     y0, loss0, _ = layout.outputs
 
     def do_f(x, rings):

@@ -8,15 +8,10 @@ import os
 
 from vit_pure.run.accum import SAFETY, mem_available_bytes
 
-# What one device costs in host memory, measured on a 2-core Xeon with avx512_bf16 and
-# 23 GiB (2026-11-26). A fake CPU device that runs a program: one psum under shard_map on
-# N = 1, 256, 1024 devices peaked at 368, 658, 1501 MiB of RSS, 1.11-1.14 MiB a device.
-# A device `--plan N` compiles for and runs nothing on: the tiny model's plan on 8 and
-# 1,024 fake CPU devices peaked at 770 and 852 MiB (0.08 MiB a device); creating fake
-# CPU devices costs 0.10 MiB each at 2,000 and 8,000 (the latter in 52 s) and grows past
-# that (16,000: over 2 GiB, unfinished after 5 minutes). 0.25 MiB covers both with room
-# for that growth; the deviceless GPU plan's devices cost less (8 and 8,192 of them: 900
-# and 948 MiB, the latter in 190 s), and the one bound serves both paths.
+# What one device costs in host memory, as a bound `--cpu-devices N` and `--plan N` are
+# refused against: a fake CPU device that runs a program, and one that `--plan N` only
+# compiles for (fake CPU or deviceless GPU), with room for growth at large N. The
+# measurements behind both: docs/performance.md, "Host memory a device costs".
 RUN_DEVICE_BYTES = int(1.2 * 2**20)
 PLAN_DEVICE_BYTES = 2**18
 

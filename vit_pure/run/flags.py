@@ -405,7 +405,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    """The planning flags (both scripts; settings.PlanConfig carries them to plan/build.py)."""
+    """The planning flags (both scripts; settings.PlanConfig carries them to run/planning.py)."""
     g = parser.add_argument_group(
         "planning a run at scale (docs/planning.md)",
         "--plan N compiles the training step for N devices (for the GPU itself where JAX's "

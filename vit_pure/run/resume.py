@@ -46,7 +46,7 @@ RESUMABLE_ACROSS = frozenset({
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",
     "coordinator", "num_processes", "process_id", "distributed",
-    # The communication plan's flags (vit_pure/plan/build.py): `--plan N` trains nothing.
+    # The communication plan's flags (vit_pure/run/planning.py): `--plan N` trains nothing.
     "plan", "plan_json", "hardware", "gpus_per_node", "efficiency", "peak_tflops",
     "intra_gbps", "inter_gbps", "latency_us",
     # Compared through what they determine (see `trajectory`):

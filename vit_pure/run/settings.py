@@ -129,7 +129,7 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """What `--plan N` (vit_pure/plan/build.py) takes from the flags: the target, its
+    """What `--plan N` (vit_pure/run/planning.py) takes from the flags: the target, its
     overrides, and the step's batch and accumulation. `from_args` builds it."""
     plan: int                       # devices to plan for
     hardware: str                   # --hardware, as given

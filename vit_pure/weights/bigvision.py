@@ -1,26 +1,9 @@
 """big_vision / vision_transformer (AugReg) checkpoints: an ``.npz`` of flat Flax paths.
 
-The keys are the Flax parameter paths joined with ``/``, under one of the prefixes ""
-(google-research/vision_transformer and the AugReg release), "opt/target/" (older Flax
-optimizer checkpoints) or "params/" / "params/img/" (big_vision, alone or as the image
-tower of a two-tower model)::
-
-    embedding/kernel (p, p, C, E)  embedding/bias (E,)      the patch embedding, HWIO
-    cls (1, 1, E)                                          (no class token: none)
-    Transformer/posembed_input/pos_embedding (1, T, E)     vision_transformer / AugReg
-    Transformer/pos_embedding (1, T, E)                    big_vision before 2022
-    pos_embedding (1, N, E)                                big_vision's ViT
-    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}  ... LayerNorm_{n}/{scale,bias}
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_{a}/{query,key,value}/kernel
-        (E, H, D), .../bias (H, D); .../out/kernel (H, D, E), .../out/bias (E,)
-    Transformer/encoderblock_{i}/MlpBlock_{m}/Dense_0/kernel (E, M) ... Dense_1 (M, E)
-    Transformer/encoder_norm/{scale,bias}
-    head/kernel (E, K)  head/bias (K,)                     (pre_logits/...: dropped)
-
-with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in big_vision's;
-a scanned model stores one ``Transformer/encoderblock/...`` with a leading layer axis.
-The position embedding may have the class token's row (T = N + 1) or not (N rows: the
-kit's row is then zero). What such a model assumes and what is refused: `read`.
+The keys are the Flax parameter paths joined with ``/``, under one of `PREFIXES` (the
+release's key table: the comment above it). `read` maps them into the kit's tree and says
+what such a model assumes and what is refused; `arrays` writes the kit's tree back as such
+keys.
 """
 from __future__ import annotations
 
@@ -32,6 +15,27 @@ import numpy as np
 from vit_pure.errors import WeightsError
 from vit_pure.weights.tree import Arrays, Found, hwio_to_rows, pos_rows, rows_to_hwio
 
+# The keys are the Flax parameter paths joined with ``/``, under one of the prefixes ""
+# (google-research/vision_transformer and the AugReg release), "opt/target/" (older Flax
+# optimizer checkpoints) or "params/" / "params/img/" (big_vision, alone or as the image
+# tower of a two-tower model):
+#
+#     embedding/kernel (p, p, C, E)  embedding/bias (E,)      the patch embedding, HWIO
+#     cls (1, 1, E)                                          (no class token: none)
+#     Transformer/posembed_input/pos_embedding (1, T, E)     vision_transformer / AugReg
+#     Transformer/pos_embedding (1, T, E)                    big_vision before 2022
+#     pos_embedding (1, N, E)                                big_vision's ViT
+#     Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}  ... LayerNorm_{n}/{scale,bias}
+#     Transformer/encoderblock_{i}/MultiHeadDotProductAttention_{a}/{query,key,value}/kernel
+#         (E, H, D), .../bias (H, D); .../out/kernel (H, D, E), .../out/bias (E,)
+#     Transformer/encoderblock_{i}/MlpBlock_{m}/Dense_0/kernel (E, M) ... Dense_1 (M, E)
+#     Transformer/encoder_norm/{scale,bias}
+#     head/kernel (E, K)  head/bias (K,)                     (pre_logits/...: dropped)
+#
+# with (a, n, m) = (1, 2, 3) in vision_transformer's numbering and (0, 1, 0) in big_vision's;
+# a scanned model stores one ``Transformer/encoderblock/...`` with a leading layer axis.
+# The position embedding may have the class token's row (T = N + 1) or not (N rows: the
+# kit's row is then zero). What such a model assumes and what is refused: `read`.
 PREFIXES = ("", "opt/target/", "params/", "params/img/")
 # Where the position embedding sits: vision_transformer / AugReg; big_vision's "widely
 # used version before 2022" (its vit.py `fix_old_checkpoints`); big_vision's ViT.

@@ -1,24 +1,16 @@
 """The kernels of a program compiled for a GPU (XLA:GPU's HLO text) and the HBM traffic
 each one makes, by class, with the step's bandwidth / compute floor and predicted time.
 
-A kernel is an instruction of a computation that runs on its own (the entry, a while
-body), not inside a fusion: a fusion, a library call (cuBLAS GEMM, cuDNN attention), a
-copy or transpose, a collective. Its traffic is what it reads and writes: operand bytes
-plus output bytes (a cuBLAS call's scratch workspace left out). That is a floor, not a
-prediction: a kernel re-reading an operand, or caches serving it, changes the real figure.
-
-The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
-peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
-predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
-max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of the GEMMs or
-cuDNN's attention (its FLOPs counted from q's shape), plus its integer work (`int_ops`:
-each integer add, multiply, bitwise or shift instruction inside it, times its elements;
-mostly dropout's random bits) at the GPU's INT32 rate, plus a launch (`Rates`, `RATES`).
-
-`traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
-layer, say) together: class, output shape as laid out, the JAX operation they came from.
-`gemms` lists the program's distinct GEMMs, operands as laid out in memory: what
-benchmarks.gpu_check times one by one.
+A kernel is an instruction that runs on its own (in the entry or a while body, not inside
+a fusion): a fusion, a library call (cuBLAS GEMM, cuDNN attention), a copy, a collective.
+Its traffic is operand plus output bytes (a cuBLAS workspace left out): a floor, since
+re-reads and caches change the real figure. The step's floor: per kernel max(bytes /
+bandwidth, GEMM FLOPs / peak) plus a launch, summed in order. The predicted step
+(`predicted_s`) prices each kernel at fitted efficiencies instead: max(bytes / (bandwidth
+x e_mem), FLOPs / (peak x e_class)), e_class the GEMMs' or cuDNN attention's, plus its
+integer work (`int_ops`, mostly dropout's random bits) at the INT32 rate, plus a launch
+(`Rates`, `RATES`). `traffic` also lists the kernels that move the most bytes; `gemms` the
+distinct GEMMs, operands as laid out (what benchmarks.gpu_check times one by one).
 """
 from __future__ import annotations
 
@@ -75,15 +67,15 @@ class Rates:
 
 
 # The H100 SXM: 64 INT32 operations per SM a clock, 132 SMs at 1.98 GHz; e_mem, e_gemm and
-# e_attention fitted to the four steps measured on one H100 on 2026-11-23, their
-# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
-# benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
-# docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
-# operand count misses what the L2 serves.
+# e_attention are least-squares fits of the predicted step to steps measured on one H100,
+# their programs compiled again deviceless (benchmarks/fit_step.py on the rows in
+# benchmarks/data/; the fit, its residuals and its command: docs/performance.md, "Without a
+# GPU: the deviceless compile"). e_mem at the grid's bound (1.0) says the operand count
+# misses what the L2 serves.
 H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, int_per_s=64 * 132 * 1.98e9)
 # The H200 is the same die (132 SMs at 1.98 GHz) with faster, larger memory: the H100's
-# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile).
-# On the H200's own program (2026-11-27) at its 4.8 TB/s it predicts 73.9 ms, 73.4 measured.
+# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile);
+# how it predicts the H200's own program: docs/performance.md.
 H200_RATES = H100_RATES
 RATES = {"h100": H100_RATES, "h200": H200_RATES}  # --hardware name -> its rates
 
