@@ -71,7 +71,7 @@ def build_jobs(args) -> list[dict]:
 
         kit            this kit's real step, built exactly as `train_shardmap.py --batch B
                        --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
-                       parser, backend.step_config, make_optimizer, ShardMapStrategy on one
+                       parser, settings.step_config, make_optimizer, ShardMapStrategy on one
                        device), timed by benchmarks/bench.py's measure_train_step, which drives the
                        compiled step as the training loop does. So the whole recipe is in:
                        flip + crop and RandAugment on the device, label smoothing, clipping.

@@ -48,7 +48,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     check_synthetic_flags(parser, args)
     check_split_and_views(parser, args)
     try:
-        if (args.policy or args.dtype) != "auto":  # checked here; built by backend.step_config
+        if (args.policy or args.dtype) != "auto":  # checked here; built by settings.step_config
             Policy.parse(args.policy or args.dtype, args.matmul_precision)
     except ValueError as e:
         parser.error(f"--policy: {e}")

@@ -102,7 +102,7 @@ def run(pc: PlanConfig, step_config, make_strategy, script: str) -> dict:
     """`--plan N` for a training script: fake CPU devices, the step built with the
     target's defaults, compiled, planned, printed (and written to --plan-json).
     `pc` is the plan's frozen settings (settings.py); `step_config(platform,
-    device)` the step's settings for the target (backend.step_config of the flags, bound
+    device)` the step's settings for the target (settings.step_config of the flags, bound
     at the entry); `make_strategy(sc, optimizer, devices)` the script's strategy factory."""
     hw = target_hardware(pc)
     n = pc.plan
