@@ -31,6 +31,8 @@ import sys
 
 from benchmarks import harness
 from vit_pure.run import cli
+from vit_pure.xla import kernels
+from vit_pure.xla.hlo import Instr, Module
 
 # (category, pattern), first match wins: the order resolves names that match several
 # (a "gemm_fusion_dot" is a gemm; a threefry "shift-right-logical_convert_fusion" is random).
@@ -190,27 +192,215 @@ def breakdown(events: list[dict], top: int = 15, nested: bool = False) -> dict:
     }
 
 
-def kernel_times(found: list, events: list[dict], steps: int, nested: bool = False) -> dict:
+def kernel_times(found: list, events: list[dict], steps: int, nested: bool = False,
+                 module: Module | None = None) -> dict:
     """Each kernel of the program (`vit_pure.xla.kernels.kernels`) with its device time per
-    step from the trace's events (joined on their `hlo_op`, every event of one kernel
-    added), and the time per step by the predictor's classes; events naming no kernel of
-    the program count as "unmatched". JSON-ready: what benchmarks.fit_step --profile reads."""
-    by_op = collections.Counter()
-    durations = self_times(events) if nested else [float(e["dur"]) for e in events]
-    for e, dur in zip(events, durations):
-        by_op[str((e.get("args") or {}).get("hlo_op") or e.get("name", ""))] += dur
+    step from the trace's events, and the time per step by the predictor's classes; what
+    no kernel of the program takes counts as "unmatched". JSON-ready: what
+    benchmarks.fit_step --profile reads.
+
+    Given the program (`module`) and a GPU trace whose events name their module
+    (`args.hlo_module`), the events are joined to it by `join` (a step run as one CUDA graph
+    names only the graph in `hlo_op`); otherwise on each event's `hlo_op` (XLA:CPU's op
+    events, a GPU step run kernel by kernel), every event of one kernel added."""
+    if module is not None and any((e.get("args") or {}).get("hlo_module") for e in events):
+        joined = join(module, events)
+        by_op = collections.Counter({n: us * joined["executions"] for n, us in
+                                     joined["us_per_step"].items()})
+        steps = joined["executions"] or steps
+        unmatched = joined["unmatched_us"] * steps
+        extra = {"matched_fraction": joined["matched_fraction"],
+                 "failed_name_checks": joined["failed_name_checks"],
+                 "step_ms_trace": joined["step_ms"], "idle_ms": joined["idle_ms"],
+                 "unmatched_top": joined["unmatched_top"]}
+    else:
+        by_op = collections.Counter()
+        durations = self_times(events) if nested else [float(e["dur"]) for e in events]
+        for e, dur in zip(events, durations):
+            by_op[str((e.get("args") or {}).get("hlo_op") or e.get("name", ""))] += dur
+        unmatched, extra = None, {}
     rows, classes = [], collections.Counter()
     for k in found:
         us = by_op.pop(k.name, 0.0) / steps
         classes[k.kind] += us
         rows.append({"name": k.name, "kind": k.kind, "bytes": k.bytes, "flops": k.flops,
                      "int_ops": k.int_ops, "attention_flops": k.attention_flops,
-                     "runs": k.runs, "shape": k.shape, "op": k.op, "us": us})
-    unmatched = sum(by_op.values()) / steps
+                     "variant": k.variant, "runs": k.runs, "shape": k.shape, "op": k.op, "us": us})
+    if unmatched is None:
+        unmatched = sum(by_op.values())
+        extra = {"unmatched_top": [[n, t / steps] for n, t in by_op.most_common(8)]}
+        matched = sum(classes.values())
+        extra["matched_fraction"] = matched / (matched + unmatched / steps) if matched else 0.0
+    else:
+        unmatched += sum(by_op.values())
+    unmatched /= steps
     return {"steps": steps, "total_us": sum(classes.values()) + unmatched,
             "classes_us": dict(classes), "unmatched_us": unmatched,
-            "unmatched_top": [[n, t / steps] for n, t in by_op.most_common(8)],
+            "classes_ms": {k: v / 1e3 for k, v in classes.items()}, **extra,
             "kernels": rows}
+
+
+# ------------------------------------------------ the trace joined to the program (GPU)
+_MEMSET = re.compile(r"^Memset", re.IGNORECASE)
+_LIBRARY_GEMM = re.compile(r"nvjet|gemm|cutlass|xmma|cublas|sm\d\d_", re.IGNORECASE)
+_METADATA = re.compile(r"(metadata|backend_config|frontend_attributes)=\{.*$")
+
+
+def _trace_name(name: str) -> str:
+    """The kernel name a trace gives an instruction: its `.` written `_`."""
+    return name.replace(".", "_")
+
+
+def _signature(module: Module, instr: Instr) -> tuple:
+    """What makes two fusions one compiled kernel: their kind, result and operands'
+    shapes and fused computations, instruction by instruction, names left out."""
+    def body(comp):
+        instrs = module.computations.get(comp, [])
+        pos = {i.name: k for k, i in enumerate(instrs)}
+        return tuple((i.opcode, i.shape, i.index, tuple(pos.get(o, -1) for o in i.operands),
+                      re.sub(r"%[\w.\-]+", "%", _METADATA.sub("", i.attrs)))
+                     for i in instrs)
+    kind = re.search(r"kind=(\w+)", instr.attrs)
+    return (instr.opcode, instr.shape, kind and kind.group(1),
+            tuple(body(c) for c in instr.callees))
+
+
+def launches(module: Module) -> list[tuple[Instr, set[str]]]:
+    """The entry computation's kernel-launching instructions in schedule order, each with
+    the trace names it may run under: its own, its `deduplicated_name` (identical fusions
+    share one compiled kernel, named after the first of the group in schedule order), and
+    the first earlier fusion of the same signature (`_signature`: XLA de-duplicates some
+    fusions without marking them)."""
+    out, first = [], {}
+    for instr in module.computations[module.entry]:
+        if not kernels.launches_kernel(instr):
+            continue
+        names = {_trace_name(instr.name)}
+        dedup = re.search(r'deduplicated_name="([^"]+)"', instr.attrs)
+        if dedup:
+            names.add(_trace_name(dedup.group(1)))
+        if instr.opcode == "fusion":
+            names.add(first.setdefault(_signature(module, instr), _trace_name(instr.name)))
+        out.append((instr, names))
+    return out
+
+
+def _executions(module: Module, events: list[dict]) -> list[list[dict]]:
+    """The program's executions in the trace: its module's device events (`args.hlo_module`
+    the module's name; host-to-device copies and other jitted functions left out), grouped
+    by `correlation_id` (one launch of the program, a CUDA graph or not), each in timestamp
+    order, the executions in time order."""
+    name = module.name
+    groups: dict[str, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if args.get("hlo_module") == name:
+            groups[str(args.get("correlation_id"))].append(e)
+    runs = [sorted(g, key=lambda e: float(e["ts"])) for g in groups.values()]
+    return sorted(runs, key=lambda g: float(g[0]["ts"]))
+
+
+def _walk(program: list[tuple[Instr, set[str]]], xla_names: set[str],
+          run: list[dict]) -> tuple[list[float], list[tuple[str, float]], int]:
+    """One execution's events walked beside the program's launches: per launch its
+    microseconds, the events matched to none (name, us) and the failed name checks.
+
+    An event named after an XLA kernel is the next fusion or copy (custom calls that
+    launched nothing are passed over); if the next one runs under another name, the walk
+    looks ahead for the launch it names (a failed check: those passed over stay at 0).
+    Any other event (cuBLAS, cuDNN, a Memset) is a library call's: the current custom
+    call's, until one starts the next call: a Memset after the call's kernels, a kernel
+    it already ran, a second GEMM kernel in a cuBLAS call, or the other library."""
+    times = [0.0] * len(program)
+    unmatched, failed = [], 0
+    pos, current, seen = 0, None, []  # next launch; the custom call being credited
+
+    def starts_next(name: str) -> bool:
+        if current is None:
+            return True
+        target = program[current][0].attrs
+        kernels_run = [n for n in seen if not _MEMSET.match(n)]
+        if _MEMSET.match(name):
+            return bool(kernels_run)
+        cudnn = "cudnn" in name.lower()
+        if cudnn != ("cudnn" in target) or name in kernels_run:
+            return True
+        return (not cudnn and any(_LIBRARY_GEMM.search(n) for n in kernels_run)
+                and bool(_LIBRARY_GEMM.search(name)))
+
+    for e in run:
+        name, us = str(e.get("name", "")), float(e["dur"])
+        if name in xla_names:
+            current, seen = None, []
+            j = pos
+            while j < len(program) and program[j][0].opcode == "custom-call":
+                j += 1
+            if j < len(program) and name in program[j][1]:
+                times[j] += us
+                pos = j + 1
+                continue
+            failed += 1
+            ahead = next((k for k in range(j, len(program)) if name in program[k][1]), None)
+            if ahead is None:
+                unmatched.append((name, us))
+            else:
+                times[ahead] += us
+                pos = ahead + 1
+            continue
+        if current is not None and not starts_next(name):
+            times[current] += us
+            seen.append(name)
+            continue
+        j = pos
+        if j < len(program) and program[j][0].opcode != "fusion":
+            # a custom call, or a copy run as a library memcpy kernel
+            times[j] += us
+            pos = j + 1
+            current, seen = (j, [name]) if program[j][0].opcode == "custom-call" else (None, [])
+        else:
+            unmatched.append((name, us))
+    return times, unmatched, failed
+
+
+def join(module: Module, events: list[dict]) -> dict:
+    """The trace's events joined to the program's kernels: per instruction its device
+    microseconds per execution (`us_per_step`), `matched_fraction` (of the program's
+    device time in the trace), the unmatched time per execution and its largest names,
+    the failed name checks, and the pipelined step time (`step_ms`: from one execution's
+    first kernel to the next's, averaged) with the idle time inside an execution.
+
+    Needs the events' `args.hlo_module` and `correlation_id` (GPU traces). See `launches`
+    and `_walk` for how each event finds its instruction."""
+    runs = _executions(module, events)
+    program = launches(module)
+    xla_names = set().union(*(names for i, names in program if i.opcode == "fusion")) \
+        if program else set()
+    per = collections.Counter()
+    missed = collections.Counter()
+    failed, total = 0, 0.0
+    idle = 0.0
+    for run in runs:
+        times, unmatched, bad = _walk(program, xla_names, run)
+        for (instr, _), us in zip(program, times):
+            per[instr.name] += us
+        for name, us in unmatched:
+            missed[name] += us
+        failed += bad
+        total += sum(float(e["dur"]) for e in run)
+        end = float(run[0]["ts"])
+        for e in run:
+            idle += max(float(e["ts"]) - end, 0.0)
+            end = max(end, float(e["ts"]) + float(e["dur"]))
+    n = len(runs)
+    starts = [float(r[0]["ts"]) for r in runs]
+    step_ms = (starts[-1] - starts[0]) / (n - 1) / 1e3 if n > 1 else None
+    matched = sum(per.values())
+    return {"executions": n, "us_per_step": {k: v / n for k, v in per.items()} if n else {},
+            "matched_fraction": matched / total if total else 0.0,
+            "unmatched_us": sum(missed.values()) / n if n else 0.0,
+            "unmatched_top": [[k, v / n] for k, v in missed.most_common(8)],
+            "failed_name_checks": failed, "step_ms": step_ms,
+            "idle_ms": idle / n / 1e3 if n else None}
 
 
 def _short(name: str, width: int = 70) -> str:
