@@ -194,8 +194,9 @@ def fit_profile(record: dict, bandwidth: float, peak: float,
         e_gemm by shape    each GEMM shape class's FLOPs at the peak over its time
         e_attention        each cuDNN pass's tile FLOPs at the peak over its time
 
-    Also the GEMMs per output shape ([{shape, runs, tflop, ms, e}]) and the rates it could
-    not fit (no kernel of theirs ran): those keep `rates`' values, named in the list."""
+    Also the GEMMs per output shape ([{shape, class, runs, tflop, ms, e}]) and the rates it
+    could not fit (no kernel of theirs ran): those keep `rates`' values, named in the
+    list (as "e_gemm narrow", "e_mem elementwise", "INT32 rate", "launch")."""
     ks = [k for k in record["kernels"] if k["us"] > 0]
     launches = sum(k["runs"] for k in ks)
     launch = (record["idle_ms"] * 1e-3 / launches if record.get("idle_ms") is not None
@@ -229,7 +230,7 @@ def fit_profile(record: dict, bandwidth: float, peak: float,
     else:
         defaults.append("INT32 rate")
     for c in memory_classes:
-        if c not in e_mem_by and any(kind(k) == c for k in record["kernels"]):
+        if c not in e_mem_by and c in dict(rates.e_mem_by_class):
             defaults.append(f"e_mem {c}")
 
     def efficiency(group, key):
@@ -243,20 +244,28 @@ def fit_profile(record: dict, bandwidth: float, peak: float,
     gemm = [k for k in ks if k["kind"] == "gemm"]
     e_gemm_by = {}
     for shape in kernels.GEMM_SHAPES:
-        e = efficiency([k for k in gemm if k.get("variant", "ragged") == shape], "flops")
+        e = efficiency([k for k in gemm if k.get("variant") == shape], "flops")
         if e is not None:
             e_gemm_by[shape] = e
-        elif any(k.get("variant") == shape for k in record["kernels"]):
+        else:
             defaults.append(f"e_gemm {shape}")
+    # GEMMs of no shape class (a record without them) fit the one e_gemm
+    e_gemm = efficiency([k for k in gemm if k.get("variant") not in kernels.GEMM_SHAPES],
+                        "flops") or e_gemm_by.get("wide")
     attention = [k for k in ks if k["kind"] == "attention"]
     e_attention_by = {}
     for part in kernels.ATTENTION_PASSES:
         e = efficiency([k for k in attention if k.get("variant") == part], "attention_flops")
         if e is not None:
             e_attention_by[part] = e
-    if not e_gemm_by:
+        else:
+            defaults.append(f"e_attention {part}")
+    e_attention = efficiency([k for k in attention if k.get("variant")
+                              not in kernels.ATTENTION_PASSES], "attention_flops") \
+        or e_attention_by.get("forward")
+    if e_gemm is None:
         defaults.append("e_gemm")
-    if not e_attention_by:
+    if e_attention is None:
         defaults.append("e_attention")
     shapes = {}
     for k in gemm:
@@ -268,11 +277,10 @@ def fit_profile(record: dict, bandwidth: float, peak: float,
                 for (shape, _), group in shapes.items()]
     fitted = dataclasses.replace(
         rates, e_mem=e_mem, int_per_s=int_per_s, launch_s=launch,
-        e_gemm=e_gemm_by.get("wide", rates.e_gemm),
-        e_attention=e_attention_by.get("forward", rates.e_attention),
-        e_mem_by_class=tuple(e_mem_by.items()) or rates.e_mem_by_class,
-        e_gemm_by_shape=tuple(e_gemm_by.items()) or rates.e_gemm_by_shape,
-        e_attention_by_pass=tuple(e_attention_by.items()) or rates.e_attention_by_pass)
+        e_gemm=e_gemm or rates.e_gemm, e_attention=e_attention or rates.e_attention,
+        e_mem_by_class=tuple((dict(rates.e_mem_by_class) | e_mem_by).items()),
+        e_gemm_by_shape=tuple((dict(rates.e_gemm_by_shape) | e_gemm_by).items()),
+        e_attention_by_pass=tuple((dict(rates.e_attention_by_pass) | e_attention_by).items()))
     return fitted, sorted(by_shape, key=lambda g: -g["ms"]), defaults
 
 

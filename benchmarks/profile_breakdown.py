@@ -1,6 +1,7 @@
-"""Device time of a jax.profiler trace, split by kind of kernel.
+"""Device time of a jax.profiler trace, split by kind of kernel, or joined to its program.
 
     python -m benchmarks.profile_breakdown /tmp/prof             # newest run under it
+    python -m benchmarks.profile_breakdown TRACE --program step.hlo.txt.gz --json out.json
     python -m benchmarks.profile_breakdown /tmp/prof/plugins/profile/RUN/host.trace.json.gz
     python train_shardmap.py --model tiny --dataset synthetic --steps 6 --batch 16 \
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
@@ -15,9 +16,15 @@ count (`self_times`): those functions' docstrings.
 Categories are assigned by name, first match wins (`CATEGORIES`); a kernel whose name says
 nothing (e.g. a vendor library kernel) is classified by its `hlo_op` instead. Names are
 only a hint: XLA names a fusion after its root op, so e.g. a fusion ending in a convert
-counts as "convert" even if it also adds and multiplies. `kernel_times` instead joins each
-event to the program's own kernel (its `hlo_op`) and groups the times by the predictor's
-classes (vit_pure/xla/kernels.py): what benchmarks.fit_step fits the efficiencies to.
+counts as "convert" even if it also adds and multiplies.
+
+`--program HLO` (`kernel_times`, `join`) instead gives each event to the program's own
+kernel and groups the times per step by the predictor's classes (vit_pure/xla/kernels.py,
+`rng` for the random-bit hashes): what benchmarks.fit_step --profile fits the
+efficiencies to. The JSON holds `matched_fraction` (of the program's device time),
+`classes_ms`, each kernel's time, and `step_ms_trace`, the pipelined step (one
+execution's first kernel to the next's). On a GPU, XLA runs the step as one CUDA graph,
+so no event names its instruction: the join walks the trace beside the program (`join`).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import sys
 
 from benchmarks import harness
 from vit_pure.run import cli
-from vit_pure.xla import kernels
+from vit_pure.xla import hlo, kernels
 from vit_pure.xla.hlo import Instr, Module
 
 # (category, pattern), first match wins: the order resolves names that match several
@@ -431,24 +438,79 @@ def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:
     return breakdown(events, top, nested=source.startswith(CPU_SOURCE)), source, files
 
 
+def read_program(path: str) -> Module:
+    """An optimised HLO module's text (`compiled.as_text()`, XLA's
+    *gpu_after_optimizations.txt dump; gzipped or not); TraceError if unreadable."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as fh:
+            return hlo.parse_module(fh.read())
+    except (OSError, ValueError) as e:
+        raise TraceError(f"--program {path}: not a readable HLO module ({e})") from None
+
+
+def program_times(path: str, program: str) -> tuple[dict, list[str]]:
+    """The trace at `path` joined to the program at `program` (`kernel_times`): per
+    step, each kernel's time and the time by the predictor's classes."""
+    files = find_traces(path)
+    events, source = device_events(load_events(files))
+    if not events:
+        raise TraceError(f"{path}: the trace has no device or XLA op events")
+    module = read_program(program)
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    cpu = source.startswith(CPU_SOURCE)
+    steps = max(len(_executions(module, events)), 1)
+    times = kernel_times(found, events, steps, nested=cpu, module=None if cpu else module)
+    return {"source": source, **times}, files
+
+
+def format_program_times(times: dict) -> str:
+    """The time per class (ms per step) and what was left unmatched, as Markdown."""
+    rows = [[k, f"{v:.2f}"] for k, v in sorted(times["classes_ms"].items(),
+                                                key=lambda kv: -kv[1])]
+    rows.append(["(no kernel of the program)", f"{times['unmatched_us'] / 1e3:.2f}"])
+    step = times.get("step_ms_trace")
+    lines = [f"{times['steps']} executions of the program; "
+             f"{100 * times['matched_fraction']:.1f}% of their device time matched to its "
+             f"kernels ({times.get('failed_name_checks', 0)} failed name checks)"
+             + (f"; step {step:.2f} ms from one execution's start to the next, "
+                f"{times['idle_ms']:.2f} ms idle inside one" if step else ""), "",
+             harness.markdown_table(["class", "ms per step"], rows, numeric=[1])]
+    if times.get("unmatched_top"):
+        lines += ["", "unmatched (ms per step): " + ", ".join(
+            f"{_short(n, 40)} {us / 1e3:.2f}" for n, us in times["unmatched_top"])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = cli.doc_parser(__doc__)
     p.add_argument("trace", help="a *.trace.json.gz, or a --profile directory (newest run)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list")
+    p.add_argument("--program", default=None, metavar="HLO",
+                   help="the traced program's optimised HLO text (.txt or .txt.gz): join "
+                        "the trace to its kernels and give the time by the predictor's classes")
     p.add_argument("--json", default=None, help="also write the breakdown to this JSON file")
     args = p.parse_args(argv)
     if args.top < 0:
         p.error("--top must be >= 0")
     try:
-        result, source, files = analyse(args.trace, args.top)
+        if args.program:
+            result, files = program_times(args.trace, args.program)
+        else:
+            result, source, files = analyse(args.trace, args.top)
     except TraceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"# trace: {', '.join(files)}")
-    print(format_breakdown(result, source))
+    if args.program:
+        print(f"# program: {args.program}")
+        print(format_program_times(result))
+    else:
+        print(format_breakdown(result, source))
+        result = {"source": source, **result}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"files": files, "source": source, **result}, f, indent=1)
+            json.dump({"files": files, **result}, f, indent=1)
     return 0
 
 
