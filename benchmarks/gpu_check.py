@@ -7,19 +7,20 @@ Parts, in order, each in a process of its own with its own time limit (seconds),
 writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summary.md
 (the tables), rewritten after every part, so a loan cut short keeps what was done.
 
-    env      30   jax and torch versions, the device, and which `--hardware` describes it
+    env      25   jax and torch versions, the device, and which `--hardware` describes it
                   (vit_pure/plan/targets/: h100, h200), used by the parts below
-    steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
+    steps   240   benchmarks.peers, one fresh process per row, one run: torch.compile
                   first, then the headline as shipped, `--remat gelu` (the GELU output
                   recomputed), `--last-block all` (the last block on every token:
-                  torch.compile's work): img/s, step ms, peak GiB (DIR/steps.json, .md)
-    log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
+                  torch.compile's work), and the GELU-epilogue candidates (GELU_ROWS: XLA
+                  settings): img/s, step ms, peak GiB (DIR/steps.json, .md)
+    log      40   the headline command itself (`train_shardmap.py --batch 4096 --dtype
                   bf16 --dataset synthetic`), its own log (DIR/headline.log)
     profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
                   inputs staged beforehand), and each kernel's device time from a
                   jax.profiler trace joined to that program, by the predictor's classes
                   (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
-    gemms    60   each distinct GEMM of that program timed alone at its shape, layout and
+    gemms    30   each distinct GEMM of that program timed alone at its shape, layout and
                   dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
     program  70   that program read by `benchmarks.deviceless --program`, beside the
                   deviceless compile of the same flags where the CUDA 12 plugin is:
@@ -38,10 +39,15 @@ from benchmarks import harness
 from vit_pure.errors import UsageError
 from vit_pure.run import cli
 
-LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
+LIMITS = {"env": 25, "steps": 240, "log": 40, "profile": 75, "gemms": 30, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
 STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all")
+# Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
+# epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
+# the GELU after the dot. A step ~3 ms or more under "as shipped" says it fused.
+GELU_ROWS = ("gelu: no triton gemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false",
+             "gelu: autotune 0=XLA_FLAGS=--xla_gpu_autotune_level=0")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 
@@ -82,7 +88,7 @@ def _steps(out: pathlib.Path, dry: bool) -> dict:
     argv = [sys.executable, "-m", "benchmarks.peers", "--batch", "4096", "--dtype", "bf16",
             "--steps", "8", "--warmup", "3", "--only", "torch-compile,kit",
             "--entry-timeout", "60", "--json", str(out / "steps.json")]
-    for row in STEP_ROWS:
+    for row in STEP_ROWS + GELU_ROWS:
         check_kit_flags(parse_kit_variant(row)[2], row)
         argv += ["--kit", row]
     if dry:
