@@ -151,12 +151,14 @@ def table(rows: list[dict]) -> str:
         TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
         int Gop        integer arithmetic outside the GEMMs, instructions x elements (random
                        bits, mostly: dropout masks); not in the floor
-        floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
-                       a floor, not a prediction of the step time
-        pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem), FLOPs /
-                       (peak x e_class)) + its integer work + a launch, the efficiencies fitted
-                       to the H100's measured steps (vit_pure/xla/kernels.py, H100_RATES;
-                       benchmarks/fit_step.py gives the fit and its errors)
+        floor ms       each kernel max(bytes / bandwidth, FLOPs / the fastest GEMM rate
+                       measured) + a launch, summed: a floor, not a prediction of the step
+        pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem of its
+                       class), FLOPs / (peak x e of its GEMM shape class or attention pass))
+                       + its integer work + a launch, the efficiencies fitted class by class
+                       to an H100 profile (vit_pure/xla/kernels.py, H100_RATES;
+                       `benchmarks.fit_step --profile`); the JSON also has it by class
+                       (`predicted_s_by_class`)
         compile s      the deviceless compile
 
     Under the table, each compiled row's predicted step on every described GPU (the same

@@ -8,11 +8,9 @@ collectives between the pieces, once:
     norm = <global gradient norm>                     # a collective under model parallelism
     state = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
 
-A trace of `local_grads` / `local_eval` may still hold what it is handed in
-`model.Parallel`: with its `tp_axis` the model's two tensor-parallel operators, with its
-`gather` the script's FSDP hook.
-`accumulate` is the one gradient path: `local_grads` and the pipeline's gradients both run
-through it.
+A trace of `local_grads` / `local_eval` may still hold what `model.Parallel` hands it: the
+model's tensor-parallel operators, the script's FSDP hook. `accumulate` is the one
+gradient path: `local_grads` and the pipeline's gradients both run through it.
 """
 from __future__ import annotations
 

@@ -8,11 +8,8 @@ float32 on CPU (XLA:CPU upcasts a bf16-output dot entirely). Attention: cuDNN's 
 attention on an NVIDIA GPU of compute capability 8.0+ in bf16, else the einsums. `--dtype
 auto`: bf16 where it is fast (accelerators; CPUs with avx512_bf16 or amx_bf16), else fp32.
 Dropout masks: `threefry16`, packed eight to a byte, on accelerators; `bernoulli`, a byte
-an element, on CPU.
-
-Every other knob's default is `config.Execution`'s. Nothing here is read inside jitted
-code: `resolve` runs once, in the script's main (run/settings.py `step_config`), and its
-result is frozen into the StepConfig.
+an element, on CPU. Every other knob's default, and each of these on a CPU, is
+`config.Execution`'s. `resolve` runs once, in run/settings.py `step_config`.
 """
 from __future__ import annotations
 
