@@ -1,0 +1,51 @@
+"""Writes this folder's golden checkpoint: the tiny model, 6 steps of pmap on 8 fake CPU
+devices (tests/test_resume.py's flags), the checkpoint of step 3 and the losses of the
+uninterrupted run's steps 4-6. tests/test_resume_versions.py resumes it with the kit of
+today, so a kit that can no longer continue a run of this one fails there.
+
+    python tests/data/resume-golden/write.py
+
+Run it only to replace the golden files on purpose (docs/checkpoint-format.md says what
+was written by which version); the files it replaces are the older kit's record.
+"""
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+import conftest  # noqa: E402,F401  (eight fake CPU devices, the tests' XLA flags)
+
+import train_pmap  # noqa: E402
+
+FLAGS = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "80",
+         "--synthetic-val", "16", "--synthetic-test", "16", "--steps", "6", "--batch", "16",
+         "--no-progress", "--eval-every", "0", "--randaugment", "0", "--accum-steps", "1"]
+STEP = 3
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpts, log = pathlib.Path(tmp) / "ckpts", pathlib.Path(tmp) / "log.jsonl"
+        train_pmap.main(FLAGS + ["--ckpt-dir", str(ckpts), "--ckpt-every", str(STEP),
+                                 "--log-json", str(log)])
+        name = f"step_{STEP:08d}"
+        shutil.rmtree(HERE / name, ignore_errors=True)
+        shutil.copytree(ckpts / name, HERE / name)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        losses = {r["step"]: r["loss"] for r in records
+                  if "loss" in r and "split" not in r and r["step"] > STEP}
+        (HERE / "losses.json").write_text(json.dumps(
+            {"flags": FLAGS, "resumed_step": STEP, "losses": losses}, indent=1) + "\n")
+    print(f"wrote {HERE / name} and {HERE / 'losses.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    main()
