@@ -132,6 +132,13 @@ def trainable_params(params, trainable: str):
     return {k: v if k == "head" else jax.lax.stop_gradient(v) for k, v in params.items()}
 
 
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """The warm-up's length in steps: --warmup-steps (None: 5% of the run, at least 1),
+    less than the run's length."""
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
+    return min(warmup, max(total_steps - 1, 0))
+
+
 def make_optimizer(optim: OptimConfig,
                    total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     """AdamW (or SGD with momentum) with linear warm-up and cosine decay, and with
@@ -142,8 +149,7 @@ def make_optimizer(optim: OptimConfig,
     the scripts compute the norm and `apply_gradients` clips."""
     if not 0.0 < optim.layer_decay <= 1.0:
         raise ValueError(f"layer_decay must be in (0, 1], got {optim.layer_decay}")
-    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
-    warmup = min(warmup, max(total_steps - 1, 0))
+    warmup = warmup_steps(optim, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)
