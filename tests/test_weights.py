@@ -314,6 +314,7 @@ def test_bad_weights_file_is_one_line_and_exit_2(kind, message, tmp_path, capsys
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert "error: --init-from" in err, err  # which flag gave the file
 
 
 def test_a_url_is_fetched_into_the_cache_and_offline_is_one_line(tmp_path, monkeypatch):
@@ -327,6 +328,12 @@ def test_a_url_is_fetched_into_the_cache_and_offline_is_one_line(tmp_path, monke
     with pytest.raises(WeightsError) as e:  # nothing listens on port 9 of this machine
         weights.resolve("http://127.0.0.1:9/ViT-B_16.npz", log=lambda line: None)
     assert "cannot fetch http://127.0.0.1:9/ViT-B_16.npz" in one_line(e)
+    # The failed fetch leaves no folder behind; the cache keeps the one that worked.
+    assert [p for p in (tmp_path / "cache").iterdir()] == [local.parent]
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "new" / "cache"))
+    with pytest.raises(WeightsError):
+        weights.resolve("http://127.0.0.1:9/ViT-B_16.npz", log=lambda line: None)
+    assert not (tmp_path / "new").exists()
 
 
 def test_finetune_recipe_needs_init_from_and_sets_sgd(capsys):

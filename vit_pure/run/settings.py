@@ -17,7 +17,7 @@ from typing import Any
 
 from vit_pure import weights
 from vit_pure.data.cifar10 import NUM_CLASSES
-from vit_pure.errors import UsageError
+from vit_pure.errors import UsageError, WeightsError
 from vit_pure.run import backend
 from vit_pure.step import OptimConfig
 
@@ -209,9 +209,12 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
             except ValueError as e:
                 raise UsageError(f"--image-size: {e}") from None
         return None
-    path = weights.resolve(args.init_from)
-    params, found = weights.load_found(path, heads=cfg.heads)
-    src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    try:  # the readers' errors name the file; the line says which flag gave it
+        path = weights.resolve(args.init_from)
+        params, found = weights.load_found(path, heads=cfg.heads)
+        src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     try:
         args.cfg = cfg.replace(
             image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
@@ -221,7 +224,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     if not fit:
         return None
-    params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    try:
+        params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     if getattr(args, "process_id", None) in (None, 0):
         c = args.cfg
         print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "
