@@ -19,6 +19,7 @@ from vit_pure.run import distributed
 from vit_pure.run.checks import (
     check_checkpoint_flags,
     check_device_counts,
+    check_model_flags,
     check_numbers,
     check_paths,
     check_process_flags,
@@ -61,6 +62,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             args.cfg = args.cfg.replace(**{name: rate})
     if args.pool is not None:
         args.cfg = args.cfg.replace(pool=args.pool)
+    check_model_flags(parser, args)
     check_process_flags(parser, args)
     check_paths(parser, args)
     return args

@@ -167,12 +167,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         "einsum")
-    g.add_argument("--last-block", default="class-token", choices=list(LAST_BLOCKS),
+    g.add_argument("--last-block", default=None, choices=list(LAST_BLOCKS),
                    help="with --pool cls, the last block's query, attention, output projection "
                         "and MLP for the class token alone, the only row the head reads "
                         "(class-token), or for every token (all); same results, 13.7%% fewer "
                         "FLOPs for vit-cifar (docs/performance.md). Pipelines and other pools "
-                        "compute every row (default: class-token)")
+                        "compute every row; class-token given with another pool is an error "
+                        "(default: class-token where it applies)")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "

@@ -203,6 +203,10 @@ class Checkpoints:
             raise UsageError(f"cannot resume from {path}: {difference}")
         for note in notes:  # an older kit's checkpoint: what was assumed, what ignored
             self.log(f"--resume: {note}", event="resume_note", note=note)
+        stop_after, step = self.rc.schedule.stop_after, checkpoint.step_of(path)
+        if stop_after is not None and stop_after <= step:  # it would stop at once, again
+            raise UsageError(f"--stop-after {stop_after}: {path} is at step {step} already; "
+                             f"drop --stop-after (or give a later step) to continue the run")
         # Corrupt checkpoints newer than the one resumed would shadow the ones this run
         # writes (retention counts them); move them aside, kept for inspection.
         for newer in existing[existing.index(path) + 1:]:

@@ -167,7 +167,8 @@ def step_flags(args: argparse.Namespace) -> backend.StepFlags:
         label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
         randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
         ema=args.ema, eval_flip=args.eval_flip, eval_corners=args.eval_corners,
-        trainable=args.trainable, last_block=args.last_block)
+        trainable=args.trainable,
+        last_block=args.last_block or "class-token")  # not given: where it applies
 
 
 def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
@@ -203,6 +204,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
             raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
+        if args.trainable == "head" and fit and not getattr(args, "eval_only", False):
+            raise UsageError("--trainable head trains the head alone on a frozen backbone: "
+                             "give --init-from FILE, its pretrained weights (a random "
+                             "backbone's features are noise)")
         if args.image_size is not None:
             try:
                 args.cfg = cfg.replace(image_size=args.image_size)
