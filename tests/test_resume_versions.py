@@ -75,14 +75,31 @@ def test_a_checkpoint_with_fields_no_kit_knows_resumes_naming_them(tmp_path, cap
     assert ("--resume: checkpoint records the model config's frob_depth none, which this "
             "kit does not know: ignored\n") in out, out
     assert got["stopped"]["step"] == STEP + 1
+    # The hint does not loop: the same command would stop at the same step again.
+    assert (f"stopped by --stop-after after step {STEP + 1}; checkpoint "
+            f"{path.parent / checkpoint.step_dir_name(STEP + 1)}; run the same command with "
+            f"--resume and without --stop-after (or with a later step) to continue") in out
+
+
+@pytest.fixture
+def compile_nothing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled a step for a checkpoint it must refuse")
+    monkeypatch.setattr(train_pmap.loop.accum, "build_strategy", refuse)
+
+
+@pytest.mark.parametrize("stop_after", [STEP - 1, STEP])
+def test_stop_after_at_or_below_the_resumed_step_is_refused_before_compiling(
+        stop_after, tmp_path, capsys, compile_nothing):
+    path, argv, _ = resume_golden(tmp_path, lambda t: None, "--stop-after", str(stop_after))
+    assert cli.main_guard(lambda: train_pmap.main(argv)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --stop-after {stop_after}: {path} is at step {STEP} already; drop "
+        f"--stop-after (or give a later step) to continue the run\n")
 
 
 def test_a_checkpoint_of_another_model_shape_is_refused_in_one_line(tmp_path, capsys,
-                                                                     monkeypatch):
-    def compile_nothing(*args, **kwargs):
-        raise AssertionError("compiled a step for a checkpoint it must refuse")
-
-    monkeypatch.setattr(train_pmap.loop.accum, "build_strategy", compile_nothing)
+                                                                     compile_nothing):
     path, argv, _ = resume_golden(tmp_path, lambda t: t["model config"].update(width=32))
     assert cli.main_guard(lambda: train_pmap.main(argv)) == 2
     err = capsys.readouterr().err
