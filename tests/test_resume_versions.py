@@ -148,7 +148,12 @@ def test_a_recorded_none_equals_the_value_it_resolves_to():
     difference, _ = compare({**NOW, "--dropout-masks": None},
                             {**NOW, "--dropout-masks": "threefry16"})
     assert difference == ("--dropout-masks differs (checkpoint not given ('bernoulli'), "
-                          "this run 'threefry16')")
+                          "this run 'threefry16'); give --dropout-masks bernoulli to continue "
+                          "it")
+    # A run on another backend, whose default masks are another kind: the line says how.
+    difference, _ = compare({**NOW, "--dropout-masks": "threefry16"})
+    assert difference == ("--dropout-masks differs (checkpoint 'threefry16', this run "
+                          "'bernoulli'); give --dropout-masks threefry16 to continue it")
 
 
 def test_a_missing_model_field_takes_the_models_default():

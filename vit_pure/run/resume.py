@@ -307,8 +307,11 @@ def compare(saved: dict, current: dict, *, defaults: dict | None = None,
                 return difference, []
         elif was != now:
             shown = _shown(recorded, name, none_means)
-            return _difference(name, f"predates it: taken as {shown}" if predates else shown,
-                               _shown(now, name, none_means), names), []
+            difference = _difference(name, f"predates it: taken as {shown}" if predates
+                                     else shown, _shown(now, name, none_means), names)
+            if name in none_means and was is not None:  # e.g. another backend's default
+                difference += f"; give {name} {was} to continue it"
+            return difference, []
         if predates:
             notes.append(f"checkpoint predates {name}: taken as "
                          f"{_shown(recorded, name, none_means)}")
