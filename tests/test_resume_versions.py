@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 
 import train_pmap
-from vit_pure.run import checkpoint, cli, resume
+from vit_pure.config import get_preset
+from vit_pure.policy import Policy
+from vit_pure.run import checkpoint, cli, evaluate, resume
+from vit_pure.step import StepConfig
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "resume-golden"
 RECORD = json.loads((GOLDEN / "losses.json").read_text())
@@ -203,3 +206,13 @@ def test_every_flag_default_is_known():
     compared = [k for k in golden if k.startswith("--")
                 and k[2:].replace("-", "_") not in resume.RESUMABLE_ACROSS]
     assert compared and all(k in defaults for k in compared)
+
+
+def test_eval_only_reads_the_model_config_of_another_kit_version():
+    """--eval-only builds the model from the checkpoint's config: a field it predates at
+    its default, one no kit knows left out."""
+    meta = checkpoint.read_meta(GOLDEN / checkpoint.step_dir_name(STEP))
+    saved = {k: v for k, v in meta["model_config"].items() if k != "registers"}
+    meta = {**meta, "model_config": {**saved, "frob_depth": 3}}
+    sc = StepConfig(get_preset("vit-cifar"), Policy())
+    assert evaluate.saved_step_config(meta, sc).cfg == get_preset("tiny")
