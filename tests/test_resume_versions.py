@@ -50,7 +50,8 @@ def test_a_checkpoint_that_predates_a_flag_continues_the_run(tmp_path, capsys):
     """The stored config without --layer-decay (as every checkpoint written before the flag
     existed): taken as its default, said in one line, and the run continues the
     uninterrupted run's losses (the golden run's, on this kit)."""
-    path, argv, log = resume_golden(tmp_path, lambda t: t.pop("--layer-decay"))
+    path, argv, log = resume_golden(tmp_path, lambda t: t.pop("--layer-decay"),
+                                    "--no-final-eval")
     train_pmap.main(argv)
     out = capsys.readouterr().out
     assert "--resume: checkpoint predates --layer-decay: taken as 1.0\n" in out, out
