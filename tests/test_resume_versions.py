@@ -1,7 +1,7 @@
 """Resuming a checkpoint of an older kit (run/resume.py `compare`).
 
 The golden checkpoint in tests/data/resume-golden was written by an earlier kit (its
-write.py says which, and how): step 3 of the tiny model's 6-step pmap run, with the losses
+README says which; write.py how): step 3 of the tiny model's 6-step pmap run, with the losses
 of that run's steps 4-6. A copy of it, with one field of its stored config removed (a flag
 the kit had not yet), resumes and continues those losses; with a field no kit knows it
 resumes too; with another model shape it is refused in one line, before compiling.

@@ -5,8 +5,8 @@ today, so a kit that can no longer continue a run of this one fails there.
 
     python tests/data/resume-golden/write.py
 
-Run it only to replace the golden files on purpose (docs/checkpoint-format.md says what
-was written by which version); the files it replaces are the older kit's record.
+The files in this folder are an earlier kit's record (README.md): run this only to add
+another version's, in a folder of its own.
 """
 import json
 import os
