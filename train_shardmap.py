@@ -426,8 +426,10 @@ class ShardMapStrategy:
         axes = jax.tree.map(lambda names: names.index("layers") if "layers" in names else -1,
                             param_axes(self.sc.cfg), is_leaf=lambda x: isinstance(x, tuple))
 
-        def take(x, axis):
-            return x if axis < 0 else np.take(np.asarray(x), order, axis=axis)
+        def take(x, axis):  # (a size-1 axis: a state leaf of a frozen param, whole)
+            if axis < 0 or np.shape(x)[axis] == 1:
+                return x
+            return np.take(np.asarray(x), order, axis=axis)
         out = dict(state)
         for k in ("params", "ema"):
             if k in out:

@@ -108,14 +108,28 @@ def scale_by_layer(decay: float) -> optax.GradientTransformation:
 
 
 def frozen_updates(optimizer, trainable: str) -> optax.GradientTransformation:
-    """`optimizer` whose updates outside head/* are zeros (weight decay included), under
-    --trainable head. Its state keeps the params' layout (each leaf's moments, which stay
-    zero): laid out as any optimizer state is."""
+    """`optimizer` on the head's params alone, under --trainable head: the frozen
+    backbone's updates are zeros (weight decay included), and its optimizer state keeps
+    one element per frozen leaf instead of the leaf's copies (AdamW's moments of the head
+    only). The state keeps the params' tree, each frozen leaf's moments a (1, ..., 1)
+    array, so it is laid out as any optimizer state is (`layout.like_param` keeps size-1
+    axes whole)."""
+    def shrunk(tree):
+        if not isinstance(tree, dict):  # optax.tree_map_params' stand-in for the params
+            return tree
+        return {k: v if k == "head" else jax.tree.map(
+                    lambda x: jnp.zeros((1,) * jnp.ndim(x), jnp.result_type(x)), v)
+                for k, v in tree.items()}
+
+    def init(params):
+        return optimizer.init(shrunk(params))
+
     def update(updates, state, params=None):
-        updates, state = optimizer.update(updates, state, params)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, u: u if path[0].key == "head" else jnp.zeros_like(u), updates), state
-    return optax.GradientTransformation(optimizer.init, update)
+        head, state = optimizer.update(shrunk(updates), state,
+                                       None if params is None else shrunk(params))
+        return {k: head[k] if k == "head" else jax.tree.map(jnp.zeros_like, v)
+                for k, v in updates.items()}, state
+    return optax.GradientTransformation(init, update)
 
 
 def trainable_params(params, trainable: str):
@@ -124,6 +138,13 @@ def trainable_params(params, trainable: str):
     if trainable == "all":
         return params
     return {k: v if k == "head" else jax.lax.stop_gradient(v) for k, v in params.items()}
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """The warm-up's length in steps: --warmup-steps (None: 5% of the run, at least 1),
+    less than the run's length."""
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
+    return min(warmup, max(total_steps - 1, 0))
 
 
 def make_optimizer(optim: OptimConfig,
@@ -136,8 +157,7 @@ def make_optimizer(optim: OptimConfig,
     the scripts compute the norm and `apply_gradients` clips."""
     if not 0.0 < optim.layer_decay <= 1.0:
         raise ValueError(f"layer_decay must be in (0, 1], got {optim.layer_decay}")
-    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
-    warmup = min(warmup, max(total_steps - 1, 0))
+    warmup = warmup_steps(optim, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)

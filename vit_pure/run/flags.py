@@ -176,7 +176,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="with --pool cls, the last block's query, attention, output projection "
                         "and MLP for the class token alone, the only row the head reads "
                         "(class-token), or for every token (all); same results, fewer FLOPs "
-                        "(docs/performance.md). Pipelines and other pools compute every row "
+                        "(docs/performance.md). Pipelines and other pools compute every row; "
+                        "class-token given with another pool is an error "
                         f"(default: {EXECUTION.last_block})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
@@ -193,18 +194,20 @@ def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
                              "pretrained ViT\")")
     g.add_argument("--init-from", default=None, metavar="PATH|URL",
                    help="start from these weights instead of a random initialisation: a "
-                        "big_vision / AugReg .npz, a timm model.safetensors, or a Hugging Face "
-                        "folder (model.safetensors + config.json); a URL is fetched once into "
+                        "big_vision / AugReg .npz, a timm model.safetensors, a Hugging Face "
+                        "folder (model.safetensors + config.json), or an .onnx graph exported "
+                        "from either (needs the onnx package); a URL is fetched once into "
                         "~/.cache/vit_pure/weights. --model must have the file's shapes (its "
                         "head count is taken from --model); the file sets the GELU, LayerNorm "
                         "epsilon, input scaling and (unless given) --image-size and --pool; a "
                         "new zero head replaces one of another class count. Ignored when "
                         "--resume finds a checkpoint (default: a random initialisation)")
     g.add_argument("--image-size", type=int, default=None, metavar="PX",
-                   help="the model's input resolution: CIFAR-10 is resized to it on the "
-                        "device; with --init-from the position embedding is resampled "
-                        "(bilinear) to its grid (default: the file's resolution with "
-                        "--init-from, else the --model preset's)")
+                   help="the model's input resolution: CIFAR-10 is resized to it (bilinear) "
+                        "on the device; with --init-from the position embedding is resampled "
+                        "to its grid as the file's library does it (bilinear for a big_vision "
+                        ".npz, bicubic for timm and Hugging Face files) (default: the file's "
+                        "resolution with --init-from, else the --model preset's)")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:

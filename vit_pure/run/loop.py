@@ -547,8 +547,10 @@ def _stopped(strategy: Strategy, state, step: int, reason: str, ckpts: Checkpoin
     if ckpts.dir is not None:
         path = (ckpts.last if ckpts.saved_step == step
                 else ckpts.save(strategy, state, step, reason, last))
-        log(f"stopped by {reason} after step {step}; checkpoint {path}; "
-            "run the same command with --resume to continue",
+        again = ("the same command with --resume and without --stop-after (or with a later "
+                 "step)" if reason == "--stop-after" else "the same command with --resume")
+        log(f"stopped by {reason} after step {step}; checkpoint {path}; run {again} to "
+            f"continue",
             event="stopped", step=step, reason=reason, checkpoint=str(path))
     elif reason == "--stop-after":
         log(f"stopped by --stop-after after step {step}; no --ckpt-dir, nothing saved",

@@ -16,6 +16,7 @@ import re
 import numpy as np
 
 from vit_pure.config import INPUT_SCALINGS, ViTConfig
+from vit_pure.data.cifar10 import CIFAR10_CLASSES
 from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
 from vit_pure.weights.timm import scaling_name
@@ -223,6 +224,9 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
         w[p + "intermediate.dense.bias"] = b["mlp"]["fc1"]["bias"][i]
         w[p + "output.dense.weight"] = (np.asarray(b["mlp"]["fc2"]["kernel"][i]) * g2).T
         w[p + "output.dense.bias"] = np.asarray(b["mlp"]["fc2"]["bias"][i]) * g2
+    # The class names: CIFAR-10's for a 10-class head (what the kit trains), else numbered.
+    names = (CIFAR10_CLASSES if cfg.num_classes == len(CIFAR10_CLASSES)
+             else tuple(f"LABEL_{k}" for k in range(cfg.num_classes)))
     config = {
         "architectures": ["ViTForImageClassification"], "model_type": "vit",
         "hidden_size": E, "num_hidden_layers": L, "num_attention_heads": H,
@@ -232,8 +236,8 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
         "initializer_range": 0.02, "layer_norm_eps": cfg.ln_eps,
         "image_size": cfg.image_size, "patch_size": cfg.patch_size,
         "num_channels": cfg.channels, "qkv_bias": True,
-        "id2label": {str(k): f"LABEL_{k}" for k in range(cfg.num_classes)},
-        "label2id": {f"LABEL_{k}": k for k in range(cfg.num_classes)},
+        "id2label": {str(k): name for k, name in enumerate(names)},
+        "label2id": {name: k for k, name in enumerate(names)},
     }
     mean, std = INPUT_SCALINGS[cfg.inputs]
     preprocessor = {"image_processor_type": "ViTImageProcessor", "do_resize": True,

@@ -32,10 +32,13 @@ from vit_pure.weights.tree import Arrays, Found, pos_rows, rows_to_hwio
 # A torch Linear's weight is (out, in): the kit's kernels are its transpose. The head count
 # is not in the weights: it comes from config.json's model_args or architecture name, else
 # from the caller (`--model`), else width / 64 (every ViT of the ViT and DeiT papers
-# has 64-wide heads but ViT-H's 80). timm's ViTs use the exact GELU and LayerNorm epsilon
-# 1e-6; the input scaling is config.json's pretrained_cfg mean / std when there is one, else
+# has 64-wide heads but ViT-H's 80). timm's ViTs use LayerNorm epsilon 1e-6 and the exact
+# GELU unless config.json's model_args name another `act_layer`; the input scaling is
+# config.json's pretrained_cfg mean / std when there is one, else
 # [-1, 1] (the default of timm's `vit_*` models, which come from the AugReg release).
 # timm model name stems -> heads (their widths' ViT variants).
+# timm's act_layer names -> the kit's ViTConfig.gelu (timm's ViT default: "gelu").
+ACT_LAYERS = {"gelu": "exact", "gelu_tanh": "tanh"}
 NAME_HEADS = {"vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "vit_large": 16,
               "vit_huge": 16, "deit_tiny": 3, "deit_small": 6, "deit_base": 12}
 
@@ -150,8 +153,12 @@ def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
     if "mean" in pretrained and "std" in pretrained:
         inputs = scaling_name(pretrained["mean"], pretrained["std"], hub_path)
     pool = ("mean" if class_token else "gap") if avg else "cls"
+    act = hub.get("model_args", {}).get("act_layer", "gelu")
+    if act not in ACT_LAYERS:
+        raise WeightsError(f"{hub_path}: act_layer {act!r} is none of the GELUs the kit has "
+                           f"({', '.join(ACT_LAYERS)})")
     return params, Found(format="timm", patch_size=patch, channels=channels, heads=heads,
-                         pool=pool, gelu="exact", ln_eps=1e-6, inputs=inputs,
+                         pool=pool, gelu=ACT_LAYERS[act], ln_eps=1e-6, inputs=inputs,
                          notes=tuple(notes), resample="timm")
 
 
@@ -209,7 +216,7 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                        "mlp_ratio": cfg.mlp_dim / E, "class_token": cfg.class_token,
                        "global_pool": "token" if cfg.pool == "cls" else "avg",
                        "fc_norm": cfg.pool != "cls", "num_classes": cfg.num_classes,
-                       "act_layer": "gelu" if cfg.gelu == "exact" else "gelu_tanh",
+                       "act_layer": next(k for k, v in ACT_LAYERS.items() if v == cfg.gelu),
                        **({"init_values": cfg.layer_scale} if cfg.layer_scale else {}),
                        **({"reg_tokens": cfg.registers} if cfg.registers else {})},
         "pretrained_cfg": {"input_size": [cfg.channels, cfg.image_size, cfg.image_size],
