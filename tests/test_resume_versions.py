@@ -17,7 +17,7 @@ import pytest
 import train_pmap
 from vit_pure.config import get_preset
 from vit_pure.policy import Policy
-from vit_pure.run import checkpoint, cli, evaluate, resume
+from vit_pure.run import checkpoint, cli, evaluate, loop, resume
 from vit_pure.step import StepConfig
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "resume-golden"
@@ -89,7 +89,7 @@ def test_a_checkpoint_with_fields_no_kit_knows_resumes_naming_them(tmp_path, cap
 def compile_nothing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("compiled a step for a checkpoint it must refuse")
-    monkeypatch.setattr(train_pmap.loop.accum, "build_strategy", refuse)
+    monkeypatch.setattr(loop.accum, "build_strategy", refuse)
 
 
 @pytest.mark.parametrize("stop_after", [STEP - 1, STEP])
