@@ -421,25 +421,32 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
         grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)
         return loss_scale.unscale(grads), metrics
 
-    K = sc.accum_steps
-    if K == 1:
-        return micro_grads(images, labels, targets, example_ids)
-    if labels.shape[0] % K:
-        raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does not "
-                         f"divide into {K} micro-batches")
+    batch = (images, labels, targets, example_ids)
+    if sc.accum_steps == 1:
+        return micro_grads(*batch)
+    return sum_micro_batches(micro_grads, params, sc.accum_steps, batch)
+
+
+def sum_micro_batches(micro_grads: Callable, params, K: int, batch: tuple):
+    """`micro_grads(*micro_batch) -> (grads, metrics)` over K equal micro-batches of
+    `batch` (arrays (b, ...)), one after another in a `lax.scan`: (the gradients summed in
+    float32, divided by K and cast to the params' dtypes; the metrics' means)."""
+    b = batch[1].shape[0]
+    if b % K:
+        raise ValueError(f"accumulation: the per-device batch {b} does not divide into {K} "
+                         f"micro-batches")
 
     def micro_batches(x):  # (b, ...) -> (K, b/K, ...): micro-batch k is rows k*b/K...
         return x.reshape(K, x.shape[0] // K, *x.shape[1:])
 
-    def add(total, batch):
-        grads, metrics = micro_grads(*batch)
+    def add(total, micro_batch):
+        grads, metrics = micro_grads(*micro_batch)
         return jax.tree.map(lambda t, g: t + g.astype(F32), total, grads), metrics
 
     # The running sum starts at zero in float32. (zeros_like keeps the params' type under
     # shard_map, e.g. "varying over 'data'", which scan needs the carry to keep.)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)
-    total, metrics = jax.lax.scan(
-        add, zeros, tuple(micro_batches(x) for x in (images, labels, targets, example_ids)))
+    total, metrics = jax.lax.scan(add, zeros, tuple(micro_batches(x) for x in batch))
     # Equal-size micro-batches: the mean over the slice is the mean of the K means.
     grads = jax.tree.map(lambda t, p: (t / K).astype(p.dtype), total, params)
     return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
