@@ -67,15 +67,22 @@ def padded_tokens(tokens: int) -> int:
     return -(-tokens // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def check_shape(tokens: int, head_dim: int, dtype) -> None:
-    """Raise ValueError (one line) for what the kernel does not take."""
+def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> None:
+    """Raise ValueError (one line) for what the kernel does not take. On the GPU the
+    wgmma instruction takes 16-bit inputs (float32 would run as TF32, not the einsum
+    path's float32) and a contraction (the head dim, for q k^T) in steps of 16 elements;
+    interpreted, any float dtype and head dim run."""
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"pallas attention takes 1 to {MAX_TOKENS} tokens, got {tokens}")
-    if head_dim % 8:
-        raise ValueError(f"pallas attention takes a head dim that is a multiple of 8, "
-                         f"got {head_dim}")
-    if jnp.dtype(dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"pallas attention takes float32, bfloat16 or float16, got {dtype}")
+    dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if interpret:
+        dtypes += (jnp.dtype(F32),)
+    if jnp.dtype(dtype) not in dtypes:
+        raise ValueError(f"pallas attention {'interpreted ' if interpret else 'on the GPU '}"
+                         f"takes {', '.join(d.name for d in dtypes)}, got {jnp.dtype(dtype)}")
+    if not interpret and head_dim % 16:
+        raise ValueError(f"pallas attention on the GPU takes a head dim that is a multiple "
+                         f"of 16, got {head_dim}")
 
 
 def attention_pallas(qkv, head_dim: int, interpret: bool = False):
@@ -84,7 +91,7 @@ def attention_pallas(qkv, head_dim: int, interpret: bool = False):
     the context (B, T, Hl*D) in the compute dtype. `interpret`: run the kernels in JAX's
     Mosaic GPU interpreter (on the CPU) instead of compiling them for a GPU."""
     B, T, width = qkv.shape
-    check_shape(T, head_dim, qkv.dtype)
+    check_shape(T, head_dim, qkv.dtype, interpret)
     heads = width // (3 * head_dim)
     ctx = _attention(qkv.reshape(B, T, 3, heads, head_dim), interpret)  # (B, T, Hl, D)
     return ctx.reshape(B, T, heads * head_dim)
@@ -163,9 +170,9 @@ def _store(values, tiles, refs, tokens: int):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _zero(tiles):
+def _zero(tiles, interpret: bool):
     for tile in tiles:
-        tile[...] = jnp.zeros(tile.shape, tile.dtype)
+        tile[...] = _wgmma_layout(jnp.zeros(tile.shape, tile.dtype), interpret)
     plgpu.commit_smem()
 
 
@@ -173,8 +180,19 @@ def _scores(q_tile, k_tile, tokens: int, interpret: bool):
     """(Tp, Tp) float32 scores q k^T / sqrt(D), the padded keys at -inf."""
     tp, d = q_tile.shape
     s = _mma(q_tile, k_tile, transpose_b=True, interpret=interpret) * (1.0 / math.sqrt(d))
-    key = lax.broadcasted_iota(jnp.int32, (tp, tp), 1)
+    key = _wgmma_layout(lax.broadcasted_iota(jnp.int32, (tp, tp), 1), interpret)
     return jnp.where(key < tokens, s, -jnp.inf)
+
+
+def _rows(x, shape):
+    """A per-row vector (Tp,) broadcast along the rows' columns to `shape`."""
+    return lax.broadcast_in_dim(x, shape, (0,))
+
+
+def _wgmma_layout(x, interpret: bool):
+    """x in the wgmma accumulator's register layout on the GPU (a hint for Mosaic GPU's
+    layout inference); the value itself interpreted."""
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
 def _compiler_params(interpret: bool):
@@ -199,17 +217,18 @@ def _forward(qkv, interpret: bool):
 
     def kernel(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, barriers):
         h = lax.axis_index("head")
-        _zero((q_s, k_s, v_s))
+        _zero((q_s, k_s, v_s), interpret)
 
         def pair(b):
             _load([qkv_ref.at[b, :, j, h] for j in range(3)], (q_s, k_s, v_s), barriers, T)
             s = _scores(q_s, k_s, T, interpret)
             m = s.max(axis=1)
-            p = jnp.exp(s - m[:, None])
+            p = jnp.exp(s - _rows(m, s.shape))
             l_sum = p.sum(axis=1)
             p_s[...] = p.astype(cd)  # the probabilities enter the product in the compute dtype
             plgpu.commit_smem()
-            o = _mma(p_s, v_s, interpret=interpret) / l_sum[:, None]
+            o = _mma(p_s, v_s, interpret=interpret)
+            o = o / _rows(l_sum, o.shape)
             lse_s[...] = m + jnp.log(l_sum)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h])
@@ -239,7 +258,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
     def kernel(qkv_ref, lse_ref, do_ref, dqkv_ref, q_s, k_s, v_s, do_s, p_s, ds_s, lse_s,
                out_s, barriers):
         h = lax.axis_index("head")
-        _zero((q_s, k_s, v_s, do_s))
+        _zero((q_s, k_s, v_s, do_s), interpret)
 
         def pair(b):
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_s, barriers.at[4])
@@ -247,12 +266,12 @@ def _backward(qkv, lse, dctx, interpret: bool):
                   (q_s, k_s, v_s, do_s), barriers, T)
             plgpu.barrier_wait(barriers.at[4])
             s = _scores(q_s, k_s, T, interpret)
-            p = jnp.exp(s - lse_s[...][:, None])  # (Tp, Tp) f32, rows normalised
+            p = jnp.exp(s - _rows(lse_s[...], s.shape))  # (Tp, Tp) f32, rows normalised
             p_s[...] = p.astype(cd)
             plgpu.commit_smem()
             dp = _mma(do_s, v_s, transpose_b=True, interpret=interpret)  # (Tp, Tp) f32
             pc = p.astype(cd).astype(F32)  # the probabilities the forward's product used
-            ds = pc * (dp - (pc * dp).sum(axis=1)[:, None])
+            ds = pc * (dp - _rows((pc * dp).sum(axis=1), dp.shape))
             ds_s[...] = ds.astype(cd)
             plgpu.commit_smem()
             dv = _mma(p_s, do_s, transpose_a=True, interpret=interpret)
