@@ -12,7 +12,9 @@ writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summar
     steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
                   first, then the headline as shipped, `--remat gelu` (the GELU output
                   recomputed), `--last-block all` (the last block on every token:
-                  torch.compile's work): img/s, step ms, peak GiB (DIR/steps.json, .md)
+                  torch.compile's work), `--attention pallas` (the kit's Mosaic GPU
+                  attention kernel, vit_pure/layers/attention_pallas.py): img/s, step ms,
+                  peak GiB (DIR/steps.json, .md)
     log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
                   bf16 --dataset synthetic`), its own log (DIR/headline.log)
     profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms, and each
@@ -40,7 +42,10 @@ from vit_pure.run import cli
 LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all")
+# The Pallas attention row is untimed (opt-in until measured) and last: a part cut short by
+# its time limit loses it first.
+STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all",
+             "pallas attention=--attention pallas")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 

@@ -150,23 +150,29 @@ def _pairs(batch, body):
             body(b)
 
 
-def _load(refs, tiles, barriers, tokens: int):
-    """Copy each gmem (T, D) view into the first T rows of its shared-memory tile (the
-    rows after stay as zeroed), then wait for all of them."""
+def _load(refs, tiles, barriers, b, tokens: int):
+    """Copy example b's rows of each gmem (B*T, D) view into its shared-memory tile, then
+    wait for all of them. The copy is T rounded up to 8 rows (the swizzled tiles' row
+    granularity): rows T.. of it are the next example's first rows, or zeros past the
+    array's end (the copy engine fills them); the rows after stay as zeroed. The kernels
+    mask or drop every padded row (see `_scores`, `_backward`)."""
+    rows = -(-tokens // 8) * 8
     for i, (ref, tile) in enumerate(zip(refs, tiles)):
-        plgpu.copy_gmem_to_smem(ref, tile.at[pl.ds(0, tokens)], barriers.at[i])
+        plgpu.copy_gmem_to_smem(ref.at[pl.ds(b * tokens, rows)], tile.at[pl.ds(0, rows)],
+                                barriers.at[i])
     for i in range(len(refs)):
         plgpu.barrier_wait(barriers.at[i])
 
 
-def _store(values, tiles, refs, tokens: int):
-    """Write each (Tp, D) value's first T rows to its gmem (T, D) view, through its
-    shared-memory tile; returns when the tiles may be written again."""
+def _store(values, tiles, refs, b, tokens: int):
+    """Write each (Tp, D) value's first T rows to example b's rows of its gmem (B*T, D)
+    view, through its (unswizzled) shared-memory tile: exactly T rows, nothing of the
+    next example's. Returns when the tiles may be written again."""
     for value, tile in zip(values, tiles):
         tile[...] = value.astype(tile.dtype)
     plgpu.commit_smem()
     for tile, ref in zip(tiles, refs):
-        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, tokens)], ref)
+        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, tokens)], ref.at[pl.ds(b * tokens, tokens)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -189,20 +195,47 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, (0,))
 
 
+def _load_rows(ref, interpret: bool):
+    """A (Tp,) float32 vector from shared memory, one entry per score row (on the GPU in
+    the layout of the scores' row reductions)."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
 def _wgmma_layout(x, interpret: bool):
     """x in the wgmma accumulator's register layout on the GPU (a hint for Mosaic GPU's
     layout inference); the value itself interpreted."""
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def _compiler_params(interpret: bool):
+def _rows_below(tokens: int, shape, interpret: bool):
+    """A (Tp, N) mask of the real query rows."""
+    return _wgmma_layout(lax.broadcasted_iota(jnp.int32, shape, 0), interpret) < tokens
+
+
+def _smem(rows: int, cols: int, dtype, interpret: bool):
+    """A (rows, cols) shared-memory tile. On the GPU an MMA operand's tile is stored
+    swizzled in (8, swizzle) tiles (what wgmma's descriptors read: the widest swizzle that
+    divides a row, 32 bytes for vit-cifar's 48-entry bf16 head rows); interpreted, plain."""
     if interpret:
-        return None
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+        return plgpu.SMEM((rows, cols), dtype)
+    bits = jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(cols * bits, "an attention tile")
+    return plgpu.SMEM((rows, cols), dtype, transforms=(
+        plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _compiler_params(interpret: bool):
+    return None if interpret else plgpu.CompilerParams(approx_math=False)
 
 
 def _interpret_params(interpret: bool):
-    return InterpretGPUParams() if interpret else None
+    """The interpreter reads past an array's end as zeros, as the GPU's copy engine does
+    (`_load`'s last example)."""
+    if not interpret:
+        return None
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
 def _grid(batch: int, heads: int) -> tuple[int, int]:
@@ -211,7 +244,8 @@ def _grid(batch: int, heads: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- forward
 def _forward(qkv, interpret: bool):
-    """qkv (B, T, 3, Hl, D) -> ctx (B, T, Hl, D) in qkv's dtype, lse (B, Hl, Tp) float32."""
+    """qkv (B, T, 3, Hl, D) -> ctx (B, T, Hl, D) in qkv's dtype, lse (B, Hl, Tp) float32.
+    The kernel sees the token axes merged with the batch, (B*T, ...): free reshapes."""
     B, T, _, H, D = qkv.shape
     tp, cd = padded_tokens(T), qkv.dtype
 
@@ -220,7 +254,7 @@ def _forward(qkv, interpret: bool):
         _zero((q_s, k_s, v_s), interpret)
 
         def pair(b):
-            _load([qkv_ref.at[b, :, j, h] for j in range(3)], (q_s, k_s, v_s), barriers, T)
+            _load([qkv_ref.at[:, j, h] for j in range(3)], (q_s, k_s, v_s), barriers, b, T)
             s = _scores(q_s, k_s, T, interpret)
             m = s.max(axis=1)
             p = jnp.exp(s - _rows(m, s.shape))
@@ -232,19 +266,20 @@ def _forward(qkv, interpret: bool):
             lse_s[...] = m + jnp.log(l_sum)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h])
-            _store([o], (o_s,), [ctx_ref.at[b, :, h]], T)
+            _store([o], (o_s,), [ctx_ref.at[:, h]], b, T)
 
         _pairs(B, pair)
 
-    tile = plgpu.SMEM((tp, D), cd)
-    return plgpu.kernel(
+    tile = _smem(tp, D, cd, interpret)
+    ctx, lse = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((B, T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
-        scratch_types=[tile, tile, tile, plgpu.SMEM((tp, tp), cd), tile, plgpu.SMEM((tp,), F32),
-                       plgpu.Barrier(num_barriers=3)],
+        out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
+        scratch_types=[tile, tile, tile, _smem(tp, tp, cd, interpret), plgpu.SMEM((tp, D), cd),
+                       plgpu.SMEM((tp,), F32), plgpu.Barrier(num_barriers=3)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
-    )(qkv)
+    )(qkv.reshape(B * T, 3, H, D))
+    return ctx.reshape(B, T, H, D), lse
 
 
 # --------------------------------------------------------------------------- backward
@@ -262,35 +297,41 @@ def _backward(qkv, lse, dctx, interpret: bool):
 
         def pair(b):
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_s, barriers.at[4])
-            _load([*(qkv_ref.at[b, :, j, h] for j in range(3)), do_ref.at[b, :, h]],
-                  (q_s, k_s, v_s, do_s), barriers, T)
+            _load([*(qkv_ref.at[:, j, h] for j in range(3)), do_ref.at[:, h]],
+                  (q_s, k_s, v_s, do_s), barriers, b, T)
             plgpu.barrier_wait(barriers.at[4])
             s = _scores(q_s, k_s, T, interpret)
-            p = jnp.exp(s - _rows(lse_s[...], s.shape))  # (Tp, Tp) f32, rows normalised
+            # (Tp, Tp) f32, rows normalised; the padded query rows zero (rows T to T
+            # rounded up to 8 hold the next example's q and dctx), so that they add
+            # nothing to dv and dk
+            real = _rows_below(T, s.shape, interpret)
+            p = jnp.where(real, jnp.exp(s - _rows(_load_rows(lse_s, interpret), s.shape)), 0.0)
             p_s[...] = p.astype(cd)
             plgpu.commit_smem()
             dp = _mma(do_s, v_s, transpose_b=True, interpret=interpret)  # (Tp, Tp) f32
             pc = p.astype(cd).astype(F32)  # the probabilities the forward's product used
-            ds = pc * (dp - _rows((pc * dp).sum(axis=1), dp.shape))
+            ds = jnp.where(real, pc * (dp - _rows((pc * dp).sum(axis=1), dp.shape)), 0.0)
             ds_s[...] = ds.astype(cd)
             plgpu.commit_smem()
             dv = _mma(p_s, do_s, transpose_a=True, interpret=interpret)
             dq = _mma(ds_s, k_s, interpret=interpret) * scale
             dk = _mma(ds_s, q_s, transpose_a=True, interpret=interpret) * scale
-            _store([dq, dk, dv], out_s, [dqkv_ref.at[b, :, j, h] for j in range(3)], T)
+            _store([dq, dk, dv], out_s, [dqkv_ref.at[:, j, h] for j in range(3)], b, T)
 
         _pairs(B, pair)
 
-    tile = plgpu.SMEM((tp, D), cd)
-    square = plgpu.SMEM((tp, tp), cd)
-    return plgpu.kernel(
+    tile = _smem(tp, D, cd, interpret)
+    square = _smem(tp, tp, cd, interpret)
+    out = plgpu.SMEM((tp, D), cd)
+    dqkv = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(qkv.shape, cd),
+        out_type=jax.ShapeDtypeStruct((B * T, 3, H, D), cd),
         scratch_types=[tile, tile, tile, tile, square, square, plgpu.SMEM((tp,), F32),
-                       (tile, tile, tile), plgpu.Barrier(num_barriers=5)],
+                       (out, out, out), plgpu.Barrier(num_barriers=5)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
-    )(qkv, lse, dctx)
+    )(qkv.reshape(B * T, 3, H, D), lse, dctx.reshape(B * T, H, D))
+    return dqkv.reshape(B, T, 3, H, D)
 
 
 # ------------------------------------------------------------------------------- cost
