@@ -122,8 +122,8 @@ def test_the_model_with_the_kernel_equals_the_einsum_model():
 
 
 @pytest.mark.parametrize("tokens, head_dim, dtype, interpret, message", [
-    (257, 16, jnp.bfloat16, False, "1 to 256 tokens, got 257"),
-    (257, 16, jnp.float32, True, "1 to 256 tokens, got 257"),
+    (129, 16, jnp.bfloat16, False, "on the GPU takes 1 to 128 tokens, got 129"),
+    (257, 16, jnp.float32, True, "interpreted takes 1 to 256 tokens, got 257"),
     (17, 24, jnp.bfloat16, False, "multiple of 16, got 24"),
     (17, 16, jnp.float32, False, "on the GPU takes bfloat16, float16, got float32"),
     (17, 6, jnp.int32, True, "interpreted takes bfloat16, float16, float32, got int32"),

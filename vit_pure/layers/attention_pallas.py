@@ -58,6 +58,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
 MAX_TOKENS = 256  # one pair's (Tp, Tp) scores on chip
+# On the GPU one warpgroup holds a pair's (Tp, Tp) float32 scores in registers (128 x 128:
+# 128 registers a thread) and the backward's tiles fit shared memory up to Tp = 128; past
+# that the rows must be split over warpgroups (not written yet).
+MAX_TOKENS_GPU = 128
 ROW_MULTIPLE = 64  # a warpgroup's wgmma rows: the on-chip token padding
 PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 examples)
 
@@ -72,8 +76,10 @@ def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> N
     wgmma instruction takes 16-bit inputs (float32 would run as TF32, not the einsum
     path's float32) and a contraction (the head dim, for q k^T) in steps of 16 elements;
     interpreted, any float dtype and head dim run."""
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"pallas attention takes 1 to {MAX_TOKENS} tokens, got {tokens}")
+    limit = MAX_TOKENS if interpret else MAX_TOKENS_GPU
+    if not 1 <= tokens <= limit:
+        raise ValueError(f"pallas attention {'interpreted ' if interpret else 'on the GPU '}"
+                         f"takes 1 to {limit} tokens, got {tokens}")
     dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if interpret:
         dtypes += (jnp.dtype(F32),)
@@ -214,14 +220,15 @@ def _rows_below(tokens: int, shape, interpret: bool):
     return _wgmma_layout(lax.broadcasted_iota(jnp.int32, shape, 0), interpret) < tokens
 
 
-def _smem(rows: int, cols: int, dtype, interpret: bool):
+def _smem(rows: int, cols: int, head_dim: int, dtype, interpret: bool):
     """A (rows, cols) shared-memory tile. On the GPU an MMA operand's tile is stored
-    swizzled in (8, swizzle) tiles (what wgmma's descriptors read: the widest swizzle that
-    divides a row, 32 bytes for vit-cifar's 48-entry bf16 head rows); interpreted, plain."""
+    swizzled in (8, swizzle) tiles, as wgmma's descriptors read it, with one swizzle for
+    every operand (wgmma takes two operands of the same swizzle): the widest that divides
+    a head-dim row (32 bytes for vit-cifar's 48-entry bf16 rows). Interpreted, plain."""
     if interpret:
         return plgpu.SMEM((rows, cols), dtype)
     bits = jnp.finfo(dtype).bits
-    swizzle = plgpu.find_swizzle(cols * bits, "an attention tile")
+    swizzle = plgpu.find_swizzle(head_dim * bits, "an attention tile")
     return plgpu.SMEM((rows, cols), dtype, transforms=(
         plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)))
 
@@ -270,11 +277,11 @@ def _forward(qkv, interpret: bool):
 
         _pairs(B, pair)
 
-    tile = _smem(tp, D, cd, interpret)
+    tile = _smem(tp, D, D, cd, interpret)
     ctx, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
-        scratch_types=[tile, tile, tile, _smem(tp, tp, cd, interpret), plgpu.SMEM((tp, D), cd),
+        scratch_types=[tile, tile, tile, _smem(tp, tp, D, cd, interpret), plgpu.SMEM((tp, D), cd),
                        plgpu.SMEM((tp,), F32), plgpu.Barrier(num_barriers=3)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
@@ -320,8 +327,8 @@ def _backward(qkv, lse, dctx, interpret: bool):
 
         _pairs(B, pair)
 
-    tile = _smem(tp, D, cd, interpret)
-    square = _smem(tp, tp, cd, interpret)
+    tile = _smem(tp, D, D, cd, interpret)
+    square = _smem(tp, tp, D, cd, interpret)
     out = plgpu.SMEM((tp, D), cd)
     dqkv = plgpu.kernel(
         kernel,
