@@ -4,17 +4,21 @@
     ctx = attention_pallas(qkv, head_dim, interpret=True)  # the same kernel on the CPU
 
 The function of `attention.attention_einsum` (softmax(q k^T / sqrt(D)) v per head, no
-mask, no dropout) for the token counts a ViT has (T <= MAX_TOKENS), written for the
-sequence that fits on chip whole: one program holds a (batch, head) pair's q, k and v, its
-(Tp, Tp) scores and probabilities, and walks `PAIRS_PER_PROGRAM` pairs of one head.
+mask, no dropout) for the token counts a ViT has (T <= MAX_TOKENS_GPU on the GPU,
+MAX_TOKENS interpreted), written for the sequence that fits on chip whole: one program
+holds a (batch, head) pair's q, k and v, its (Tp, Tp) scores and probabilities, and walks
+`PAIRS_PER_PROGRAM` pairs of one head.
 
 Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3, Hl, D)
-token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy): each
-pair's three (T, D) tiles are strided copies (TMA) into shared-memory tiles of Tp = T
-rounded up to `ROW_MULTIPLE` rows, whose rows T..Tp-1 are zeroed once per program: the
-padding lives on chip only. The padded keys are masked (-inf, zero weight); the padded
-query rows are computed and never written. The context is written back the same way,
-(B, T, Hl, D), which reshapes for free into the output projection's (B*T, Hl*D) input.
+token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy), seen
+as (B*T, 3, Hl, D): each pair's three (T, D) tiles are strided copies (TMA) into
+shared-memory tiles of Tp = T rounded up to `ROW_MULTIPLE` rows, zeroed once per program:
+the padding lives on chip only. A copy is T rounded up to 8 rows (the swizzled tiles' row
+granularity), so rows T.. of a tile may hold the next example's first rows (`_load`). The
+padded keys are masked (-inf, zero weight); the padded query rows are computed and never
+written, and the backward zeroes them before they could reach dk and dv. The context is
+written back exactly T rows a pair, (B, T, Hl, D), which reshapes for free into the
+output projection's (B*T, Hl*D) input.
 
 Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
 row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
