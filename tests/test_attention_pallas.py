@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import test_cli_errors as cli_errors
 import test_layout_matrix as matrix
+from jax.sharding import PartitionSpec as P
 
 from vit_pure.config import Execution
 from vit_pure.layers import attention_pallas as ap
@@ -151,3 +152,25 @@ def test_the_cost_counts_each_array_once():
     assert cost["backward_bytes"] == B * H * (7 * tile + 128 * 4)
     assert cost["forward_flops"] == B * H * 2 * 2 * 128 * 128 * D
     assert cost["useful_forward_flops"] < cost["forward_flops"]
+
+
+
+def test_under_shard_map_the_gradient_is_summed_once():
+    """Inside shard_map (check_vma on) the kernel's outputs come back typed as the same on
+    every device; they are marked varying like the input, so that autodiff does not sum the
+    cotangent over the mesh (a wrong gradient, silently) and the custom VJP's types match.
+    One device: with 8 fake devices the interpreted kernels did not finish (blocked, not
+    computing) in 15 minutes; the typing is the same on any mesh."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    qkv, weights = _inputs(SHAPES[0], jnp.float32)
+    D = SHAPES[0][3]
+
+    def grad(attend):
+        def local(x, w):
+            return jax.grad(lambda y: jnp.sum(attend(y) * w))(x)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                                     out_specs=P("data")))(qkv, weights)
+
+    kernel = grad(lambda x: ap.attention_pallas(x, D, interpret=True))
+    assert _relative(kernel, grad(lambda x: _einsum(x, D, FP32))) <= 1e-5

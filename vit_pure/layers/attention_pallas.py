@@ -60,6 +60,8 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from vit_pure.layers.linear import varying_like
+
 F32 = jnp.float32
 MAX_TOKENS = 256  # one pair's (Tp, Tp) scores on chip
 # On the GPU one warpgroup holds a pair's (Tp, Tp) float32 scores in registers (128 x 128:
@@ -112,6 +114,10 @@ def _attention(qkv, interpret):
     return _forward(qkv, interpret)[0]
 
 
+# Inside shard_map a kernel's outputs come back typed as the same on every device of the
+# mesh axes (Pallas calls run without the varying-axis check); each device's output is its
+# own, so they are marked varying like the input (`varying_like`: inside these rules, no
+# transpose of the cast is ever taken).
 def _attention_fwd(qkv, interpret):
     ctx, lse = _forward(qkv, interpret)
     return ctx, (qkv, lse)
@@ -290,7 +296,7 @@ def _forward(qkv, interpret: bool):
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
     )(qkv.reshape(B * T, 3, H, D))
-    return ctx.reshape(B, T, H, D), lse
+    return varying_like(ctx.reshape(B, T, H, D), qkv), varying_like(lse, qkv)
 
 
 # --------------------------------------------------------------------------- backward
@@ -342,7 +348,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
     )(qkv.reshape(B * T, 3, H, D), lse, dctx.reshape(B * T, H, D))
-    return dqkv.reshape(B, T, 3, H, D)
+    return varying_like(dqkv.reshape(B, T, 3, H, D), qkv)
 
 
 # ------------------------------------------------------------------------------- cost
