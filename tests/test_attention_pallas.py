@@ -128,6 +128,7 @@ def test_the_model_with_the_kernel_equals_the_einsum_model():
     (17, 24, jnp.bfloat16, False, "multiple of 16, got 24"),
     (17, 16, jnp.float32, False, "on the GPU takes bfloat16, float16, got float32"),
     (17, 6, jnp.int32, True, "interpreted takes bfloat16, float16, float32, got int32"),
+    (100, 128, jnp.bfloat16, False, "need 295,424 bytes of shared memory in the backward"),
 ])
 def test_shapes_it_does_not_take_are_refused(tokens, head_dim, dtype, interpret, message):
     with pytest.raises(ValueError, match=message):

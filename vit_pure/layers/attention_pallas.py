@@ -68,6 +68,9 @@ MAX_TOKENS = 256  # one pair's (Tp, Tp) scores on chip
 # 128 registers a thread) and the backward's tiles fit shared memory up to Tp = 128; past
 # that the rows must be split over warpgroups (not written yet).
 MAX_TOKENS_GPU = 128
+# An H100's shared memory for one block (what Mosaic GPU checks a kernel against), less an
+# allowance for the barriers and the tiles' alignment.
+SHARED_MEMORY = 232_448 - 4096
 ROW_MULTIPLE = 64  # a warpgroup's wgmma rows: the on-chip token padding
 PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 examples)
 
@@ -95,6 +98,18 @@ def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> N
     if not interpret and head_dim % 16:
         raise ValueError(f"pallas attention on the GPU takes a head dim that is a multiple "
                          f"of 16, got {head_dim}")
+    need = backward_shared_memory(tokens, head_dim, dtype)
+    if not interpret and need > SHARED_MEMORY:
+        raise ValueError(f"pallas attention on the GPU: {tokens} tokens of head dim "
+                         f"{head_dim} need {need:,} bytes of shared memory in the backward, "
+                         f"over {SHARED_MEMORY:,}")
+
+
+def backward_shared_memory(tokens: int, head_dim: int, dtype) -> int:
+    """The backward kernel's shared-memory tiles in bytes (the larger kernel's): q, k, v,
+    dctx and the three outputs (Tp, D), p and ds (Tp, Tp), the log-sum-exp (Tp,)."""
+    tp = padded_tokens(tokens)
+    return (7 * tp * head_dim + 2 * tp * tp) * jnp.dtype(dtype).itemsize + 4 * tp
 
 
 def attention_pallas(qkv, head_dim: int, interpret: bool = False):
@@ -134,11 +149,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ------------------------------------------------------------------------- kernel pieces
 def _mma(a, b, *, transpose_a=False, transpose_b=False, interpret: bool):
     """a @ b (with a or b transposed) in float32: a (M, K) and b (K, N) shared-memory
-    tiles (as stored: (K, M) for transpose_a, (N, K) for transpose_b). On the GPU one
-    wgmma, the transposes read through the tile's descriptor; interpreted, a dot of the
-    tiles' contents (see the module docstring)."""
+    tiles (as stored: (K, M) for transpose_a, (N, K) for transpose_b), or a an array in
+    registers (16-bit, untransposed). On the GPU one wgmma, the transposes read through
+    the tile's descriptor; interpreted, a dot of the tiles' contents (see the module
+    docstring)."""
     if interpret:
-        x, y = a[...], b[...]
+        x, y = (a if isinstance(a, jax.Array) else a[...]), b[...]
         dims = (((0,) if transpose_a else (1,)), ((1,) if transpose_b else (0,)))
         return lax.dot_general(x, y, (dims, ((), ())), preferred_element_type=F32)
     a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
@@ -266,7 +282,7 @@ def _forward(qkv, interpret: bool):
     B, T, _, H, D = qkv.shape
     tp, cd = padded_tokens(T), qkv.dtype
 
-    def kernel(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, barriers):
+    def kernel(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, o_s, lse_s, barriers):
         h = lax.axis_index("head")
         _zero((q_s, k_s, v_s), interpret)
 
@@ -276,9 +292,8 @@ def _forward(qkv, interpret: bool):
             m = s.max(axis=1)
             p = jnp.exp(s - _rows(m, s.shape))
             l_sum = p.sum(axis=1)
-            p_s[...] = p.astype(cd)  # the probabilities enter the product in the compute dtype
-            plgpu.commit_smem()
-            o = _mma(p_s, v_s, interpret=interpret)
+            # the probabilities enter the product in the compute dtype, from registers
+            o = _mma(p.astype(cd), v_s, interpret=interpret)
             o = o / _rows(l_sum, o.shape)
             lse_s[...] = m + jnp.log(l_sum)
             plgpu.commit_smem()
@@ -291,7 +306,7 @@ def _forward(qkv, interpret: bool):
     ctx, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
-        scratch_types=[tile, tile, tile, _smem(tp, tp, D, cd, interpret), plgpu.SMEM((tp, D), cd),
+        scratch_types=[tile, tile, tile, plgpu.SMEM((tp, D), cd),
                        plgpu.SMEM((tp,), F32), plgpu.Barrier(num_barriers=3)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
