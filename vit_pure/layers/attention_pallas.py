@@ -131,8 +131,8 @@ def _attention(qkv, interpret):
 
 # Inside shard_map a kernel's outputs come back typed as the same on every device of the
 # mesh axes (Pallas calls run without the varying-axis check); each device's output is its
-# own, so they are marked varying like the input (`varying_like`: inside these rules, no
-# transpose of the cast is ever taken).
+# own, so `_forward` and `_backward` mark them varying like the input (`varying_like`;
+# inside these rules, no transpose of the cast is ever taken).
 def _attention_fwd(qkv, interpret):
     ctx, lse = _forward(qkv, interpret)
     return ctx, (qkv, lse)
