@@ -175,3 +175,11 @@ def test_under_shard_map_the_gradient_is_summed_once():
 
     kernel = grad(lambda x: ap.attention_pallas(x, D, interpret=True))
     assert _relative(kernel, grad(lambda x: _einsum(x, D, FP32))) <= 1e-5
+
+
+def test_interpreted_on_more_than_one_device_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", "pallas-interpret"])
+    cli_errors._assert_one_line(code, capsys.readouterr().err,
+                                "--attention pallas-interpret runs on one device (JAX's "
+                                "Mosaic GPU interpreter), not 8: give --cpu-devices 1")

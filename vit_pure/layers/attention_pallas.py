@@ -60,6 +60,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from vit_pure.errors import UsageError
 from vit_pure.layers.linear import varying_like
 
 F32 = jnp.float32
@@ -119,6 +120,12 @@ def attention_pallas(qkv, head_dim: int, interpret: bool = False):
     Mosaic GPU interpreter (on the CPU) instead of compiling them for a GPU."""
     B, T, width = qkv.shape
     check_shape(T, head_dim, qkv.dtype, interpret)
+    devices = jax.sharding.get_abstract_mesh().size  # inside shard_map / pmap: the mesh's
+    if interpret and devices > 1:
+        # JAX's interpreter simulates one GPU's memory for the whole process: with 2 fake
+        # devices it fails ("Barrier remains allocated"), with 8 it blocked
+        raise UsageError(f"--attention pallas-interpret runs on one device (JAX's Mosaic GPU "
+                         f"interpreter), not {devices}: give --cpu-devices 1")
     heads = width // (3 * head_dim)
     ctx = _attention(qkv.reshape(B, T, 3, heads, head_dim), interpret)  # (B, T, Hl, D)
     return ctx.reshape(B, T, heads * head_dim)
