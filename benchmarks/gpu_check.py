@@ -29,8 +29,9 @@ from vit_pure.run import cli
 #   steps    benchmarks.peers, one fresh process per row, one run: torch.compile first,
 #            then the headline as shipped, `--remat gelu` (the GELU output recomputed),
 #            `--last-block all` (the last block on every token: torch.compile's work),
-#            and the GELU-epilogue candidates (GELU_ROWS: XLA settings): img/s, step
-#            ms, peak GiB (DIR/steps.json, .md)
+#            `--attention pallas` (the kit's Mosaic GPU attention kernel) and the
+#            GELU-epilogue candidates (GELU_ROWS: XLA settings): img/s, step ms, peak
+#            GiB (DIR/steps.json, .md)
 #   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
 #            --dataset synthetic`), its own log (DIR/headline.log)
 #   profile  the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
@@ -45,7 +46,9 @@ from vit_pure.run import cli
 LIMITS = {"env": 25, "steps": 240, "log": 40, "profile": 75, "gemms": 30, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all")
+# The Pallas attention row is untimed (opt-in until measured).
+STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all",
+             "pallas attention=--attention pallas")
 # Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
 # epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
 # the GELU after the dot. A step ~3 ms or more under "as shipped" says it fused.

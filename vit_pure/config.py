@@ -23,7 +23,7 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
 }
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat,
 # --last-block).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "pallas", "pallas-interpret")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 LAST_BLOCKS = ("all", "class-token")
 REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
@@ -199,8 +199,10 @@ class Execution:
                    recomputed from), as does a "block-save:NAMES" without "dot";
                    "block-save-dots" keeps its result (the name sits after the psum).
     attention      "einsum" (the reference, in model.py), "xla" or "cudnn"
-                   (vit_pure/layers/attention.py): the same results within the rounding of the
-                   compute dtype.
+                   (vit_pure/layers/attention.py), "pallas" (a Mosaic GPU kernel,
+                   vit_pure/layers/attention_pallas.py; NVIDIA Hopper GPUs) or
+                   "pallas-interpret" (that kernel in JAX's interpreter, on the CPU: a
+                   check, slow): the same results within the rounding of the compute dtype.
     dropout_masks  "bernoulli" or "threefry16" (vit_pure/layers/dropout.py).
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same

@@ -6,6 +6,8 @@
                   gives a parameter the mesh type of the activation it meets
     attention.py  self-attention: the einsum reference and JAX's fused attention ("xla",
                   "cudnn")
+    attention_pallas.py  the kit's own attention kernel for short sequences (Pallas,
+                  Mosaic GPU), forward and backward
     mlp.py        fc2(GELU(fc1 x)): the GELU in the matmul dtype, in fc1's epilogue
     dropout.py    dropout and stochastic depth, each mask drawn from its example's key
     remat.py      what a rematerialised block keeps for its backward pass

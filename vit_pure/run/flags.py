@@ -169,7 +169,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
-                        "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
+                        "GPUs, bf16/fp16), or the kit's Pallas kernel for short sequences (pallas: "
+                        "Mosaic GPU, opt-in; pallas-interpret: the same kernel interpreted on "
+                        "the CPU, a slow check); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         f"{EXECUTION.attention}")
     g.add_argument("--last-block", default=None, choices=list(LAST_BLOCKS),
