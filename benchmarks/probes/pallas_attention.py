@@ -6,10 +6,8 @@
 Without a GPU: the kernel's forward and its forward + backward (vit_pure/layers/
 attention_pallas.py) lowered through Mosaic GPU and compiled by XLA:GPU for the H100's
 description (vit_pure/plan/targets/), with JAX's CUDA plugin (`pip install -r
-requirements-gpu.txt`; without it this stops with one line). Mosaic GPU checks the kernel
-when it lowers it (layouts, tiles, swizzles, shared memory); the GPU binary itself is built
-when the program first runs on a GPU, so register pressure is not checked here.
-
+requirements-gpu.txt`; without it this stops with one line). Mosaic GPU checks layouts,
+tiles and shared memory when it lowers the kernel; register pressure is not checked here.
 Per layer, the kernel's HBM bytes and MMA FLOPs as issued (the padded rows included) and
 the FLOPs the einsum path needs, from `attention_pallas.attention_cost`, with the bytes'
 time at the H100's bandwidth: XLA's cost analysis does not see inside the kernel.

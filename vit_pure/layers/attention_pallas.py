@@ -4,47 +4,12 @@
     ctx = attention_pallas(qkv, head_dim, interpret=True)  # the same kernel on the CPU
 
 The function of `attention.attention_einsum` (softmax(q k^T / sqrt(D)) v per head, no
-mask, no dropout) for the token counts a ViT has (T <= MAX_TOKENS_GPU on the GPU,
-MAX_TOKENS interpreted), written for the sequence that fits on chip whole: one program
-holds a (batch, head) pair's q, k and v, its (Tp, Tp) scores and probabilities, and walks
-`PAIRS_PER_PROGRAM` pairs of one head.
-
-Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3, Hl, D)
-token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy), seen
-as (B*T, 3, Hl, D): each pair's three (T, D) tiles are strided copies (TMA) into
-shared-memory tiles of Tp = T rounded up to `ROW_MULTIPLE` rows, zeroed once per program:
-the padding lives on chip only. A copy is T rounded up to 8 rows (the swizzled tiles' row
-granularity), so rows T.. of a tile may hold the next example's first rows (`_load`). The
-padded keys are masked (-inf, zero weight); the padded query rows are computed and never
-written, and the backward zeroes them before they could reach dk and dv. The context is
-written back exactly T rows a pair, (B, T, Hl, D), which reshapes for free into the
-output projection's (B*T, Hl*D) input.
-
-Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
-row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
-to the compute dtype; the log-sum-exp m + log(l) (float32, (B, Hl, Tp)) is the one
-residual beyond q, k, v.
-
-Backward, per pair, one kernel: the scores again from q and k, p = exp(s - lse) (the
-probabilities, normalised, without a second softmax), dp = do v^T, the softmax's gradient
-ds = p * (dp - rowsum(p * dp)) (the row sum from the (Tp, Tp) tiles on chip, so the
-forward's output is not read again), then dv = p^T do, dq = ds k / sqrt(D), dk = ds^T q /
-sqrt(D): each written once, in the compute dtype, into one (B, T, 3, Hl, D) array laid out
-as the projection's output (its gradient goes straight into the projection's backward
-GEMMs). No float32 workspace in memory and no helper kernels.
-
-Precision against the einsum path: both products accumulate in float32; the scores stay
-float32 (the einsum path rounds them to `policy.matmul_dtype` first), the probabilities
-are rounded to the compute dtype before the second product, as there. So under bf16 the
-kernel is at least as close to a float32 reference as the einsum path
-(tests/test_attention_pallas.py measures both).
-
-The matrix products (`_mma`) are the one part that differs between the GPU and
-`interpret=True`: on the GPU, `plgpu.wgmma` on shared-memory tiles (a transposed operand as
-`plgpu.transpose_ref`, no copy); interpreted, a `lax.dot_general` of the same tiles read
-into values, because JAX's Mosaic GPU interpreter does not take a transposed wgmma
-operand (docs/performance.md, "A Pallas attention kernel"). Everything else (the copies,
-barriers, masks, softmax, the stores) is the same code in both modes.
+mask, no dropout) for the token counts a ViT has, written for the sequence that fits on
+chip whole: one program holds a (batch, head) pair's q, k and v, its scores and
+probabilities, and walks `PAIRS_PER_PROGRAM` pairs of one head. It reads the projection's
+output as it is, token-major and unpadded, and pads on chip only; the backward recomputes
+the probabilities from the saved log-sum-exp and writes dq, dk, dv once, in the compute
+dtype. The design in detail: the comment below the imports.
 """
 from __future__ import annotations
 
@@ -74,6 +39,43 @@ MAX_TOKENS_GPU = 128
 SHARED_MEMORY = 232_448 - 4096
 ROW_MULTIPLE = 64  # a warpgroup's wgmma rows: the on-chip token padding
 PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 examples)
+
+# Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3, Hl, D)
+# token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy), seen
+# as (B*T, 3, Hl, D): each pair's three (T, D) tiles are strided copies (TMA) into
+# shared-memory tiles of Tp = T rounded up to `ROW_MULTIPLE` rows, zeroed once per program:
+# the padding lives on chip only. A copy is T rounded up to 8 rows (the swizzled tiles' row
+# granularity), so rows T.. of a tile may hold the next example's first rows (`_load`). The
+# padded keys are masked (-inf, zero weight); the padded query rows are computed and never
+# written, and the backward zeroes them before they could reach dk and dv. The context is
+# written back exactly T rows a pair, (B, T, Hl, D), which reshapes for free into the
+# output projection's (B*T, Hl*D) input.
+#
+# Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
+# row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
+# to the compute dtype; the log-sum-exp m + log(l) (float32, (B, Hl, Tp)) is the one
+# residual beyond q, k, v.
+#
+# Backward, per pair, one kernel: the scores again from q and k, p = exp(s - lse) (the
+# probabilities, normalised, without a second softmax), dp = do v^T, the softmax's gradient
+# ds = p * (dp - rowsum(p * dp)) (the row sum from the (Tp, Tp) tiles on chip, so the
+# forward's output is not read again), then dv = p^T do, dq = ds k / sqrt(D), dk = ds^T q /
+# sqrt(D): each written once, in the compute dtype, into one (B, T, 3, Hl, D) array laid out
+# as the projection's output (its gradient goes straight into the projection's backward
+# GEMMs). No float32 workspace in memory and no helper kernels.
+#
+# Precision against the einsum path: both products accumulate in float32; the scores stay
+# float32 (the einsum path rounds them to `policy.matmul_dtype` first), the probabilities
+# are rounded to the compute dtype before the second product, as there. So under bf16 the
+# kernel is at least as close to a float32 reference as the einsum path
+# (tests/test_attention_pallas.py measures both).
+#
+# The matrix products (`_mma`) are the one part that differs between the GPU and
+# `interpret=True`: on the GPU, `plgpu.wgmma` on shared-memory tiles (a transposed operand as
+# `plgpu.transpose_ref`, no copy); interpreted, a `lax.dot_general` of the same tiles read
+# into values, because JAX's Mosaic GPU interpreter does not take a transposed wgmma
+# operand (docs/performance.md, "A Pallas attention kernel"). Everything else (the copies,
+# barriers, masks, softmax, the stores) is the same code in both modes.
 
 
 def padded_tokens(tokens: int) -> int:
