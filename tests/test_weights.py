@@ -454,11 +454,13 @@ def test_dinov2_recipe_needs_init_from(capsys):
 
 
 def test_dinov2_gpu_recipe_needs_init_from_and_fine_tunes_everything(capsys):
+    # (CIFAR-10, since the recipe sets --val-fraction: the refusal comes before any read)
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14-gpu",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     args = cli.parse_args(cli.build_parser("test"), ["--recipe", "finetune-dinov2-s14-gpu"])
     optim = settings.RunConfig.from_args(args).schedule.optim
-    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.75)
+    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.65)
     assert (args.image_size, args.cfg.pool, args.cfg.drop_path, args.eval_flip) == \
-        (224, "cls+mean", 0.1, True)
+        (252, "cls+mean", 0.1, True)
+    assert (args.val_fraction, args.eval_corners, args.mixup, args.ema) == (0.0, True, 0.8, 0.998)
