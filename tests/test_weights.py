@@ -181,6 +181,26 @@ def test_export_of_a_checkpoint_imports_back_unchanged(tmp_path, capsys):
     assert "no ema" in capsys.readouterr().err
 
 
+def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_path):
+    """Pool cls+mean with a layer scale: a Dinov2ForImageClassification, the layer scale
+    kept as transformers' lambda1, read back by the importer as it was written."""
+    cfg = CFG.replace(pool="cls+mean", layer_scale=1e-5, gelu="exact", inputs="imagenet")
+    tree = random_tree(cfg)
+    weights.save(tmp_path, cfg, tree, "hf")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == \
+        ("dinov2", ["Dinov2ForImageClassification"])
+    assert int(config["hidden_size"] * config["mlp_ratio"]) == cfg.mlp_dim == 28
+    w, _ = safetensors.read(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(w["dinov2.encoder.layer.1.layer_scale2.lambda1"],
+                                  tree["blocks"]["ls2"]["gamma"][1])
+    assert w["classifier.weight"].shape == (6, 40) and not w["dinov2.embeddings.mask_token"].any()
+    cfg2, params = weights.load(tmp_path)
+    assert_same_tree(params, tree)
+    assert (cfg2.pool, cfg2.inputs, cfg2.gelu, cfg2.layer_scale is not None) == \
+        ("cls+mean", "imagenet", "exact", True)
+
+
 # ----------------------------------------------------------------- fitting to the model
 def test_fit_resamples_the_position_embedding_and_puts_in_a_zero_head():
     src = CFG.replace(image_size=48)  # a 6x6 grid, 6 classes

@@ -19,8 +19,13 @@ and with timm, config = json.load(open(DIR + "/config.json")), then
                       **config["model_args"])
 
 (the pretrained_cfg's class count keeps the head; model_args give the shapes).
-Hugging Face's ViT reads the class token: models with --pool mean or gap, a convolutional
-stem or locality self-attention export only to timm (pools) or not at all (stem, lsa).
+A model with --pool cls exports to hf as a ViTForImageClassification, one with --pool
+cls+mean (a DINOv2 fine-tune) as a Dinov2ForImageClassification (its layer scale kept):
+
+    Dinov2ForImageClassification.from_pretrained(DIR)
+
+Models with --pool mean or gap, or register tokens, export only to timm; a convolutional
+stem or locality self-attention not at all.
 """
 from __future__ import annotations
 
