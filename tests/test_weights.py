@@ -184,13 +184,14 @@ def test_export_of_a_checkpoint_imports_back_unchanged(tmp_path, capsys):
 def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_path):
     """Pool cls+mean with a layer scale: a Dinov2ForImageClassification, the layer scale
     kept as transformers' lambda1, read back by the importer as it was written."""
-    cfg = CFG.replace(pool="cls+mean", layer_scale=1e-5, gelu="exact", inputs="imagenet")
+    cfg = CFG.replace(pool="cls+mean", layer_scale=1e-5, gelu="exact", inputs="imagenet",
+                      mlp_dim=60)
     tree = random_tree(cfg)
     weights.save(tmp_path, cfg, tree, "hf")
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == \
         ("dinov2", ["Dinov2ForImageClassification"])
-    assert int(config["hidden_size"] * config["mlp_ratio"]) == cfg.mlp_dim == 28
+    assert config["mlp_ratio"] == 3 and "intermediate_size" not in config
     w, _ = safetensors.read(tmp_path / "model.safetensors")
     np.testing.assert_array_equal(w["dinov2.encoder.layer.1.layer_scale2.lambda1"],
                                   tree["blocks"]["ls2"]["gamma"][1])
@@ -199,6 +200,8 @@ def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_
     assert_same_tree(params, tree)
     assert (cfg2.pool, cfg2.inputs, cfg2.gelu, cfg2.layer_scale is not None) == \
         ("cls+mean", "imagenet", "exact", True)
+    with pytest.raises(WeightsError, match="MLP is a whole multiple of the width"):
+        hf.write(tmp_path / "x", cfg.replace(mlp_dim=28), tree)  # DINOv2's mlp_ratio: 1.4
 
 
 # ----------------------------------------------------------------- fitting to the model

@@ -199,6 +199,10 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                            f"{', a stem' if cfg.stem else ''}{', lsa' if cfg.lsa else ''}"
                            f"{', registers' if cfg.registers else ''}")
     dinov2 = cfg.pool == "cls+mean"
+    if dinov2 and cfg.mlp_dim % cfg.width:
+        raise WeightsError(f"{cfg.name}: Dinov2ForImageClassification's MLP is a whole multiple "
+                           f"of the width (mlp_ratio), but this model's is {cfg.mlp_dim} for "
+                           f"width {cfg.width}")
     w = _state_dict(cfg, params, dinov2)
     mean, std = INPUT_SCALINGS[cfg.inputs]
     preprocessor = {"image_processor_type": "ViTImageProcessor", "do_resize": True,
@@ -276,8 +280,6 @@ def _config(cfg: ViTConfig, dinov2: bool) -> dict:
     }
     if not dinov2:
         return {**config, "intermediate_size": cfg.mlp_dim}
-    # DINOv2 sizes its MLP as int(hidden_size * mlp_ratio): a ratio that rounds down to it.
-    ratio = cfg.mlp_dim / E if int(E * (cfg.mlp_dim / E)) == cfg.mlp_dim else \
-        (cfg.mlp_dim + 0.5) / E
-    return {**config, "mlp_ratio": ratio, "layerscale_value": cfg.layer_scale or 1.0,
+    # DINOv2 sizes its MLP as hidden_size * mlp_ratio, an integer in transformers 5.
+    return {**config, "mlp_ratio": cfg.mlp_dim // E, "layerscale_value": cfg.layer_scale or 1.0,
             "drop_path_rate": 0.0, "use_swiglu_ffn": False}
