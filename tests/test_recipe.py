@@ -48,7 +48,7 @@ DINOV2_PROBE_RUN = ("--model vit-s16 --dtype fp32 --image-size 112 --pool cls+me
                     "--trainable head --batch 128 --epochs 40 --lr 3e-3 --warmup-steps 10 "
                     "--weight-decay 0 --grad-clip 0 --label-smoothing 0 --randaugment 0 "
                     "--mixup 0 --cutmix 0 --dropout 0 --drop-path 0 --eval-every 10 "
-                    "--eval-flip --eval-batch 200 --accum-steps 1")
+                    "--eval-flip --eval-batch 200 --val-fraction 0 --accum-steps 1")
 
 
 @pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),

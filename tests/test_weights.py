@@ -470,7 +470,7 @@ def test_trainable_head_differentiates_and_updates_the_head_alone():
 
 def test_dinov2_recipe_needs_init_from(capsys):
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     r = cli.RECIPES["finetune-dinov2-s14"]
     assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)
