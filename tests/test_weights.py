@@ -220,6 +220,29 @@ def test_hf_export_names_cifar10s_classes(tmp_path):
         == "LABEL_5"
 
 
+def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_path):
+    """Pool cls+mean with a layer scale: a Dinov2ForImageClassification, the layer scale
+    kept as transformers' lambda1, read back by the importer as it was written."""
+    cfg = CFG.replace(pool="cls+mean", layer_scale=1e-5, gelu="exact", inputs="imagenet",
+                      mlp_dim=60)
+    tree = random_tree(cfg)
+    weights.save(tmp_path, cfg, tree, "hf")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == \
+        ("dinov2", ["Dinov2ForImageClassification"])
+    assert config["mlp_ratio"] == 3 and "intermediate_size" not in config
+    w, _ = safetensors.read(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(w["dinov2.encoder.layer.1.layer_scale2.lambda1"],
+                                  tree["blocks"]["ls2"]["gamma"][1])
+    assert w["classifier.weight"].shape == (6, 40) and not w["dinov2.embeddings.mask_token"].any()
+    cfg2, params = weights.load(tmp_path)
+    assert_same_tree(params, tree)
+    assert (cfg2.pool, cfg2.inputs, cfg2.gelu, cfg2.layer_scale is not None) == \
+        ("cls+mean", "imagenet", "exact", True)
+    with pytest.raises(WeightsError, match="MLP is a whole multiple of the width"):
+        hf.write(tmp_path / "x", cfg.replace(mlp_dim=28), tree)  # DINOv2's mlp_ratio: 1.4
+
+
 # ----------------------------------------------------------------- fitting to the model
 def test_fit_resamples_the_position_embedding_and_puts_in_a_zero_head():
     src = CFG.replace(image_size=48)  # a 6x6 grid, 6 classes
@@ -493,18 +516,20 @@ def test_trainable_head_differentiates_and_updates_the_head_alone():
 
 def test_dinov2_recipe_needs_init_from(capsys):
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     r = cli.RECIPES["finetune-dinov2-s14"]
     assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)
 
 
 def test_dinov2_gpu_recipe_needs_init_from_and_fine_tunes_everything(capsys):
+    # (CIFAR-10, since the recipe sets --val-fraction: the refusal comes before any read)
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14-gpu",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     args = cli.parse_args(cli.build_parser("test"), ["--recipe", "finetune-dinov2-s14-gpu"])
     optim = settings.RunConfig.from_args(args).schedule.optim
-    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.75)
+    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.65)
     assert (args.image_size, args.cfg.pool, args.cfg.drop_path, args.eval_flip) == \
-        (224, "cls+mean", 0.1, True)
+        (252, "cls+mean", 0.1, True)
+    assert (args.val_fraction, args.eval_corners, args.mixup, args.ema) == (0.0, True, 0.8, 0.998)
