@@ -206,6 +206,26 @@ def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
         np.testing.assert_allclose(np.asarray(g), 8 * ref, rtol=1e-4, atol=1e-6)
 
 
+def test_pmap_recipe_is_right_for_data_parallelism_with_check_vma_off(reference_grads):
+    """The same pmean(grad(local loss)) with check_vma=False: nothing tracks that the
+    params are replicated, autodiff sums nothing, and the pmean is the true gradient (the
+    docs' "Turning the check off makes the pmap recipe right for data parallelism")."""
+    sc = _sc()
+    host = _state(sc, optax.sgd(1.0))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def pmap_recipe(params, loss_scale, images, labels, ids, key):
+        grads, _ = step.local_grads(sc, params, loss_scale, images, labels, ids, key)
+        return lax.pmean(grads, "data")
+
+    in_specs = (P(), P(), P("data"), P("data"), P("data"), P())
+    f = jax.jit(jax.shard_map(pmap_recipe, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                              check_vma=False))
+    images, labels, ids = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _batch())
+    grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
+    assert _max_rel_diff(jax.device_get(grads), reference_grads) <= 1e-5
+
+
 @pytest.mark.parametrize("script", [train_pmap, train_shardmap])
 @pytest.mark.parametrize("dataset", ["synthetic", "cifar10"])
 def test_main_runs_two_steps_and_logs_json(script, dataset, subset_dir, tmp_path):

@@ -404,7 +404,7 @@ def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoin
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
-        if log is not None:  # one small compile per weight shape: seconds on a CPU
+        if log is not None:  # one compile (model.init_params, step.init_state)
             log(f"initialising the {sc.cfg.name} state"
                 + (" around the --init-from weights" if init_params is not None else ""))
         host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
