@@ -142,8 +142,9 @@ def test_signal_during_a_compile_is_heard_at_once_and_a_second_stops_it():
 
 def _announces(line: str) -> bool:
     """Does this output line say what the run does next (or is it the bar's redraw)?"""
-    return bool(re.match(r"(train_shardmap\.py: starting|compiling |initialising |evaluating |"
-                         r"epoch \d+/\d+:|step +\d+ |--trainable head:|features)", line))
+    return bool(re.match(r"(train_shardmap\.py: starting|compiling |initialising |"
+                         r"epoch \d+/\d+:|step +\d+ |memory after step )", line)
+                or re.search(r": evaluating [\d,]+ images", line))
 
 
 @pytest.mark.slow

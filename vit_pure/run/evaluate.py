@@ -27,16 +27,18 @@ def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int,
     """Mean loss and accuracy over a (non-empty) split, each image counted once.
 
     With `log`: the evaluation step's first compile for this batch is said before and
-    after (`compiling`), and a long pass says how far it is at least once a minute
-    (`Heartbeat`: evaluation has no progress bar), naming it `what`."""
+    after (`compiling`), then the pass itself ("WHAT: evaluating N images ..."), and a
+    long pass says how far it is at least once a minute (`Heartbeat`: evaluation has no
+    progress bar)."""
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
     previous = None
-    beat = Heartbeat(log, f"evaluating {what}".strip(), len(split), "images")
+    beat = Heartbeat(log, f"{what}: evaluating", len(split), "images")
     for i, (images, labels, mask) in enumerate(data_lib.eval_batches(split, batch)):
         # Each process feeds its own rows of the batch (all of them with one process).
         local = strategy.put_batch(*distributed.local_rows(images, labels, mask))
         if i == 0 and log is not None:
             _compile_eval_step(strategy, state, local, batch, log)
+            log(f"{what}: evaluating {len(split):,} images ...")
         sums = strategy.eval_step(state, *local)
         if previous is not None:  # one batch in flight while the host fetches the last
             for k, v in strategy.metrics_to_host(previous).items():
@@ -96,7 +98,7 @@ def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: in
            }.get((sc.eval_flip, sc.eval_corners), "")
 
     def run(state, label: str, **fields) -> dict:
-        res = evaluate(strategy, state, splits[name], batch, log, f"{name}{label}")
+        res = evaluate(strategy, state, splits[name], batch, log, f"{prefix}{name}{label}")
         log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
             f"({res['count']} images{how})",
             **fields, **views, **record, **res)

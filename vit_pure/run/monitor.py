@@ -271,8 +271,8 @@ class Throughput:
 
 class Heartbeat:
     """A line at least every `every_s` seconds of long work that shows no progress bar
-    (evaluation; feature extraction under --no-progress): "evaluating test: 4,096 of
-    10,000 images (41%), 62 s". Silent for work shorter than that, and without a `log`."""
+    (evaluation; feature extraction under --no-progress): "final test: evaluating: 4,096
+    of 10,000 images (41%), 62 s". Silent for work shorter than that, and without a `log`."""
 
     def __init__(self, log, what: str, total: int, unit: str, every_s: float = 60.0):
         self.log, self.what, self.total, self.unit = log, what, total, unit
