@@ -27,6 +27,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 from vit_pure import PRESETS, Policy, init_params, step
+from vit_pure.run import monitor
 
 SILENCE_S = 5.0
 TIMEOUT_S = 900
@@ -83,6 +84,27 @@ def test_init_draws_follow_the_documented_distribution():
     np.testing.assert_array_equal(extra["blocks"]["mlp"]["fc2"]["kernel"],
                                   p["blocks"]["mlp"]["fc2"]["kernel"])
     assert extra["stem"]["conv1"]["kernel"].dtype == jnp.float32
+
+
+def test_long_work_without_a_bar_says_how_far_it_is_once_a_minute(monkeypatch):
+    """Evaluation (and feature extraction under --no-progress) show no bar: a Heartbeat
+    line once `every_s` has passed since the last, none sooner, none without a log."""
+    now = [100.0]
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
+    lines = []
+    beat = monitor.Heartbeat(lambda text, **record: lines.append((text, record)),
+                             "final test: evaluating", 10_000, "images")
+    for done, at in ((1_000, 130.0), (2_000, 161.0), (3_000, 200.0), (4_000, 222.0)):
+        now[0] = at
+        beat.update(done)
+    assert [text for text, _ in lines] == [
+        "final test: evaluating: 2,000 of 10,000 images (20%), 61 s",
+        "final test: evaluating: 4,000 of 10,000 images (40%), 122 s"]
+    assert lines[0][1] == {"event": "progress", "what": "final test: evaluating",
+                           "done": 2_000, "total": 10_000}
+    silent = monitor.Heartbeat(None, "features", 10, "images")
+    now[0] = 1e6
+    silent.update(5)  # no log: nothing to call
 
 
 # --------------------------------------------------------------------------- subprocesses

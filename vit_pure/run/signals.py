@@ -93,8 +93,8 @@ class _Watcher:
     The first signal: one line on stderr, "SIGTERM: stopping after this step; again to stop
     now" (the loop stops at the next step boundary, `StopRequest.agreed`). The second: the
     main thread's `_handle` stops the run (KeyboardInterrupt, cli's exit 130); if it has
-    not done so within GRACE_S (the main thread is inside XLA), this thread prints the
-    same line cli prints and ends the process with the same code, 130.
+    not done so within GRACE_S (the main thread is inside XLA), this thread does what cli
+    does then: the same line, the other processes of a job told, exit 130.
     """
     GRACE_S = 1.0
 
@@ -129,4 +129,6 @@ class _Watcher:
                 elif not self.request.stopping_now.wait(self.GRACE_S) and not self.closing:
                     print("interrupted: stopped at once; nothing saved since the last "
                           "checkpoint", file=sys.stderr, flush=True)
+                    distributed.report_failure("interrupted by a second signal")  # as cli's
+                    sys.stdout.flush()
                     os._exit(130)
