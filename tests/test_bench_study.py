@@ -26,20 +26,23 @@ def _lowered_train_step(policy: str, *, precision="default", scan: bool, batch: 
 def test_analytic_flops_by_hand_and_for_vit_cifar():
     # tiny: 17 tokens, width 24, MLP 40, 16 patches of 192 pixels, 10 classes, depth 4.
     block = 17 * 24 * 72 + 2 * 17 * 17 * 24 + 17 * 24 * 24 + 2 * 17 * 24 * 40
-    assert flops.forward_flops_per_image(TINY) == 2 * (16 * 192 * 24 + 4 * block + 24 * 10)
+    every = Execution(last_block="all")
+    assert flops.forward_flops_per_image(TINY, every) == 2 * (16 * 192 * 24 + 4 * block
+                                                              + 24 * 10)
     # The reference model, vit-cifar: about 4.26 GFLOP per training image (docs/performance.md).
-    assert flops.train_flops_per_image(PRESETS["vit-cifar"]) / 1e9 == pytest.approx(4.26, abs=0.01)
+    assert flops.train_flops_per_image(PRESETS["vit-cifar"], every) / 1e9 == pytest.approx(
+        4.26, abs=0.01)
     # The last block on the class token (the scripts' default): k and v on 17 rows, the
     # query, both attention products, the output projection and the MLP on one.
     last = 17 * 24 * 48 + 24 * 24 + 2 * 17 * 24 + 24 * 24 + 2 * 24 * 40
-    cls = Execution(last_block="class-token")
+    cls = Execution()
     assert flops.forward_flops_per_image(TINY, cls) == 2 * (16 * 192 * 24 + 3 * block + last
                                                             + 24 * 10)
     assert flops.train_flops_per_image(PRESETS["vit-cifar"], cls) / 1e9 == pytest.approx(
         3.68, abs=0.01)
     # Other pools read every token: the count is the whole block's.
     assert flops.forward_flops_per_image(TINY.replace(pool="mean"), cls) == \
-        flops.forward_flops_per_image(TINY)
+        flops.forward_flops_per_image(TINY, every)
 
 
 @pytest.fixture(scope="module")

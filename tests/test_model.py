@@ -89,17 +89,21 @@ def test_policy_decides_every_dot_of_the_training_step(tiny_params, policy, resu
     pol = Policy.parse(policy)
     operand = "bf16" if pol.compute_dtype == jnp.bfloat16 else "f32"
 
-    def loss(p, x):
-        return jnp.mean(apply(p, x, TINY, pol, train=True, rng=jax.random.key(0)) ** 2)
+    def dots_of(execution):
+        def loss(p, x):
+            return jnp.mean(apply(p, x, TINY, pol, train=True, rng=jax.random.key(0),
+                                  execution=execution) ** 2)
 
-    # The lowered program: what the step asks XLA for. (XLA:CPU then rewrites bf16 dots
-    # it has no kernel for; on a GPU the compiled dots keep these types.)
-    text = jax.jit(jax.grad(loss)).lower(tiny_params, _images(2)).as_text()
-    dots = re.findall(r"stablehlo\.dot_general .*?: \((.*?)\) -> tensor<(.*?)>", text)
+        # The lowered program: what the step asks XLA for. (XLA:CPU then rewrites bf16
+        # dots it has no kernel for; on a GPU the compiled dots keep these types.)
+        text = jax.jit(jax.grad(loss)).lower(tiny_params, _images(2)).as_text()
+        return re.findall(r"stablehlo\.dot_general .*?: \((.*?)\) -> tensor<(.*?)>", text)
+
+    every, shipped = dots_of(Execution(last_block="all")), dots_of(Execution())
     # 6 per layer, x3 with the backward pass; the head 3, the patch embedding 2 (no
-    # gradient w.r.t. the images).
-    assert len(dots) == 3 * 6 * TINY.depth + 3 + 2
-    for operands, out in dots:
+    # gradient w.r.t. the images). The class token's last block has more, smaller dots.
+    assert len(every) == 3 * 6 * TINY.depth + 3 + 2 < len(shipped)
+    for operands, out in every + shipped:
         assert out.endswith("x" + result), (operands, out)
         assert [t.rsplit("x", 1)[1] for t in re.findall(r"tensor<(.*?)>", operands)] == \
             [operand, operand], (operands, out)
@@ -247,7 +251,7 @@ def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
     undoes it; `apply_mask` on the packed mask or on the bools gives, in both passes,
     bitwise what autodiff of the plain `where` gives; and the model keeps its dropout
     masks for the backward pass packed (uint8, E / 8 bytes a token), not as bools, unless
-    `Execution.packed_masks` is off."""
+    `Execution.packed_masks` is off (as on a CPU, the default)."""
     keep = jax.random.bernoulli(jax.random.key(0), 0.7, (6, 5, 24))
     packed = dropout.pack(keep)
     assert packed.dtype == jnp.uint8 and packed.shape == (6, 5, 3)
@@ -288,10 +292,11 @@ def test_packed_masks_are_the_masks_and_dropout_reads_them_as_autodiff_would(
                       if "named 'mask'" in line)
 
     T, E = TINY.seq_len, TINY.width
-    assert saved_masks(Execution()) == sorted([f"u8[2,{T},{E // 8}]"]  # the embedding's
-                                              + [f"u8[{2 * T},{E // 8}]"] * (2 * TINY.depth))
-    # What a CPU runs (vit_pure/run/backend.py):
-    assert saved_masks(Execution(packed_masks=False)) == sorted(
+    every = Execution(last_block="all")  # every block's masks of the same shape
+    assert saved_masks(every.replace(packed_masks=True)) == sorted(
+        [f"u8[2,{T},{E // 8}]"] + [f"u8[{2 * T},{E // 8}]"] * (2 * TINY.depth))  # embedding's
+    # What a CPU runs (Execution's default; vit_pure/run/backend.py):
+    assert saved_masks(every) == sorted(
         [f"bool[2,{T},{E}]"] + [f"bool[{2 * T},{E}]"] * (2 * TINY.depth))
 
 
@@ -592,7 +597,7 @@ _LAST_BLOCK_CASES = {  # name -> (config changes, Execution fields)
     "unrolled": ({}, {}),
     "scan": ({}, {"scan": True}),
     "threefry16": ({}, {"dropout_masks": "threefry16"}),
-    "unpacked masks": ({}, {"packed_masks": False}),
+    "packed masks": ({}, {"packed_masks": True}),
     "remat block": ({}, {"remat": "block"}),
     "save dots": ({}, {"remat": "block-save-dots"}),
     "lsa": ({"lsa": True}, {}),

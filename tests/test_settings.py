@@ -1,6 +1,6 @@
 """The flags become frozen values at the entry, and nothing below the entry reads them.
 
-`RunConfig.from_args` and `step_flags` (vit_pure/run/settings.py) turn the parsed
+`RunConfig.from_args` and `step_config` (vit_pure/run/settings.py) turn the parsed
 command line into two frozen values; the loop, resume, accumulation, evaluation and the
 step take those. These tests pin the conversion to the parser's defaults and keep the
 argparse Namespace out of the modules below the entry.
@@ -14,18 +14,22 @@ import pathlib
 import pytest
 
 import train_shardmap
-from vit_pure.run import cli
+from vit_pure.config import Execution
+from vit_pure.policy import Policy
+from vit_pure.run import cli, settings
 from vit_pure.run.settings import PlanConfig, RunConfig
-from vit_pure.step import OptimConfig
+from vit_pure.step import OptimConfig, StepConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The modules that may read the parsed flags: the scripts' entry (cli parses them, checks
 # refuses bad values, settings turns them into frozen values: RunConfig, PlanConfig and
-# the step's StepFlags) and the stand-alone tools with parsers of their own.
+# the step's StepConfig; entry hands them to the plan or the loop) and the stand-alone
+# tools with parsers of their own.
 ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/settings.py",
+         "vit_pure/run/entry.py",
          "vit_pure/tools/plot.py", "vit_pure/tools/params_table.py",
-         "vit_pure/tools/export.py", "vit_pure/plan/collective.py"}
+         "vit_pure/tools/export.py", "vit_pure/tools/price_collective.py"}
 
 
 def _parse(*argv):
@@ -134,3 +138,38 @@ def test_loop_helpers_take_a_slice():
                    and any(isinstance(a.annotation, ast.Name) and a.annotation.id == "RunConfig"
                            for a in node.args.args))
     assert whole == ["_run", "run"]
+
+
+# Each execution knob's flag, and the words its --help uses for the default on a CPU.
+_EXECUTION_FLAGS = {"scan": ("--scan", "{}"), "remat": ("--remat", "default: {}"),
+                    "attention": ("--attention", "else {}"),
+                    "dropout_masks": ("--dropout-masks", "{} on CPU"),
+                    "last_block": ("--last-block", "default: {}")}
+
+
+def _help_of(parser, flag: str) -> str:
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    return " ".join((action.help % vars(action)).split())
+
+
+def test_execution_defaults_live_in_one_place(capsys):
+    """`config.Execution`'s defaults are what a run without flags computes: the flags only
+    say "not given" (None), --help prints Execution's default, the step built from no flags
+    on a CPU is `Execution()` exactly, and the start-up log says so. A default changed in
+    one place and not the others fails here."""
+    parser = train_shardmap.build_parser()
+    args = cli.parse_args(parser, ["--model", "tiny"])
+    default = Execution()
+    for field, (flag, words) in _EXECUTION_FLAGS.items():
+        assert getattr(args, field) is None, flag  # "not given"
+        value = getattr(default, field)
+        shown = ("unrolled" if not value else "scanned") if field == "scan" else value
+        assert words.format(shown) in _help_of(parser, flag), (flag, _help_of(parser, flag))
+    assert settings.step_config(args, platform="cpu").execution == default
+    # A StepConfig built directly (as the equality tests do) runs that same program.
+    assert StepConfig(args.cfg, Policy()).execution == default
+    train_shardmap.main(["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "8",
+                         "--synthetic-val", "0", "--synthetic-test", "0", "--batch", "8",
+                         "--steps", "1", "--randaugment", "0", "--no-final-eval",
+                         "--no-progress"])
+    assert f"execution: {default.describe()}" in capsys.readouterr().out

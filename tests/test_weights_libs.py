@@ -118,6 +118,42 @@ def test_export_to_hf_loads_in_transformers_with_the_kits_logits(gelu, tmp_path)
     assert_close(kit_logits(cfg, params, x), ref)
 
 
+def test_the_shipped_program_has_transformers_gradients(tmp_path):
+    """The program the scripts run by default (`Execution()`: the last block on the class
+    token alone) against transformers' ViT, which computes every row: the same loss, and
+    the same gradient of every parameter. Transformers' gradients are saved as a model of
+    their own and read by the kit's importer, which maps each tensor linearly (transposes,
+    reshapes, splits), so each gradient lands where its parameter does."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    model = perturbed(torch, tf.ViTForImageClassification(tf.ViTConfig(
+        hidden_size=24, num_hidden_layers=3, num_attention_heads=4, intermediate_size=40,
+        image_size=32, patch_size=8, num_labels=7)))
+    model.save_pretrained(tmp_path / "model")
+    x, labels = images(32, n=4), np.array([0, 3, 6, 2])
+    loss = torch.nn.functional.cross_entropy(
+        model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits, torch.from_numpy(labels))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    model.save_pretrained(tmp_path / "grads")
+    cfg, params = weights.load(tmp_path / "model")
+    _, ref = weights.load(tmp_path / "grads")
+
+    def kit_loss(p):
+        logits = apply(p, jnp.asarray(x), cfg)  # Execution(): the shipped program
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels])
+
+    value, grads = jax.value_and_grad(kit_loss)(jax.tree.map(jnp.asarray, params))
+    assert float(value) == pytest.approx(loss.item(), rel=1e-5)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(ref))
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(ref),
+                          jax.tree.leaves(grads), strict=True):
+        assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-5 * scale, \
+            jax.tree_util.keystr(path[0])
+
+
 # ------------------------------------------------------------------------------- timm
 TIMM_SHAPES = [dict(embed_dim=20, depth=3, num_heads=5, mlp_ratio=1.4, patch_size=8,
                     img_size=24, class_token=True, global_pool="token"),

@@ -173,8 +173,11 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 class Execution:
     """How the model runs: six performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
-    same distribution). The defaults are the reference program; the training scripts
-    pick per backend (vit_pure/run/backend.py).
+    same distribution). The defaults are the one home of each knob's default: the program
+    the training scripts run when no flag says otherwise, exactly so on a CPU. On an
+    accelerator, run/backend.py fills the knobs whose best program depends on the hardware
+    (`scan`, `attention`, `dropout_masks`, `packed_masks`) where no flag was given, and
+    says so in the start-up log.
 
     scan           the layer loop: a `lax.scan` over the stacked blocks (True) or a
                    Python loop, unrolled in the trace (False: measured faster on CPU
@@ -210,17 +213,17 @@ class Execution:
                    values need every token) only that token's row is needed. "class-token"
                    computes its query, attention, output projection and MLP for that row
                    alone (`model.encoder`'s `class_token_only`; 13.7% fewer FLOPs a step
-                   for vit-cifar); the same logits, loss and gradients. The pipelines
-                   keep every row: each stage runs one program, the last layer is not
-                   static there. Other pools read every token: "all" regardless.
+                   for vit-cifar); the same logits, loss and gradients. Pipelines run
+                   every row (`pipeline.step_config`). Other pools read every token:
+                   "all" regardless (`class_token_rows`).
     """
 
     scan: bool = False
     remat: str = "none"
     attention: str = "einsum"
     dropout_masks: str = "bernoulli"
-    packed_masks: bool = True
-    last_block: str = "all"
+    packed_masks: bool = False
+    last_block: str = "class-token"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
@@ -230,6 +233,13 @@ class Execution:
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for the start-up log: every knob's value, under its flag's name."""
+        return (f"--{'scan' if self.scan else 'no-scan'}, --remat {self.remat}, --attention "
+                f"{self.attention}, --dropout-masks {self.dropout_masks} (kept "
+                f"{'packed eight to a byte' if self.packed_masks else 'a byte an element'}), "
+                f"--last-block {self.last_block}")
 
 
 def class_token_rows(cfg: ViTConfig, execution: Execution) -> bool:

@@ -3,26 +3,19 @@
     params = init_params(key, cfg)                      # dict of jax.Array, nothing else
     logits = apply(params, images, cfg, policy, train=True, rng=key, example_ids=ids)
 
-Axis letters in shape comments: B batch, T tokens (patches, class token, registers), E width,
-H heads, D head dim (E = H * D), M MLP hidden, L layers, P patch pixels (p*p*C), K classes.
-
-The encoder blocks are *stacked* along a leading layer axis L (`blocks/attn/qkv/kernel` is
-(L, E, 3, H, D), `blocks/mlp/fc1/kernel` (L, E, M)), one layout for a Python loop, a
-`lax.scan` and a pipeline; `param_axes(cfg)` gives each leaf's logical axis names, and
-docs/training.md ("The model") lists every parameter and its initialisation.
-
-`_block` reads LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, each a
-call into vit_pure/layers/, which emit no collective. Dropout and stochastic depth draw
-every mask from `fold_in(rng, example_id)`, so 1, 2 or 8 devices give the same numbers.
-
-Tensor parallelism (`tp_axis`): inside `shard_map` the heads and MLP units may be split
-over a mesh axis; the block reads its local head count from the kernel shapes, and the two
-Megatron operators are here: `_copy_to_tp` ("f": identity forward, all-reduce of the
-gradient backward) before each column-parallel matmul, `_reduce_from_tp` ("g": all-reduce
-forward, identity backward) after each row-parallel one.
+Axis letters in shape comments: B batch, T tokens, E width, H heads, D head dim (E = H*D),
+M MLP hidden, L layers, P patch pixels (p*p*C), K classes. The blocks are stacked along L
+(`blocks/attn/qkv/kernel` is (L, E, 3, H, D)): one layout for a loop, a `lax.scan` and a
+pipeline; `param_axes(cfg)` names each leaf's axes (every parameter: docs/training.md).
+`_block` is LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, calls into
+vit_pure/layers/; masks come from `fold_in(rng, example_id)`, the same on any device count.
+Tensor parallelism (`Parallel.tp_axis`) splits heads and MLP units over a mesh axis with Megatron's
+two operators, here: `_copy_to_tp` ("f") before each column-parallel matmul and
+`_reduce_from_tp` ("g") after each row-parallel one.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -180,8 +173,24 @@ def _reduce_from_tp(y, tp_axis):
 
 
 
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Where the model's collectives go when it runs inside `shard_map`; the default,
+    all None, is one device and no collective.
+
+    tp_axis    the mesh axis of tensor parallelism: the heads and MLP units are split over
+               it, and `_copy_to_tp` / `_reduce_from_tp` write its collectives.
+    gather     FSDP's hook `gather(tree, path)`: all-gathers the sharded leaves of a
+               params subtree (train_shardmap.make_gather); `compute_params` applies it.
+    pipe_axis  the pipeline's mesh axis (vit_pure/pipeline/), None outside a pipeline.
+    """
+    tp_axis: str | None = None
+    gather: Callable | None = None
+    pipe_axis: str | None = None
+
+
 # --------------------------------------------------------------------------- the network
-def compute_params(tree, policy: Policy, gather: Callable | None = None, path: str = ""):
+def compute_params(tree, policy: Policy, par: Parallel = Parallel(), path: str = ""):
     """Parameters as a layer uses them: gathered by the FSDP hook (if any), then cast to
     the compute dtype; the one place params change dtype.
 
@@ -191,9 +200,22 @@ def compute_params(tree, policy: Policy, gather: Callable | None = None, path: s
     casts before it gathers, so the weights travel in the compute dtype while their
     gradients come back, reduce-scattered, in float32 (train_shardmap.fsdp_gather).
     """
-    if gather is not None:
-        tree = gather(tree, path)
+    if par.gather is not None:
+        tree = par.gather(tree, path)
     return policy.cast_to_compute(tree)
+
+
+def compute_blocks(blocks, policy: Policy, par: Parallel):
+    """The stacked blocks (leading layer axis) gathered by the FSDP hook layer by layer and
+    stacked again, in the compute dtype; without a hook, as they are (the encoder casts
+    each layer just before its use, so no compute-dtype copy of them all is held). For a
+    pipeline, which gathers once per step rather than once per micro-batch tick."""
+    if par.gather is None:
+        return blocks
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy, par, "blocks")
+              for i in range(n)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
 @jax.custom_vjp
@@ -310,7 +332,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
 
 
 def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
-            execution: Execution = Execution(), tp_axis=None, gather: Callable | None = None,
+            execution: Execution = Execution(), par: Parallel = Parallel(),
             layer_offset=0, class_token_only: bool = False):
     """Run the stacked blocks (leading axis = layers) over x (B, T, E); returns (B, T, E),
     or with `class_token_only` (B, 1, E): the last block computes the class token's row
@@ -324,7 +346,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). Each layer's params are made ready just before use
-    (`compute_params`: the FSDP `gather(layer_params, "blocks")` hook if given, then the
+    (`compute_params`: `par`'s FSDP `gather(layer_params, "blocks")` hook if any, then the
     cast to the compute dtype). `execution` picks the layer loop (a scan or unrolled),
     what the backward pass keeps (remat), the attention implementation and the dropout
     masks: see `config.Execution`.
@@ -339,8 +361,8 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     def make_body(last_row_only):
         def body(x, p_and_layer):
             p, layer = p_and_layer
-            p = compute_params(p, policy, gather, "blocks")
-            return _block(p, x, layer, cfg, policy, ex_keys, execution, tp_axis,
+            p = compute_params(p, policy, par, "blocks")
+            return _block(p, x, layer, cfg, policy, ex_keys, execution, par.tp_axis,
                           last_row_only)
 
         if execution.remat == "block":
@@ -413,35 +435,31 @@ def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int)
 
 def apply(params, images, cfg: ViTConfig, policy: Policy = Policy(), *, train: bool = False,
           rng: jax.Array | None = None, example_ids: jax.Array | None = None,
-          execution: Execution = Execution(), tp_axis: str | None = None,
-          gather: Callable | None = None) -> jax.Array:
+          execution: Execution = Execution(), par: Parallel = Parallel()) -> jax.Array:
     """The forward pass: images (B, h, w, C), normalised floats -> logits (B, K).
 
     train: turn on dropout and stochastic depth (needs `rng`). example_ids (B,) int: each
     example's index in the *global* batch (default 0..B-1); it seeds that example's masks,
     so a batch split over devices gives the same masks as one device. `execution`
-    (config.Execution: layer loop, remat, attention, dropout masks), `tp_axis` and
-    `gather`: see `encoder`.
+    (config.Execution: layer loop, remat, attention, dropout masks) and `par` (the mesh
+    axes and FSDP hook of the collectives, `Parallel`): see `encoder`.
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
-    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
+    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, par)
     x = embed(top, images, cfg, policy, ex_keys, execution)
-    x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution,
-                tp_axis=tp_axis, gather=gather,
+    x = encoder(params["blocks"], x, cfg, policy, ex_keys, execution=execution, par=par,
                 class_token_only=class_token_rows(cfg, execution))
     return head(top, x, cfg, policy)
 
 
 def features(params, images, cfg: ViTConfig, policy: Policy = Policy(), *,
-             execution: Execution = Execution(), tp_axis: str | None = None,
-             gather: Callable | None = None) -> jax.Array:
+             execution: Execution = Execution(), par: Parallel = Parallel()) -> jax.Array:
     """The evaluation forward pass up to the head: images (B, h, w, C) -> the head's input
     (B, F) (`pool`), so that `classify(params["head"], features(...))` is `apply(...)`.
     A frozen backbone's features, computed once for a linear probe (vit_pure/run/probe.py)."""
     top = compute_params({k: v for k, v in params.items() if k not in ("blocks", "head")},
-                         policy, gather)
+                         policy, par)
     x = embed(top, images, cfg, policy, None, execution)
-    x = encoder(params["blocks"], x, cfg, policy, None, execution=execution,
-                tp_axis=tp_axis, gather=gather,
+    x = encoder(params["blocks"], x, cfg, policy, None, execution=execution, par=par,
                 class_token_only=class_token_rows(cfg, execution))
     return pool(top, x, cfg)

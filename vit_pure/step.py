@@ -1,22 +1,16 @@
 """The step math both training scripts share: optimizer, loss, per-device gradients, update.
 
-This module writes no collective: no psum, pmean, all_gather or ppermute appears here.
-The per-device training step is split so that each script writes its collectives between
-the pieces, once:
+This module writes no collective. The step is split so that each script writes its
+collectives between the pieces, once:
 
     grads, metrics = local_grads(sc, params, ...)     # this device's slice of the batch
-    grads   = <all-reduce over 'data'>(grads)         # written in the script
-    metrics = <all-reduce over 'data'>(metrics)       # written in the script
-    norm    = <global gradient norm>                  # a collective under model parallelism
-    state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
+    grads, metrics = <all-reduce over 'data'>(...)    # written in the script
+    norm = <global gradient norm>                     # a collective under model parallelism
+    state = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
 
-What the trace of `local_grads` / `local_eval` may still hold comes from what they are
-handed or call: with `tp_axis`, the model's two tensor-parallel operators
-(`model._copy_to_tp`, a pcast whose transpose is a psum, and `model._reduce_from_tp`, a
-psum); with `gather`, the script's FSDP hook (an all_gather, a reduce-scatter in the
-backward pass). `accumulate` is the one gradient path: `local_grads` and
-`pipeline.pipeline_grads` (whose loss carries the pipeline schedule's ppermute and psum)
-both run through it.
+A trace of `local_grads` / `local_eval` may still hold what `model.Parallel` hands it: the
+model's tensor-parallel operators, the script's FSDP hook. `accumulate` is the one
+gradient path: `local_grads` and the pipeline's gradients both run through it.
 """
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ from vit_pure.config import INPUT_SCALINGS, Execution, ViTConfig
 from vit_pure.data import augment as augment_lib
 from vit_pure.data import randaugment as randaugment_lib
 from vit_pure.errors import UsageError
-from vit_pure.model import apply, features, init_params
+from vit_pure.model import Parallel, apply, features, init_params
 from vit_pure.policy import LossScale, Policy, select_tree
 
 F32 = jnp.float32
@@ -115,14 +109,28 @@ def scale_by_layer(decay: float) -> optax.GradientTransformation:
 
 
 def frozen_updates(optimizer, trainable: str) -> optax.GradientTransformation:
-    """`optimizer` whose updates outside head/* are zeros (weight decay included), under
-    --trainable head. Its state keeps the params' layout (each leaf's moments, which stay
-    zero): laid out as any optimizer state is."""
+    """`optimizer` on the head's params alone, under --trainable head: the frozen
+    backbone's updates are zeros (weight decay included), and its optimizer state keeps
+    one element per frozen leaf instead of the leaf's copies (AdamW's moments of the head
+    only). The state keeps the params' tree, each frozen leaf's moments a (1, ..., 1)
+    array, so it is laid out as any optimizer state is (`layout.like_param` keeps size-1
+    axes whole)."""
+    def shrunk(tree):
+        if not isinstance(tree, dict):  # optax.tree_map_params' stand-in for the params
+            return tree
+        return {k: v if k == "head" else jax.tree.map(
+                    lambda x: jnp.zeros((1,) * jnp.ndim(x), jnp.result_type(x)), v)
+                for k, v in tree.items()}
+
+    def init(params):
+        return optimizer.init(shrunk(params))
+
     def update(updates, state, params=None):
-        updates, state = optimizer.update(updates, state, params)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, u: u if path[0].key == "head" else jnp.zeros_like(u), updates), state
-    return optax.GradientTransformation(optimizer.init, update)
+        head, state = optimizer.update(shrunk(updates), state,
+                                       None if params is None else shrunk(params))
+        return {k: head[k] if k == "head" else jax.tree.map(jnp.zeros_like, v)
+                for k, v in updates.items()}, state
+    return optax.GradientTransformation(init, update)
 
 
 def trainable_params(params, trainable: str):
@@ -131,6 +139,13 @@ def trainable_params(params, trainable: str):
     if trainable == "all":
         return params
     return {k: v if k == "head" else jax.lax.stop_gradient(v) for k, v in params.items()}
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """The warm-up's length in steps: --warmup-steps (None: 5% of the run, at least 1),
+    less than the run's length."""
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
+    return min(warmup, max(total_steps - 1, 0))
 
 
 def make_optimizer(optim: OptimConfig,
@@ -143,8 +158,7 @@ def make_optimizer(optim: OptimConfig,
     the scripts compute the norm and `apply_gradients` clips."""
     if not 0.0 < optim.layer_decay <= 1.0:
         raise ValueError(f"layer_decay must be in (0, 1], got {optim.layer_decay}")
-    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
-    warmup = min(warmup, max(total_steps - 1, 0))
+    warmup = warmup_steps(optim, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)
@@ -303,10 +317,9 @@ class StepConfig:
     policy: Policy
     label_smoothing: float = 0.0
     grad_clip: float = 1.0  # global-norm clipping threshold (0: off)
-    # How the model runs (--scan, --remat, --attention, --dropout-masks): config.Execution.
-    # Its default layer loop, unrolled, is what the training scripts resolve to on CPU and
-    # GPU (run/backend.py resolve, measured faster there), so a StepConfig built directly
-    # runs the program users run; `backend.step_config` sets it per backend (a scan on TPU).
+    # How the model runs (--scan, --remat, --attention, --dropout-masks, --last-block):
+    # config.Execution, whose defaults are what the scripts run on a CPU; run/settings.py
+    # `step_config` lets the flags and the backend (run/backend.py) change them.
     execution: Execution = Execution()
     augment: bool = True
     # Recipe: RandAugment (num_ops, magnitude out of 10; 0 ops = off); mixup / cutmix
@@ -335,20 +348,19 @@ class StepConfig:
 
 
 def local_grads(sc: StepConfig, params, loss_scale: LossScale, images_u8, labels, example_ids,
-                key, *, tp_axis=None, gather=None):
+                key, *, par: Parallel = Parallel()):
     """Loss and gradients of *this device's* slice of the batch; it writes no collective.
 
     Returns (grads of the local mean loss, unscaled), {"loss", "accuracy"} local means.
     `key` is the step's key (the same on every device); each example's randomness comes
     from its global `example_ids` entry, never from the device it sits on. The model's
-    tensor-parallel operators (`tp_axis`) and the FSDP hook (`gather`) put their own
-    collectives into the trace; see the module docstring. Gradient accumulation
-    (`sc.accum_steps`): see `accumulate`.
+    tensor-parallel operators (`par.tp_axis`) and the FSDP hook (`par.gather`, both of
+    `model.Parallel`) put their own collectives into the trace; see the module docstring.
+    Gradient accumulation (`sc.accum_steps`): see `accumulate`.
     """
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = apply(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                       example_ids=example_ids, execution=sc.execution, tp_axis=tp_axis,
-                       gather=gather)
+                       example_ids=example_ids, execution=sc.execution, par=par)
         return train_metrics(sc, logits, labels, targets)
 
     return accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels, example_ids,
@@ -480,15 +492,15 @@ def apply_gradients(sc: StepConfig, state: dict, grads, grad_norm, optimizer):
     return new, finite
 
 
-def local_eval(sc: StepConfig, params, images_u8, labels, mask, *, tp_axis=None, gather=None):
+def local_eval(sc: StepConfig, params, images_u8, labels, mask, *,
+               par: Parallel = Parallel()):
     """Sums over this device's slice (padding masked out): loss, correct, count."""
     return eval_sums(sc, lambda images: apply(params, images, sc.cfg, sc.policy,
-                                              execution=sc.execution, tp_axis=tp_axis,
-                                              gather=gather),
+                                              execution=sc.execution, par=par),
                      images_u8, labels, mask)
 
 
-def local_features(sc: StepConfig, params, images_u8, *, tp_axis=None, gather=None):
+def local_features(sc: StepConfig, params, images_u8, *, par: Parallel = Parallel()):
     """The head's inputs for this device's slice, of each image and of its left-right
     mirror: (b, 2, F) float32 (the evaluation's preparation, no augmentation or dropout).
     A frozen backbone's features for a linear probe (vit_pure/run/probe.py); no collective
@@ -497,8 +509,8 @@ def local_features(sc: StepConfig, params, images_u8, *, tp_axis=None, gather=No
                             inputs=sc.cfg.inputs)
 
     def one(x):
-        return features(params, x, sc.cfg, sc.policy, execution=sc.execution, tp_axis=tp_axis,
-                        gather=gather).astype(F32)
+        return features(params, x, sc.cfg, sc.policy, execution=sc.execution,
+                        par=par).astype(F32)
     return jnp.stack([one(images), one(images[:, :, ::-1])], axis=1)
 
 

@@ -1,20 +1,13 @@
 """Self-attention of an encoder block, one call (`self_attention`): the q, k, v
 projection, attention over this device's heads, and the output projection.
 
-Three attention implementations compute the same function of the same parameters
-(tests/test_attention.py), picked by `Execution.attention`:
-
-- "einsum" (the reference, `attention_einsum`): two `policy.einsum` products on
-  (B, H, T, D), with the head transposes that layout needs.
-- "xla" and "cudnn" (`attend_padded`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
-  vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, Tp, H, D), the
-  token axis padded to a multiple of 8 and the padded keys masked; in the block, q, k
-  and v each come from its own matmul on the padded LayerNorm output, already in the
-  call's layout (`padded_projections`).
-
-With ViTConfig.pool "cls" the last block may compute the class token's row alone
-(`class_token_attention`, Execution.last_block "class-token"): keys and values from every
-token, the query from the class token, the two products as einsums of one query row.
+Three implementations compute the same function of the same parameters
+(tests/test_attention.py), picked by `Execution.attention`: "einsum", the reference
+(`attention_einsum`, two products on (B, H, T, D)); "xla" and "cudnn" (`attend_padded`,
+`jax.nn.dot_product_attention` on (B, Tp, H, D) with the tokens padded to a multiple of 8
+and the padded keys masked; q, k, v come already in that layout: `padded_projections`).
+With pool "cls" the last block may compute the class token's row alone
+(`class_token_attention`, Execution.last_block "class-token").
 
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.

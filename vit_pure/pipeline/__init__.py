@@ -8,9 +8,10 @@ from vit_pure.pipeline.program import (
                                        pipeline_grads,
                                        pipelined_encoder,
                                        pipelined_logits,
+                                       step_config,
 )
 from vit_pure.pipeline.schedules import SCHEDULES, Schedule, block_order, build, describe
 
 __all__ = ["SCHEDULES", "Schedule", "block_order", "bubble_fraction", "build", "check_pipeline",
            "describe", "pipeline_eval", "pipeline_grads", "pipelined_encoder",
-           "pipelined_logits"]
+           "pipelined_logits", "step_config"]

@@ -1,29 +1,21 @@
 """Pipeline parallelism for the ViT inside `jax.shard_map`: GPipe, and the entry to the
 table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
 
-The encoder's stacked blocks are split into S contiguous stages over the 'pipe' mesh axis
-(stage s holds layers s L/S .. (s+1) L/S - 1; with interleaved's V chunks per stage the
-script stores them in `schedules.block_order`, so stage s holds its chunks); the
-embedding (used on stage 0) and the final norm and head (last stage) are replicated over
-it. Each device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1
-ticks: every stage runs its layers on what it holds (stage 0 a fresh micro-batch), then
-one `lax.ppermute` hands each output to the next stage; `jax.grad` of the loop runs it in
-reverse with each ppermute transposed (s+1 -> s): all forwards, then all backwards,
-bubble (S - 1) / (K + S - 1).
+The stacked blocks are split into S contiguous stages over 'pipe' (interleaved's V chunks
+in `schedules.block_order`); embedding, final norm and head are replicated over it; each
+device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1 ticks,
+every stage running what it holds and one `lax.ppermute` handing each output on;
+`jax.grad` of the loop runs it in reverse: bubble (S - 1) / (K + S - 1). Dropout draws
+from each example's global id and the global layer index (`layer_offset`).
 
-    tick:      0    1    2    3    4          (S = 2 stages, K = 4 micro-batches)
-    stage 0:   m0   m1   m2   m3   .
-    stage 1:   .    m0   m1   m2   m3         "." = idle: computes, masked to zero
-
-Dropout draws from each example's global id and the global layer index (`layer_offset`).
-
-Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick (activations
-s -> s+1); `lax.psum` over 'pipe' of the loss and metrics (last stage only) and of the
-pipe-replicated parameters' gradients (`pipeline_grads`). The table-driven schedules'
-sends are all in `ticks.exchange`. The 'data' axis (and FSDP) stays in the script.
+Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick; `lax.psum`
+over 'pipe' of the loss and metrics and of the pipe-replicated parameters' gradients
+(`pipeline_grads`). The table schedules' sends are in `ticks.exchange`; 'data' (and FSDP)
+stays in the script.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,7 +24,15 @@ from jax import lax
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
-from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
+from vit_pure.model import (
+    Parallel,
+    compute_blocks,
+    compute_params,
+    dropout_keys,
+    embed,
+    encoder,
+    head,
+)
 from vit_pure.pipeline import schedules
 from vit_pure.pipeline.ticks import eval_logits, micro, schedule_grads
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
@@ -54,6 +54,13 @@ def check_pipeline(cfg: ViTConfig, stages: int, microbatches: int,
                          f"{microbatches} micro-batches")
 
 
+def step_config(sc: StepConfig) -> StepConfig:
+    """What a pipeline runs of `sc`: the last block on every row. Each stage runs one
+    program for whichever blocks it holds (`pipelined_encoder`), so no stage's last layer is
+    statically the model's, and the class token's row cannot be split off there."""
+    return dataclasses.replace(sc, execution=sc.execution.replace(last_block="all"))
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """GPipe's idle share of stage-ticks: (S - 1) / (K + S - 1)."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -61,16 +68,15 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 # ------------------------------------------------------------------------- the schedule
 def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
-                      pipe_axis: str, execution: Execution = Execution(),
-                      tp_axis: str | None = None):
-    """GPipe over this stage's blocks (L/S layers, leading axis).
+                      par: Parallel, execution: Execution = Execution()):
+    """GPipe over this stage's blocks (L/S layers, leading axis), over `par.pipe_axis`.
 
     x_micro (K, m, T, E): the embedded micro-batches (only stage 0's copy is read).
     ex_keys_micro (K, m) per-example dropout keys, or None.
     Returns (K, m, T, E): the encoder's outputs, valid on the last stage only (the other
     stages return their own last outputs, which the caller masks).
     """
-    K = x_micro.shape[0]
+    K, pipe_axis = x_micro.shape[0], par.pipe_axis
     S = lax.axis_size(pipe_axis)
     stage = lax.axis_index(pipe_axis)
     per_stage = jax.tree.leaves(blocks)[0].shape[0]
@@ -91,8 +97,8 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
         # (clipped at the ends, where the stage is idle and its result is masked).
         keys = None if ex_keys_micro is None else \
             ex_keys_micro[jnp.clip(t - stage, 0, K - 1)]
-        y = encoder(blocks, x, cfg, policy, keys, execution=execution, tp_axis=tp_axis,
-                    layer_offset=stage * per_stage)
+        y = encoder(blocks, x, cfg, policy, keys, execution=execution,
+                    par=Parallel(tp_axis=par.tp_axis), layer_offset=stage * per_stage)
         if t >= S - 1:  # on the last stage, the output of micro-batch t - (S - 1)
             outputs.append(y)
         if t < K + S - 2 and S > 1:
@@ -104,25 +110,20 @@ def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
 
 
 def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = False,
-                     rng=None, example_ids=None, pipe_axis: str, microbatches: int,
-                     execution: Execution = Execution(), tp_axis: str | None = None,
-                     gather=None):
+                     rng=None, example_ids=None, par: Parallel, microbatches: int,
+                     execution: Execution = Execution()):
     """`model.apply`, pipelined: images (b, h, w, C) -> logits (b, classes), valid on the
     last stage. params: this stage's blocks (L/S layers), every other parameter whole;
     `train`, `rng`, `example_ids` and `execution` as in `apply`.
 
-    `gather` (FSDP) is applied once per step to the non-block params and to each of this
-    stage's layers, *before* the tick loop: inside it, every layer would all-gather its
-    weights K + S - 1 times (and reduce-scatter as often in the backward pass).
+    `par.gather` (FSDP) is applied once per step to the non-block params and to each of
+    this stage's layers (`model.compute_blocks`), *before* the tick loop: inside it, every
+    layer would all-gather its weights K + S - 1 times (and reduce-scatter as often in the
+    backward pass).
     """
     ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
-    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, gather)
-    blocks = params["blocks"]  # cast to the compute dtype layer by layer, in the encoder
-    if gather is not None:
-        n = jax.tree.leaves(blocks)[0].shape[0]
-        layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy, gather,
-                                 "blocks") for i in range(n)]
-        blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, par)
+    blocks = compute_blocks(params["blocks"], policy, par)
     K = microbatches
     # Every stage embeds (a matmul, plus a stem's if any: cheap next to the blocks) but
     # only stage 0's result is read. The embedding's weights vary over the pipe axis (each
@@ -131,11 +132,11 @@ def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = Fa
     # operands agree, as policy.einsum requires. Nothing
     # differentiates the images, so this cast has no transpose: no collective. (The
     # images enter replicated over the pipe axis: the scripts split the batch over 'data'.)
-    images = lax.pcast(images, pipe_axis, to="varying")
+    images = lax.pcast(images, par.pipe_axis, to="varying")
     x = embed(top, images, cfg, policy, ex_keys, execution)  # (b, T, E)
     y = pipelined_encoder(blocks, micro(x, K), cfg, policy,
                           None if ex_keys is None else micro(ex_keys, K),
-                          pipe_axis=pipe_axis, execution=execution, tp_axis=tp_axis)
+                          par=par, execution=execution)
     y = y.reshape(x.shape)  # (K, m, T, E) -> (b, T, E), the examples back in order
     return head(top, y, cfg, policy)  # meaningful on the last stage only
 
@@ -148,10 +149,10 @@ def _on_last_stage(x, pipe_axis):
 
 # ---------------------------------------------------------------------- training / eval
 def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, example_ids, key,
-                   *, pipe_axis: str, microbatches: int, tp_axis: str | None = None,
-                   gather=None, schedule: str = "gpipe", virtual: int = 1):
+                   *, par: Parallel, microbatches: int, schedule: str = "gpipe",
+                   virtual: int = 1):
     """`step.local_grads` for a pipeline stage: the loss and gradients of this device's
-    slice of the batch, with the encoder pipelined over `pipe_axis`.
+    slice of the batch, with the encoder pipelined over `pipe_axis` (`par.pipe_axis`).
 
     params["blocks"] is this stage's slice of the layers (varying over `pipe_axis`); every
     other parameter is replicated over `pipe_axis`. With `virtual` chunks per stage
@@ -169,6 +170,7 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     the whole gradient so that all copies take the same optimizer step. (Without the
     pcast, check_vma's transpose of the implicit broadcast would do that psum silently.)
     """
+    pipe_axis = par.pipe_axis
     check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
     m = labels.shape[0] // sc.accum_steps // microbatches
@@ -178,9 +180,8 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
 
     def micro_metrics(p, images, labels, targets, example_ids, drop_key):
         logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                                  example_ids=example_ids, pipe_axis=pipe_axis,
-                                  microbatches=microbatches, execution=sc.execution,
-                                  tp_axis=tp_axis, gather=gather)
+                                  example_ids=example_ids, par=par,
+                                  microbatches=microbatches, execution=sc.execution)
         # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
         # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
         # mask turns into 0 on all but the last stage.
@@ -199,8 +200,7 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
 
     def micro_grads(p, images_u8, labels, targets, example_ids, drop_key, seed, prepare):
         grads, sums = schedule_grads(sc, p, images_u8, labels, targets, example_ids, drop_key,
-                                     seed, prepare, schedule=table, pipe_axis=pipe_axis,
-                                     tp_axis=tp_axis, gather=gather)
+                                     seed, prepare, schedule=table, par=par)
         # All-reduce (sum) over the pipe axis: the metrics exist on the last stage only.
         return grads, lax.psum(sums, pipe_axis)
 
@@ -215,9 +215,8 @@ def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, exampl
     return grads, metrics
 
 
-def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis: str,
-                  microbatches: int, tp_axis: str | None = None, gather=None,
-                  virtual: int = 1):
+def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, par: Parallel,
+                  microbatches: int, virtual: int = 1):
     """`step.local_eval` for a pipeline stage: sums over this device's slice (padding
     masked out) of loss, correct, count; the same on every stage.
 
@@ -230,7 +229,6 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, pipe_axis:
     # The forward ticks as one scan (ticks.eval_logits): GPipe's, or round the stages V
     # times through the chunks each stage stores.
     sums = eval_sums(sc, lambda images: eval_logits(
-        sc, params, images, pipe_axis=pipe_axis, microbatches=k, virtual=virtual,
-        tp_axis=tp_axis, gather=gather), images_u8, labels, mask)
+        sc, params, images, par=par, microbatches=k, virtual=virtual), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
-    return lax.psum(_on_last_stage(sums, pipe_axis), pipe_axis)
+    return lax.psum(_on_last_stage(sums, par.pipe_axis), par.pipe_axis)

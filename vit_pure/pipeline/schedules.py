@@ -1,29 +1,18 @@
 """Pipeline schedules as data: one table per schedule, read by everything else.
 
-For every *tick* t and pipeline stage s (a device on the 'pipe' axis), a table says which
-micro-batch the stage runs forward (F), which backward (B; zb-h1: I, the input gradient)
-and which weight gradient (W, zb-h1), through which chunk of its layers. The same
-`Schedule` drives the program (pipeline/ticks.py), the start-up picture, the plan's bubble
-and memory, and the tests. A stage's F output goes to the next stage, its B's input
-cotangent to the previous one (with V chunks, round the ring); nothing here imports jax.
-
-    gpipe        all M forwards, then all M backwards: 2 (M + P - 1) ticks, M residual
-                 sets held per stage.
-    1f1b         one F or B per stage per tick: micro-batch i's F at tick s + 2i, its B at
-                 2P - 1 - s + 2i (PipeDream-Flush's order in unit ticks): 2 (M + P - 1)
-                 ticks, stage s holds P - s; stage pairs only swap, one send a tick.
-    interleaved  V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-
-                 batches go round V times in groups of P (Megatron's order); F and B of
-                 different micro-batches may share a tick.
-    zb-h1        the F-and-B-per-tick 1F1B table (stage s holds 2(P - s) - 1) with B split
-                 into I and W (pipeline/split.py); each W in the first tick where it
-                 lengthens the tick by at most a quarter of a W, or where the stage would
-                 otherwise hold more than 2P - 1 residual sets.
+For every tick t and stage s (a device on 'pipe'), a table says which micro-batch the stage
+runs forward (F), backward (B; zb-h1: I, the input gradient) and its weight gradient (W,
+zb-h1), through which chunk of its layers. The same `Schedule` drives the program
+(pipeline/ticks.py), the start-up picture, the plan's bubble and memory, and the tests;
+nothing here imports jax. The schedules (`SCHEDULES`): gpipe (all forwards, then all
+backwards), 1f1b (PipeDream-Flush's order in unit ticks), interleaved (V chunks a stage,
+Megatron's order) and zb-h1 (1F1B with B split into I and W, pipeline/split.py); each
+builder's docstring gives its ticks and the residual sets a stage holds.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
 send waits for its two stages only). `segments`: the program's scans and their sends.
-`forward_only`: evaluation's table (the forwards alone). `block_order`: the layout's order
-of the stacked blocks, which puts each stage's V chunks in its slice of the layer axis."""
+`forward_only`: evaluation's table. `block_order`: the layout's order of the stacked
+blocks, which puts each stage's V chunks in its slice of the layer axis."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,27 +1,17 @@
 """The zero-bubble split of a backward pass into I (input gradient) and W (weight gradient).
 
-B does two kinds of work: the cotangent chain from the stage's output back to its input
-(sent upstream at once) and, for each weight matmul y_l = a_l @ w_l, the weight gradient
-a_l^T dy_l, which nobody waits for: a zero-bubble schedule runs it later, as W.
-
-    split = Split(fn, params, x, *others)   # traces fn(params, x, *others) once
-    out, pull, acts = split.forward(params, x, *others)        # F
-    g_params, dx, dys = split.input_grads(pull(cotangent))     # I
-    g_weights = split.weight_grads(params, acts, dys, *others)  # W
-
-`Split` traces fn to a jaxpr and binds its equations again (calls of jitted functions
-walked into). A *weight matmul* multiplies an operand made from the parameters alone with
-one made from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around
-one). Parameters feeding only weight matmuls are the *weights*; the rest stay in I.
-F is `jax.vjp` over (other params, x, a zero tap added to each weight matmul's output) with
-the weights held constant, returning each matmul's activation a_l; I is its pull-back (the
-taps' cotangents are the dy_l); W is `jax.vjp` over the weights of the matmuls alone,
-pulled back from the dy_l: no cotangent chain again. Anything not walked into (a custom
-VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls staying in I. No collective of
-its own: the model's tensor-parallel ones are bound where the model wrote them.
-
-Beside it, the small typing helpers the program's rings need (`vary_like`, `zeros_ring`,
-`input_free`, `same_data`).
+B does two kinds of work: the cotangent chain back to the stage's input (sent upstream at
+once) and, per weight matmul y_l = a_l @ w_l, the weight gradient a_l^T dy_l, which nobody
+waits for: a zero-bubble schedule runs it later, as W. `Split(fn, params, x, *others)`
+traces fn to a jaxpr once and binds its equations again (jitted calls walked into). A
+weight matmul multiplies an operand made from the parameters alone with one made from x (a
+`dot_general`, or the policy's float32-output einsum); parameters feeding only such
+matmuls are the weights. F (`forward`) is `jax.vjp` over the other params, x and a zero tap
+on each weight matmul's output, returning each a_l; I (`input_grads`) is its pull-back,
+the taps' cotangents being the dy_l; W (`weight_grads`) is `jax.vjp` over the weights of
+the matmuls alone. What is not walked into (a custom VJP, `jax.checkpoint`, a scan) is
+bound whole, its matmuls in I. No collective of its own. Beside it, the rings' typing
+helpers (`vary_like`, `zeros_ring`, `input_free`, `same_data`).
 """
 from __future__ import annotations
 

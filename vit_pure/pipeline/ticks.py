@@ -1,27 +1,17 @@
 """The table-driven pipeline program (1f1b, interleaved, zb-h1), phase by phase.
 
-`schedule_grads` runs one schedule's table (pipeline/schedules.py) inside shard_map:
+`schedule_grads` runs a schedule's table (pipeline/schedules.py) inside shard_map:
+`static_plan` (numbers off the table), `prepare_params` (FSDP gather, this stage's chunks),
+`Stage`, `residual_layout` (what the ring keeps of a chunk's pull-back), a `lax.scan` of
+ticks (`run_f`, `run_b`, `run_w`, `exchange`) and `finish` (the gradients, cast).
 
-    plan = static_plan(table)                   numbers read off the table, no jax
-    top, chunks, pull_params = prepare_params(...)   the FSDP gather and this stage's
-                                                V chunks, kept for its vjp
-    stage = Stage(...)                          the micro-batches and the chunk function
-    layout = residual_layout(stage)             what the ring keeps of a chunk's pull-back
-    carry = lax.scan(tick, ...)                 per tick: run_f, run_b, run_w, exchange
-    finish(...)                                 the gradients pulled back, cast, returned
-
-Every point-to-point send of these schedules is in ONE function, `exchange`: the
-`lax.ppermute`s over the pipe axis that end a tick (activations forward, input cotangents
-back). The only other collectives run here are others' code: the model's
-tensor-parallel psums over 'model', bound inside the chunk, and FSDP's all-gathers over
-'data' (the script's `gather`, in `prepare_params`). Nothing gathers the blocks over
-'pipe': each stage stores exactly the chunks it runs (the layout's block order,
-`schedules.block_order`, which the script applies when it places the state).
-
-The parameters used on one stage only (embedding, head) are varying over the pipe axis
-before the ticks (the caller's pcast): a replicated one would get an implicit psum over
-'pipe' from the pull-back inside the B branch, which only the devices on that branch would
-join (a deadlock). Their gradients are summed over 'pipe' once, after (the caller's).
+Every point-to-point send is in ONE function, `exchange`: the `lax.ppermute`s over 'pipe'
+that end a tick. The only other collectives are others' code: the model's tensor-parallel
+psums, FSDP's all-gathers (`Parallel.gather`). Each stage stores exactly the chunks it
+runs (`schedules.block_order`), so nothing gathers blocks over 'pipe'. Parameters used on
+one stage only (embedding, head) are made varying over 'pipe' by the caller before the
+ticks: a replicated one would get an implicit psum inside the B branch, which only that
+branch's devices would join (a deadlock); the caller sums their gradients once, after.
 """
 from __future__ import annotations
 
@@ -32,7 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from vit_pure.model import compute_params, dropout_keys, embed, encoder, head
+from vit_pure.model import (
+    Parallel,
+    compute_blocks,
+    compute_params,
+    dropout_keys,
+    embed,
+    encoder,
+    head,
+)
 from vit_pure.pipeline import schedules
 from vit_pure.pipeline.split import Split, input_free, same_data, vary_like, zeros_ring
 from vit_pure.step import StepConfig, train_metrics
@@ -85,7 +83,7 @@ def static_plan(schedule: schedules.Schedule) -> StaticPlan:
 
 
 # ------------------------------------------------------- phase 2: the parameters' prep
-def prepare_params(params, policy, gather, virtual: int):
+def prepare_params(params, policy, par: Parallel, virtual: int):
     """(top, chunks, pull_params): the non-block parameters in the compute dtype, this
     stage's blocks as (V, L/(PV), ...) chunks, and the pull-back of that preparation
     (after the ticks it takes the gradients back to params' layout: the FSDP
@@ -95,13 +93,8 @@ def prepare_params(params, policy, gather, virtual: int):
     per = jax.tree.leaves(params["blocks"])[0].shape[0]
 
     def prepare(p):
-        top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, gather)
-        blocks = p["blocks"]
-        if gather is not None:
-            layers = [compute_params(jax.tree.map(lambda a, i=i: a[i], blocks), policy,
-                                     gather, "blocks") for i in range(per)]
-            blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        # Cast layer by layer in the chunk: no compute-dtype copy held.
+        top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, par)
+        blocks = compute_blocks(p["blocks"], policy, par)
         return top, jax.tree.map(lambda a: a.reshape(virtual, per // virtual, *a.shape[1:]),
                                  blocks)
 
@@ -127,7 +120,7 @@ class Stage:
     prepare_images: object
     top: dict
     chunks: dict
-    tp_axis: str | None
+    par: Parallel
     split: Split | None = None
 
     @property
@@ -149,7 +142,7 @@ class Stage:
         virtual stage), accuracy)."""
         sc = self.sc
         y = encoder(cp, x, sc.cfg, sc.policy, None if self.keys is None else self.keys[mb],
-                    execution=sc.execution, tp_axis=self.tp_axis,
+                    execution=sc.execution, par=Parallel(tp_axis=self.par.tp_axis),
                     layer_offset=(v * self.stages + self.stage) * self.chunk)
         m = train_metrics(sc, head(top, y, sc.cfg, sc.policy), self.labels[mb], self.targets[mb])
         last = (self.stage == self.stages - 1) & (v == self.virtual - 1)
@@ -164,11 +157,11 @@ class Stage:
 
 
 def make_stage(sc: StepConfig, schedule, top, chunks, images_u8, labels, targets, example_ids,
-               drop_key, prepare_images, pipe_axis: str, tp_axis: str | None):
+               drop_key, prepare_images, par: Parallel):
     """(the `Stage` of this device, a zero index of the table's type, an embedded
     micro-batch): the last two only for traces (mb and v vary over the pipe axis, as the
     table's entries do; XLA drops what the traces compute)."""
-    M = schedule.microbatches
+    M, pipe_axis = schedule.microbatches, par.pipe_axis
     ex_keys = dropout_keys(sc.cfg, True, drop_key, example_ids, labels.shape[0])
     # The raw images are held through the ticks, each micro-batch prepared where it is
     # embedded (`prepare_images`: its rows of the whole slice's augmentation).
@@ -176,7 +169,7 @@ def make_stage(sc: StepConfig, schedule, top, chunks, images_u8, labels, targets
                   micro(lax.pcast(images_u8, pipe_axis, to="varying"), M),
                   micro(example_ids, M), micro(labels, M), micro(targets, M),
                   None if ex_keys is None else micro(ex_keys, M), prepare_images, top, chunks,
-                  tp_axis)
+                  par)
     zero = lax.pcast(jnp.zeros((), jnp.int32), pipe_axis, to="varying")
     x0 = stage.embed_mb(top, zero)
     if schedule.split_backward:  # zb-h1: B split into I and W (pipeline/split.py)
@@ -283,8 +276,7 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     The branch returns the residual set (an idle tick: what slot `write` holds) and the
     tick writes it into the ring, in place (the scan's carry). The branch only reads the
     ring: XLA gives a conditional's results buffers of their own, so a ring written inside
-    the branch was a second ring (copied into the branch's result and back each tick: the
-    deviceless H100 program held both)."""
+    the branch would be a second ring, copied into the branch's result and back each tick."""
     y0, loss0, _ = layout.outputs
 
     def do_f(x, rings):
@@ -382,21 +374,21 @@ def exchange(sends, y, dx, recv_f, recv_b, arrive, pipe_axis: str):
 
 # ---------------------------------------------------------- phase 6: scan and finish
 def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
-                   seed, prepare_images, *, schedule, pipe_axis: str, tp_axis: str | None = None,
-                   gather=None):
+                   seed, prepare_images, *, schedule, par: Parallel):
     """One pipelined forward and backward pass run from `schedule`'s table (1f1b,
     interleaved, zb-h1): the gradients of `seed` x the mean loss (seed: the loss scale),
     laid out like params, and this stage's {"loss", "accuracy"} sums (last stage only).
     The phases are this module's (its docstring); each tick runs F, B (zb-h1: I), W and
     the sends, each a `lax.cond` on the stage's column of the table."""
     P, M, V = schedule.stages, schedule.microbatches, schedule.virtual
+    pipe_axis = par.pipe_axis
     per = jax.tree.leaves(params["blocks"])[0].shape[0]  # layers this stage holds
     if per * P != sc.cfg.depth or per % V:
         raise ValueError(f"pipeline: {per} layers per stage do not split into {V} chunks")
     plan = static_plan(schedule)
-    top, chunks, pull_params = prepare_params(params, sc.policy, gather, V)
+    top, chunks, pull_params = prepare_params(params, sc.policy, par, V)
     stage, zero, x0 = make_stage(sc, schedule, top, chunks, images_u8, labels, targets,
-                                 example_ids, drop_key, prepare_images, pipe_axis, tp_axis)
+                                 example_ids, drop_key, prepare_images, par)
     layout = residual_layout(stage.pulled, zero, x0)
     y0, loss0, _ = layout.outputs
 
@@ -456,20 +448,21 @@ def finish(carry, top, chunks, pull_params, microbatches: int):
 
 
 # ------------------------------------------------------------------- evaluation
-def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches: int,
-                virtual: int = 1, tp_axis: str | None = None, gather=None):
+def eval_logits(sc: StepConfig, params, images, *, par: Parallel, microbatches: int,
+                virtual: int = 1):
     """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
     forward ticks of `schedules.forward_only` (V = 1: GPipe's, stage s runs micro-batch
     t - s at tick t; V > 1: round the stages V times, through the chunks each stage
     stores) as one `lax.scan`, so the compiled program does not grow with K. Each stage
     runs the blocks it stores: no gather over 'pipe'; idle ticks compute on what they hold
     and are masked, as GPipe's."""
+    pipe_axis = par.pipe_axis
     P, K, V = lax.axis_size(pipe_axis), microbatches, virtual
     table = schedules.forward_only(P, K, V)
     schedules.check_sends(table)
     arrive = np.stack([schedules.arrivals(table)[0]] * 3, axis=1)  # [2] unused: "f"
     sends = (("f", tuple((s, (s + 1) % P) for s in range(P if V > 1 else P - 1))),)
-    top, chunks, _ = prepare_params(params, sc.policy, gather, V)
+    top, chunks, _ = prepare_params(params, sc.policy, par, V)
     stage = lax.axis_index(pipe_axis)
     chunk = jax.tree.leaves(chunks)[0].shape[1]
     x_mb = micro(lax.pcast(images, pipe_axis, to="varying"), K)
@@ -481,7 +474,7 @@ def eval_logits(sc: StepConfig, params, images, *, pipe_axis: str, microbatches:
         x = lax.cond((stage == 0) & (v == 0), lambda r: vary_like(
             embed(top, x_mb[mb], sc.cfg, sc.policy, None, sc.execution), r), lambda r: r, recv)
         y = encoder(jax.tree.map(lambda a: a[v], chunks), x, sc.cfg, sc.policy,
-                    execution=sc.execution, tp_axis=tp_axis,
+                    execution=sc.execution, par=Parallel(tp_axis=par.tp_axis),
                     layer_offset=(v * P + stage) * chunk)
         keep = (stage == P - 1) & (v == V - 1) & (row[stage] >= 0)
         logits = logits.at[mb].set(jnp.where(keep, head(top, y, sc.cfg, sc.policy), logits[mb]))

@@ -1,24 +1,15 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Each setting below has a right answer that depends on the hardware; the measurements
-behind each are in docs/performance.md (the section named after it), and the start-up log
-says what was chosen and why:
-
-  layers           `--scan` not given: an unrolled loop over the blocks on CPU and GPU
-                   (measured faster there); the layer scan elsewhere (faster compiles).
-  matmul output    no `m=` in `--policy`: the compute dtype on accelerators (the GEMM still
-                   accumulates in float32 inside), float32 on CPU (XLA:CPU upcasts a
-                   bf16-output dot to float32 entirely).
-  attention        `--attention` not given: cuDNN's fused attention on an NVIDIA GPU of
-                   compute capability 8.0+ computing in bf16, else the two einsums.
-  dtype            `--dtype auto`: bf16 where it is fast (accelerators; CPUs with
-                   avx512_bf16 or amx_bf16), else fp32 (an AVX2-only CPU emulates bf16).
-  dropout masks    `--dropout-masks` not given: `threefry16` on accelerators (a quarter of
-                   the hashes), `bernoulli` on CPU; kept for the backward pass packed eight
-                   to a byte on accelerators, a byte an element on CPU.
-
-Nothing here is read inside jitted code: `resolve` runs once, in the script's main, and its
-result is frozen into the StepConfig.
+Each setting has a right answer that depends on the hardware; the measurements behind each
+are in docs/performance.md (the section named after it), and the start-up log says what
+was chosen and why. Layers (`--scan` not given): unrolled on CPU and GPU, the layer scan
+elsewhere. Matmul output (no `m=` in `--policy`): the compute dtype on accelerators,
+float32 on CPU (XLA:CPU upcasts a bf16-output dot entirely). Attention: cuDNN's fused
+attention on an NVIDIA GPU of compute capability 8.0+ in bf16, else the einsums. `--dtype
+auto`: bf16 where it is fast (accelerators; CPUs with avx512_bf16 or amx_bf16), else fp32.
+Dropout masks: `threefry16`, packed eight to a byte, on accelerators; `bernoulli`, a byte
+an element, on CPU. Every other knob's default, and each of these on a CPU, is
+`config.Execution`'s. `resolve` runs once, in run/settings.py `step_config`.
 """
 from __future__ import annotations
 
@@ -33,10 +24,11 @@ from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
 from vit_pure.policy import Policy, dtype_name
 from vit_pure.quiet import nvidia_gpu_visible  # noqa: F401 (backend.nvidia_gpu_visible)
-from vit_pure.step import StepConfig
 
 # CPU flags (/proc/cpuinfo) that mean native bf16 arithmetic.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# The program the flags and this module leave as it is (on a CPU: every knob).
+DEFAULT = Execution()
 # Backends where the unrolled layer loop was measured faster than the scan.
 UNROLLED_MEASURED = ("cpu", "gpu", "cuda", "rocm")
 
@@ -96,7 +88,8 @@ def resolve(policy_text: str, matmul_precision: str, scan: bool | None, platform
     attention, attention_notes = _resolve_attention(attention, cudnn, policy)
     dropout_masks, mask_notes = _resolve_dropout_masks(dropout_masks, platform)
     notes += layer_notes + attention_notes + mask_notes
-    return Choices(policy, scan, attention, dropout_masks, not on_cpu, tuple(notes))
+    packed = DEFAULT.packed_masks if on_cpu else True
+    return Choices(policy, scan, attention, dropout_masks, packed, tuple(notes))
 
 
 def _resolve_policy(policy_text: str, matmul_precision: str, platform: str,
@@ -136,7 +129,7 @@ def _resolve_layers(scan: bool | None, platform: str) -> tuple[bool, list[str]]:
     """The layer loop: unrolled where measured faster, else the scan."""
     if scan is not None:
         return scan, []
-    scan = platform not in UNROLLED_MEASURED
+    scan = DEFAULT.scan if platform in UNROLLED_MEASURED else True
     return scan, ["layers: " + (
         "unrolled loop (--scan not given; measured faster than the layer scan on "
         f"{'CPU' if platform == 'cpu' else 'GPU'}: docs/performance.md)" if not scan else
@@ -153,7 +146,7 @@ def _resolve_attention(attention: str | None, cudnn: bool,
         return "cudnn", ["attention: cuDNN fused (--attention not given; measured faster "
                          "than the einsums on an H100 in bf16: docs/performance.md; "
                          "--attention einsum for the reference path)"]
-    return "einsum", []
+    return DEFAULT.attention, []
 
 
 def _resolve_dropout_masks(dropout_masks: str | None, platform: str) -> tuple[str, list[str]]:
@@ -162,7 +155,7 @@ def _resolve_dropout_masks(dropout_masks: str | None, platform: str) -> tuple[st
     notes = []
     on_cpu = platform == "cpu"
     if dropout_masks is None:
-        dropout_masks = "bernoulli" if on_cpu else "threefry16"
+        dropout_masks = DEFAULT.dropout_masks if on_cpu else "threefry16"
         if not on_cpu:
             notes.append("dropout masks: threefry16 (--dropout-masks not given; a quarter of "
                          "bernoulli's Threefry hashes: docs/performance.md; --dropout-masks "
@@ -206,60 +199,13 @@ def note_missing_cuda(gpu_visible=nvidia_gpu_visible) -> None:
         print(note, file=sys.stderr, flush=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepFlags:
-    """The flags the step's settings come from, frozen (run/settings.py `step_flags` builds
-    it from the command line). None: the backend decides (`resolve`)."""
-    cfg: ViTConfig
-    dtype: str                    # --policy if given, else --dtype
-    matmul_precision: str | None
-    scan: bool | None
-    attention: str | None
-    dropout_masks: str | None
-    remat: str
-    label_smoothing: float
-    grad_clip: float | None
-    randaugment: tuple[int, int]
-    mixup: float
-    cutmix: float
-    ema: float
-    eval_flip: bool
-    eval_corners: bool = False
-    trainable: str = "all"
-    last_block: str = "all"
-
-
-def step_config(flags: StepFlags, platform: str | None = None, device=None) -> StepConfig:
-    """The step's settings from the flags, with the backend-aware defaults (`resolve`:
-    the layer loop, the matmul output dtype, --dtype auto) resolved for `platform`
-    (default: the backend JAX runs on, so call this after jax.distributed is started).
-    `device` (default: JAX's first) decides whether cuDNN attention runs: the plan passes
-    its target GPU's. `notes` says what the hardware decided."""
-    # accum_steps stays 1 here: `--accum-steps K|auto` is settled by
-    # vit_pure.run.accum.build_strategy, which returns dataclasses.replace(sc, accum_steps=K).
-    platform = platform or jax.default_backend()
-    attention = flags.attention
-    # Locality self-attention (cfg.lsa) runs on the einsum attention only, and cuDNN's
-    # kernel takes head dims that are multiples of 8 up to 128.
-    nvidia = platform == "gpu" and cudnn_attention_runs(
-        device if device is not None else jax.devices()[0])
-    cudnn = nvidia and not flags.cfg.lsa and _cudnn_head_dim(flags.cfg)
-    choices = resolve(flags.dtype, flags.matmul_precision, flags.scan, platform,
-                      attention=attention, cudnn=cudnn, dropout_masks=flags.dropout_masks)
-    _check_attention(choices.attention, choices.policy, platform, flags.cfg)
-    execution = Execution(scan=choices.scan, remat=flags.remat, attention=choices.attention,
-                          dropout_masks=choices.dropout_masks,
-                          packed_masks=choices.packed_masks, last_block=flags.last_block)
-    return StepConfig(flags.cfg, choices.policy, flags.label_smoothing, flags.grad_clip,
-                      execution=execution,
-                      randaugment=tuple(flags.randaugment),
-                      mixup_alpha=flags.mixup,
-                      cutmix_alpha=flags.cutmix,
-                      ema_decay=flags.ema,
-                      eval_flip=flags.eval_flip,
-                      eval_corners=flags.eval_corners,
-                      trainable=flags.trainable,
-                      notes=choices.notes)
+def cudnn_attention_usable(cfg: ViTConfig, platform: str, device=None) -> bool:
+    """Whether cuDNN's fused attention can run `cfg` here: an NVIDIA GPU of compute
+    capability 8.0+ (`device`, default JAX's first), a head dim cuDNN takes, and no
+    locality self-attention (cfg.lsa runs on the einsum attention only)."""
+    if platform != "gpu" or cfg.lsa or not _cudnn_head_dim(cfg):
+        return False
+    return cudnn_attention_runs(device if device is not None else jax.devices()[0])
 
 
 def _cudnn_head_dim(cfg: ViTConfig) -> bool:
@@ -267,7 +213,7 @@ def _cudnn_head_dim(cfg: ViTConfig) -> bool:
     return cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
 
 
-def _check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
+def check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
     """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
     A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
     if cfg.lsa and attention != "einsum":

@@ -168,8 +168,14 @@ def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logge
 def saved_step_config(meta: dict, sc: StepConfig) -> StepConfig:
     """`sc` with the model and dtype policy a checkpoint was trained with (its meta), no
     accumulation (evaluation does not accumulate) and no EMA in the state (an --ema run's
-    EMA is evaluated in place of the params, see `evaluate_checkpoint`)."""
-    cfg = ViTConfig(**meta["model_config"]) if "model_config" in meta else sc.cfg
+    EMA is evaluated in place of the params, see `evaluate_checkpoint`). A model field the
+    checkpoint predates takes ViTConfig's default; one this kit does not know is left out
+    (as --resume does: run/resume.py `compare`)."""
+    cfg = sc.cfg
+    if "model_config" in meta:  # fields of another kit version: those this kit knows
+        known = {f.name for f in dataclasses.fields(ViTConfig)}
+        cfg = ViTConfig(**{k: tuple(v) if isinstance(v, list) else v  # JSON's lists: stem
+                           for k, v in meta["model_config"].items() if k in known})
     saved = meta.get("config", {})  # the flags; older checkpoints record no "policy"
     text = meta.get("policy") or saved.get("policy") or saved.get("dtype", "fp32")
     policy = Policy.parse(text, meta.get("matmul_precision",

@@ -13,11 +13,15 @@ from vit_pure.config import (
     POOLS,
     PRESETS,
     REMAT_SAVE_NAMES,
+    Execution,
     remat_saved_names,
 )
 from vit_pure.data.cifar10 import check_subset
 from vit_pure.errors import DataError
 
+# The execution knobs' defaults, which --help prints: the flags themselves default to None,
+# "not given" (run/settings.py `step_config` fills them).
+EXECUTION = Execution()
 # The plan's assumed fraction of the peak that the step's matmuls reach (--efficiency).
 DEFAULT_EFFICIENCY = 0.4
 
@@ -153,33 +157,35 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "pass on TPUs), 'highest' full float32 everywhere (default: 'default')")
     g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                    help="lax.scan over the encoder layers (faster compile) instead of a Python "
-                        "loop (default: per backend, vit_pure/run/backend.py: unrolled on CPU and "
-                        "GPU, scanned elsewhere)")
-    g.add_argument("--remat", default="none", type=_remat,
+                        "loop (default: per backend, vit_pure/run/backend.py: "
+                        f"{'scanned' if EXECUTION.scan else 'unrolled'} on CPU and GPU, scanned "
+                        "elsewhere)")
+    g.add_argument("--remat", default=None, type=_remat,
                    help="recompute in the backward pass: each whole encoder block (block), all "
                         "but its matmul outputs (block-save-dots), or all but the values named "
                         f"(block-save:NAMES, NAMES from {'+'.join(REMAT_SAVE_NAMES)}, e.g. "
                         "block-save:dot+mask), only the GELU's output (gelu), or nothing "
-                        "(none); same results, less memory")
+                        f"(none); same results, less memory (default: {EXECUTION.remat})")
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
                         "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
-                        "einsum")
-    g.add_argument("--last-block", default="class-token", choices=list(LAST_BLOCKS),
+                        f"{EXECUTION.attention}")
+    g.add_argument("--last-block", default=None, choices=list(LAST_BLOCKS),
                    help="with --pool cls, the last block's query, attention, output projection "
                         "and MLP for the class token alone, the only row the head reads "
-                        "(class-token), or for every token (all); same results, 13.7%% fewer "
-                        "FLOPs for vit-cifar (docs/performance.md). Pipelines and other pools "
-                        "compute every row (default: class-token)")
+                        "(class-token), or for every token (all); same results, fewer FLOPs "
+                        "(docs/performance.md). Pipelines and other pools compute every row; "
+                        "class-token given with another pool is an error "
+                        f"(default: {EXECUTION.last_block})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
                         "four 16-bit uniforms per hash (threefry16; keep probability rounded "
                         "to 2^-16); other masks, the same distribution (docs/performance.md). "
                         "Default: per backend (vit_pure/run/backend.py): threefry16 on "
-                        "accelerators, bernoulli on CPU")
+                        f"accelerators, {EXECUTION.dropout_masks} on CPU")
 
 
 def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
@@ -188,18 +194,20 @@ def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
                              "pretrained ViT\")")
     g.add_argument("--init-from", default=None, metavar="PATH|URL",
                    help="start from these weights instead of a random initialisation: a "
-                        "big_vision / AugReg .npz, a timm model.safetensors, or a Hugging Face "
-                        "folder (model.safetensors + config.json); a URL is fetched once into "
+                        "big_vision / AugReg .npz, a timm model.safetensors, a Hugging Face "
+                        "folder (model.safetensors + config.json), or an .onnx graph exported "
+                        "from either (needs the onnx package); a URL is fetched once into "
                         "~/.cache/vit_pure/weights. --model must have the file's shapes (its "
                         "head count is taken from --model); the file sets the GELU, LayerNorm "
                         "epsilon, input scaling and (unless given) --image-size and --pool; a "
                         "new zero head replaces one of another class count. Ignored when "
                         "--resume finds a checkpoint (default: a random initialisation)")
     g.add_argument("--image-size", type=int, default=None, metavar="PX",
-                   help="the model's input resolution: CIFAR-10 is resized to it on the "
-                        "device; with --init-from the position embedding is resampled "
-                        "(bilinear) to its grid (default: the file's resolution with "
-                        "--init-from, else the --model preset's)")
+                   help="the model's input resolution: CIFAR-10 is resized to it (bilinear) "
+                        "on the device; with --init-from the position embedding is resampled "
+                        "to its grid as the file's library does it (bilinear for a big_vision "
+                        ".npz, bicubic for timm and Hugging Face files) (default: the file's "
+                        "resolution with --init-from, else the --model preset's)")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
@@ -400,7 +408,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    """The planning flags (both scripts; settings.PlanConfig carries them to plan/build.py)."""
+    """The planning flags (both scripts; settings.PlanConfig carries them to run/planning.py)."""
     g = parser.add_argument_group(
         "planning a run at scale (docs/planning.md)",
         "--plan N compiles the training step for N devices (for the GPU itself where JAX's "

@@ -446,6 +446,8 @@ def _log_setup(log: Logger, data: DataSettings, sc: StepConfig, strategy: Strate
         devices=strategy.batch_divisor, strategy=strategy.name, start_step=step)
     for note in sc.notes:  # what the hardware chose for the flags left to it (run/backend.py)
         log(f"chosen for this hardware: {note}", event="hardware_choice", note=note)
+    log(f"execution: {sc.execution.describe()}", event="execution",
+        **dataclasses.asdict(sc.execution))
 
 
 def _log_first_step(log: Logger, speed: Throughput, metrics, step: int) -> None:
@@ -550,8 +552,10 @@ def _stopped(strategy: Strategy, state, step: int, reason: str, ckpts: Checkpoin
     if ckpts.dir is not None:
         path = (ckpts.last if ckpts.saved_step == step
                 else ckpts.save(strategy, state, step, reason, last))
-        log(f"stopped by {reason} after step {step}; checkpoint {path}; "
-            "run the same command with --resume to continue",
+        again = ("the same command with --resume and without --stop-after (or with a later "
+                 "step)" if reason == "--stop-after" else "the same command with --resume")
+        log(f"stopped by {reason} after step {step}; checkpoint {path}; run {again} to "
+            f"continue",
             event="stopped", step=step, reason=reason, checkpoint=str(path))
     elif reason == "--stop-after":
         log(f"stopped by --stop-after after step {step}; no --ckpt-dir, nothing saved",

@@ -1,7 +1,7 @@
 """The run's settings: the command line, turned once into a frozen value.
 
 The scripts parse the flags (run/cli.py), then build two frozen values from them and hand
-those down: `step.StepConfig` (what the compiled step computes; run/backend.py builds it)
+those down: `step.StepConfig` (what the compiled step computes: `step_config`)
 and `RunConfig` (everything around the step: data, schedule, checkpoints, logging; the
 loop's helpers each take one slice of it: `rc.data`, `rc.schedule`, `rc.logging`,
 `rc.checkpoints`, each knob in one of them). `--plan N` takes a `PlanConfig` instead of a
@@ -15,11 +15,14 @@ import dataclasses
 import sys
 from typing import Any
 
+import jax
+
 from vit_pure import weights
+from vit_pure.config import Execution
 from vit_pure.data.cifar10 import NUM_CLASSES
-from vit_pure.errors import UsageError
+from vit_pure.errors import UsageError, WeightsError
 from vit_pure.run import backend
-from vit_pure.step import OptimConfig
+from vit_pure.step import OptimConfig, StepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +129,7 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """What `--plan N` (vit_pure/plan/build.py) takes from the flags: the target, its
+    """What `--plan N` (vit_pure/run/planning.py) takes from the flags: the target, its
     overrides, and the step's batch and accumulation. `from_args` builds it."""
     plan: int                       # devices to plan for
     hardware: str                   # --hardware, as given
@@ -157,22 +160,35 @@ class PlanConfig:
             multi_process=bool(args.distributed or args.coordinator is not None))
 
 
-def step_flags(args: argparse.Namespace) -> backend.StepFlags:
-    """The step's flags, frozen, for `backend.step_config` (which resolves what they leave
-    to the backend)."""
-    return backend.StepFlags(
-        cfg=args.cfg, dtype=args.policy or args.dtype, matmul_precision=args.matmul_precision,
-        scan=args.scan, attention=args.attention, dropout_masks=args.dropout_masks,
-        remat=args.remat,
-        label_smoothing=args.label_smoothing, grad_clip=args.grad_clip,
-        randaugment=tuple(args.randaugment), mixup=args.mixup, cutmix=args.cutmix,
-        ema=args.ema, eval_flip=args.eval_flip, eval_corners=args.eval_corners,
-        trainable=args.trainable, last_block=args.last_block)
+def step_config(args: argparse.Namespace, platform: str | None = None,
+                device=None) -> StepConfig:
+    """What the compiled step computes, from a parsed command line, for `platform`
+    (default: the backend JAX runs on, so call this after jax.distributed is started).
 
-
-def step_config(args: argparse.Namespace, platform: str | None = None, device=None):
-    """`backend.step_config` of a parsed command line: the step's settings for `platform`."""
-    return backend.step_config(step_flags(args), platform, device)
+    An execution flag not given (None) keeps `config.Execution`'s default, unless the
+    hardware decides it (`backend.resolve`: the layer loop, attention, dropout masks, the
+    matmul output dtype, --dtype auto); `notes` says what the hardware decided. `device`
+    (default: JAX's first) decides whether cuDNN attention runs: the plan passes its
+    target GPU's. `accum_steps` stays 1 here: run/accum.py `build_strategy` settles
+    `--accum-steps K|auto`.
+    """
+    platform = platform or jax.default_backend()
+    cfg = args.cfg
+    choices = backend.resolve(
+        args.policy or args.dtype, args.matmul_precision, args.scan, platform,
+        attention=args.attention, dropout_masks=args.dropout_masks,
+        cudnn=backend.cudnn_attention_usable(cfg, platform, device))
+    backend.check_attention(choices.attention, choices.policy, platform, cfg)
+    given = {"remat": args.remat, "last_block": args.last_block}
+    execution = Execution(scan=choices.scan, attention=choices.attention,
+                          dropout_masks=choices.dropout_masks,
+                          packed_masks=choices.packed_masks,
+                          **{k: v for k, v in given.items() if v is not None})
+    return StepConfig(cfg, choices.policy, args.label_smoothing, args.grad_clip,
+                      execution=execution, randaugment=tuple(args.randaugment),
+                      mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, ema_decay=args.ema,
+                      eval_flip=args.eval_flip, eval_corners=args.eval_corners,
+                      trainable=args.trainable, notes=choices.notes)
 
 
 def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,15 +219,22 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
             raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
+        if args.trainable == "head" and fit and not getattr(args, "eval_only", False):
+            raise UsageError("--trainable head trains the head alone on a frozen backbone: "
+                             "give --init-from FILE, its pretrained weights (a random "
+                             "backbone's features are noise)")
         if args.image_size is not None:
             try:
                 args.cfg = cfg.replace(image_size=args.image_size)
             except ValueError as e:
                 raise UsageError(f"--image-size: {e}") from None
         return None
-    path = weights.resolve(args.init_from)
-    params, found = weights.load_found(path, heads=cfg.heads)
-    src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    try:  # the readers' errors name the file; the line says which flag gave it
+        path = weights.resolve(args.init_from)
+        params, found = weights.load_found(path, heads=cfg.heads)
+        src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     try:
         args.cfg = cfg.replace(
             image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
@@ -221,7 +244,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     if not fit:
         return None
-    params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    try:
+        params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     if getattr(args, "process_id", None) in (None, 0):
         c = args.cfg
         print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "

@@ -1,27 +1,10 @@
 """Hugging Face transformers' ViT: ``model.safetensors`` + ``config.json`` (+ the optional
 ``preprocessor_config.json``) in one folder, as `save_pretrained` writes them.
 
-Key names as the Hub's checkpoints have them (transformers 4; transformers 5 reads them
-and writes the names in brackets, which are read too)::
-
-    vit.embeddings.cls_token (1, 1, E)     vit.embeddings.position_embeddings (1, T, E)
-    vit.embeddings.patch_embeddings.projection.{weight (E, C, p, p), bias}
-    vit.encoder.layer.{i}.  (vit.layers.{i}.)
-        layernorm_before / layernorm_after .{weight,bias}
-        attention.attention.{query,key,value}.{weight (E, E), bias}   (attention.{q,k,v}_proj)
-        attention.output.dense.{weight,bias}                          (attention.o_proj)
-        intermediate.dense.{weight (M, E), bias}                      (mlp.fc1)
-        output.dense.{weight (E, M), bias}                            (mlp.fc2)
-    vit.layernorm.{weight,bias}            classifier.{weight (K, E), bias}
-
-A `ViTModel` has no "vit." prefix and no classifier (its pooler is left out). DINOv2
-("dinov2." or none) names norm1 / norm2 for layernorm_before / after, mlp.fc1 / fc2, adds
-layer_scale{1,2}.lambda1 (LayerScale), embeddings.register_tokens (with registers) and a
-classifier on the class token and the mean patch token (2E, pool "cls+mean"). config.json
-gives the head count, `hidden_act` ("gelu" exact, "gelu_pytorch_tanh" / "gelu_new" tanh),
-`layer_norm_eps` (1e-12 by default); preprocessor_config.json's image_mean / std the input
-scaling (without it, [-1, 1] for a ViT, ImageNet's for DINOv2). The writer folds a layer
-scale into the output projection and fc2 (exact): ViTForImageClassification has none.
+`read` / `state_dict_tree` map the Hub's key names (transformers 4 and 5, ViT and DINOv2;
+the table: the comment above `GELUS`) into the kit's tree, with the head count, GELU,
+LayerNorm epsilon and input scaling from the JSON files; `write` writes a kit model as
+`ViTForImageClassification` reads it.
 """
 from __future__ import annotations
 
@@ -33,11 +16,33 @@ import re
 import numpy as np
 
 from vit_pure.config import INPUT_SCALINGS, ViTConfig
+from vit_pure.data.cifar10 import CIFAR10_CLASSES
 from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
 from vit_pure.weights.timm import scaling_name
 from vit_pure.weights.tree import Arrays, Found, rows_to_hwio
 
+# Key names as the Hub's checkpoints have them (transformers 4; transformers 5 reads them
+# and writes the names in brackets, which are read too):
+#
+#     vit.embeddings.cls_token (1, 1, E)     vit.embeddings.position_embeddings (1, T, E)
+#     vit.embeddings.patch_embeddings.projection.{weight (E, C, p, p), bias}
+#     vit.encoder.layer.{i}.  (vit.layers.{i}.)
+#         layernorm_before / layernorm_after .{weight,bias}
+#         attention.attention.{query,key,value}.{weight (E, E), bias}   (attention.{q,k,v}_proj)
+#         attention.output.dense.{weight,bias}                          (attention.o_proj)
+#         intermediate.dense.{weight (M, E), bias}                      (mlp.fc1)
+#         output.dense.{weight (E, M), bias}                            (mlp.fc2)
+#     vit.layernorm.{weight,bias}            classifier.{weight (K, E), bias}
+#
+# A `ViTModel` has no "vit." prefix and no classifier (its pooler is left out). DINOv2
+# ("dinov2." or none) names norm1 / norm2 for layernorm_before / after, mlp.fc1 / fc2, adds
+# layer_scale{1,2}.lambda1 (LayerScale), embeddings.register_tokens (with registers) and a
+# classifier on the class token and the mean patch token (2E, pool "cls+mean"). config.json
+# gives the head count, `hidden_act` ("gelu" exact, "gelu_pytorch_tanh" / "gelu_new" tanh),
+# `layer_norm_eps` (1e-12 by default); preprocessor_config.json's image_mean / std the input
+# scaling (without it, [-1, 1] for a ViT, ImageNet's for DINOv2). The writer folds a layer
+# scale into the output projection and fc2 (exact): ViTForImageClassification has none.
 GELUS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
          "gelu_fast": "tanh"}
 # transformers 5's names -> transformers 4's (the Hub's), which the reader takes.
@@ -219,6 +224,9 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
         w[p + "intermediate.dense.bias"] = b["mlp"]["fc1"]["bias"][i]
         w[p + "output.dense.weight"] = (np.asarray(b["mlp"]["fc2"]["kernel"][i]) * g2).T
         w[p + "output.dense.bias"] = np.asarray(b["mlp"]["fc2"]["bias"][i]) * g2
+    # The class names: CIFAR-10's for a 10-class head (what the kit trains), else numbered.
+    names = (CIFAR10_CLASSES if cfg.num_classes == len(CIFAR10_CLASSES)
+             else tuple(f"LABEL_{k}" for k in range(cfg.num_classes)))
     config = {
         "architectures": ["ViTForImageClassification"], "model_type": "vit",
         "hidden_size": E, "num_hidden_layers": L, "num_attention_heads": H,
@@ -228,8 +236,8 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
         "initializer_range": 0.02, "layer_norm_eps": cfg.ln_eps,
         "image_size": cfg.image_size, "patch_size": cfg.patch_size,
         "num_channels": cfg.channels, "qkv_bias": True,
-        "id2label": {str(k): f"LABEL_{k}" for k in range(cfg.num_classes)},
-        "label2id": {f"LABEL_{k}": k for k in range(cfg.num_classes)},
+        "id2label": {str(k): name for k, name in enumerate(names)},
+        "label2id": {name: k for k, name in enumerate(names)},
     }
     mean, std = INPUT_SCALINGS[cfg.inputs]
     preprocessor = {"image_processor_type": "ViTImageProcessor", "do_resize": True,
