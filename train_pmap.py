@@ -19,7 +19,7 @@ if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv) and (
         "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")):
     # The first line, before JAX loads (seconds on a busy CPU). The restart with huge
     # pages (vit_pure/run/hostmem.py) sets that tunable, so it is said once.
-    print(f"{os.path.basename(__file__)}: starting", flush=True)
+    print(f"{os.path.basename(__file__)}: starting: loading JAX", flush=True)
 import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU, quiet.py)
 # isort: on
 import jax

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST, grads_step
+from conftest import FAST, REPO, grads_step
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -377,6 +377,31 @@ def test_measured_bytes_per_device_drop_by_the_sharding_factor(vit_cifar_state, 
             assert full[k] / factor <= measured <= 1.05 * full[k] / factor, (k, device)
             assert f"{measured:,}" in printed
     jax.tree.map(lambda x: x.delete(), placed)
+
+
+def _documented_bytes() -> list[tuple[str, bool, int]]:
+    """docs/parallelism.md's table of vit-cifar's parameter bytes per device: (mesh,
+    fsdp, bytes) of each row."""
+    text = (REPO / "docs" / "parallelism.md").read_text()
+    rows = re.findall(r"^\| (data=[\w=,]+) \| (yes|no) \| ([\d,]+) \|", text, re.MULTILINE)
+    return [(mesh, fsdp == "yes", int(n.replace(",", ""))) for mesh, fsdp, n in rows]
+
+
+def test_the_documented_byte_table_is_exact(vit_cifar_state):
+    """Every row of docs/parallelism.md's bytes-per-device table, to the byte, on every
+    device, and the optimizer state "twice the params plus 8 bytes" (AdamW's two moments,
+    laid out as the params, and its step counts, whole on every device)."""
+    sc, optimizer, state = vit_cifar_state
+    rows = _documented_bytes()
+    assert len(rows) == 6
+    for mesh, fsdp, documented in rows:
+        strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
+        placed = strategy.put_state(state)
+        for device in strategy.mesh.devices.flat:
+            params = layout_lib.bytes_per_device(placed["params"], device)
+            assert params == documented, (mesh, fsdp, device)
+            assert layout_lib.bytes_per_device(placed["opt_state"], device) == 2 * params + 8
+        jax.tree.map(lambda x: x.delete(), placed)
 
 
 # ------------------------------------------------------------------ bad input

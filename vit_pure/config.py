@@ -91,6 +91,9 @@ class ViTConfig:
     registers: int = 0
 
     def __post_init__(self):
+        # A tuple, also when read back from a JSON record (a list there): the config is a
+        # static argument of jitted functions (model.init_params), so it must hash.
+        object.__setattr__(self, "stem", tuple(self.stem))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"{self.name}: image_size {self.image_size} is not divisible by "

@@ -15,6 +15,7 @@ gradient path: `local_grads` and the pipeline's gradients both run through it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -182,7 +183,20 @@ def init_state(key, cfg: ViTConfig, policy: Policy, optimizer, *, ema: bool = Fa
     `params`: start from these (a tree like `init_params(key, cfg)`'s, e.g. imported
     weights, vit_pure/weights/) instead of a fresh initialisation."""
     if params is None:
-        params = init_params(key, cfg)
+        return _fresh_state(key, cfg, policy, optimizer, ema)
+    return _state_around(params, policy, optimizer, ema)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _fresh_state(key, cfg: ViTConfig, policy: Policy, optimizer, ema: bool) -> dict:
+    return _state_around(init_params(key, cfg), policy, optimizer, ema)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _state_around(params, policy: Policy, optimizer, ema: bool) -> dict:
+    """`init_state` around given params, as one program (with the draw, `_fresh_state`):
+    the optimizer's zeros, the casts and the EMA's copy compile together, not each
+    shape's on its own."""
     params = policy.cast_to_param(params)
     state = {
         "params": params,
