@@ -129,15 +129,15 @@ def test_plan_config_is_the_plan_flags():
 
 
 def test_loop_helpers_take_a_slice():
-    """In run/loop.py only `run` and `_run` (the loop itself, which hands the rest to
-    resume, accumulation and evaluation) take the whole RunConfig; every helper is
-    given the slice it needs."""
+    """In run/loop.py only `run`, `_run` and its setup (`_set_up`, `_build_strategy`: they
+    hand the rest to resume and accumulation) take the whole RunConfig; every other helper
+    is given the slice it needs."""
     tree = ast.parse((ROOT / "vit_pure/run/loop.py").read_text())
     whole = sorted(node.name for node in ast.walk(tree)
                    if isinstance(node, ast.FunctionDef)
                    and any(isinstance(a.annotation, ast.Name) and a.annotation.id == "RunConfig"
                            for a in node.args.args))
-    assert whole == ["_run", "run"]
+    assert whole == ["_build_strategy", "_run", "_set_up", "run"]
 
 
 # Each execution knob's flag, and the words its --help uses for the default on a CPU.
