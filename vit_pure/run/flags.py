@@ -8,7 +8,9 @@ from typing import Any
 
 from vit_pure.config import (
     ATTENTION_IMPLS,
+    BIASES,
     DROPOUT_MASKS,
+    FC1_OUTPUTS,
     LAST_BLOCKS,
     POOLS,
     PRESETS,
@@ -178,6 +180,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(class-token), or for every token (all); same results, fewer FLOPs "
                         "(docs/performance.md). Pipelines and other pools compute every row "
                         f"(default: {EXECUTION.last_block})")
+    g.add_argument("--biases", default=None, choices=list(BIASES),
+                   help="fc1's and the q, k, v projection's biases: inside the product, a column "
+                        "of ones on the input (ones-column), or added after it, where cuBLASLt's "
+                        "bias epilogue takes them (epilogue); same results "
+                        f"(docs/performance.md) (default: {EXECUTION.biases})")
+    g.add_argument("--fc1-output", default=None, choices=list(FC1_OUTPUTS),
+                   help="what fc1's product returns before its bias and GELU: the policy's "
+                        "matmul dtype (matmul), or float32 with the bias and GELU in float32 "
+                        "(float32); same function, another rounding point (docs/performance.md) "
+                        f"(default: {EXECUTION.fc1_output})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
