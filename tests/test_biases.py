@@ -1,12 +1,18 @@
 """The code forms of fc1's and the q, k, v projection's biases and of fc1's product
 (`Execution.biases`, `Execution.fc1_output`) compute the shipped step's function: the
 same loss and gradients in float32, under every attention path that runs on a CPU."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from conftest import FAST, grads_step
 
-from vit_pure import PRESETS, Policy, apply, init_params
+import train_shardmap as ts
+from vit_pure import PRESETS, Policy, apply, init_params, step
 from vit_pure.config import Execution
+from vit_pure.policy import LossScale
 
 TINY = PRESETS["tiny"]
 
@@ -35,19 +41,32 @@ def _assert_close(reference, candidate, rel):
         assert float(jnp.abs(a - b).max()) <= rel * scale, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("attention, last_block", [("einsum", "class-token"), ("xla", "all"),
-                                                   ("xla", "class-token")])
-@pytest.mark.parametrize("form", [{"biases": "epilogue"}, {"fc1_output": "float32"},
-                                  {"biases": "epilogue", "fc1_output": "float32"}])
-def test_bias_and_fc1_forms_give_the_same_loss_and_gradients(attention, last_block, form):
+_FORMS = {  # (attention, last block, Execution fields); the rest of the grid is `slow`
+    "epilogue, einsum": ("einsum", "class-token", {"biases": "epilogue"}),
+    "epilogue, xla, every row": ("xla", "all", {"biases": "epilogue"}),
+    "fc1 float32, xla": ("xla", "class-token", {"fc1_output": "float32"}),
+    "fc1-epilogue, xla": ("xla", "class-token", {"biases": "fc1-epilogue"}),
+    "epilogue, xla": ("xla", "class-token", {"biases": "epilogue"}),
+    "fc1 float32, einsum, every row": ("einsum", "all", {"fc1_output": "float32"}),
+    "both, einsum": ("einsum", "class-token", {"biases": "epilogue", "fc1_output": "float32"}),
+}
+_FAST = ("epilogue, einsum", "epilogue, xla, every row", "fc1 float32, xla")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=() if case in _FAST else (pytest.mark.slow,)) for case in _FORMS])
+def test_bias_and_fc1_forms_give_the_same_loss_and_gradients(case):
     """float32, dropout and stochastic depth on: loss and every gradient (the biases'
     included) within 1e-5 of the largest element of each, against the default forms."""
+    attention, last_block, form = _FORMS[case]
     cfg = TINY.replace(dropout=0.1, drop_path=0.1)
     base = Execution(attention=attention, last_block=last_block)
     _assert_close(_loss_and_grads(cfg, base), _loss_and_grads(cfg, base.replace(**form)), 1e-5)
 
 
-@pytest.mark.parametrize("form", [{"biases": "epilogue"}, {"fc1_output": "float32"}])
+@pytest.mark.parametrize("form", [
+    {"biases": "epilogue"},
+    pytest.param({"fc1_output": "float32"}, marks=pytest.mark.slow)])
 def test_bias_and_fc1_forms_under_bf16_and_remat_gelu(form):
     """bf16 compute and matmul outputs, the GELU output recomputed (remat "gelu"), exact
     GELU: the same loss and gradients within bf16 rounding."""
@@ -63,3 +82,26 @@ def test_unknown_forms_are_refused():
         Execution(biases="inside")
     with pytest.raises(ValueError, match="fc1_output must be one of"):
         Execution(fc1_output="bf16")
+
+
+def test_epilogue_biases_under_tensor_parallelism_equal_one_device():
+    """shard_map over data=2, model=4 (heads, MLP units and their biases split; FSDP):
+    the "epilogue" forms' gradients and loss equal the default forms' on one device."""
+    cfg = PRESETS["tiny"].replace(name="tp-biases", width=40, heads=8, mlp_dim=56, depth=2)
+    optimizer = optax.sgd(0.1)
+    default = step.StepConfig(cfg, Policy(), execution=Execution(scan=True))
+    sc = dataclasses.replace(default, execution=default.execution.replace(biases="epilogue"))
+    state = jax.device_get(step.init_state(jax.random.key(0), cfg, sc.policy, optimizer))
+    images = jax.random.normal(jax.random.key(1), (8, cfg.image_size, cfg.image_size, 3))
+    labels, ids, key = jnp.arange(8) % cfg.num_classes, jnp.arange(8), jax.random.key(2)
+    ref, ref_metrics = jax.jit(lambda p: step.local_grads(
+        default, p, LossScale.create(dynamic=False), images, labels, ids, key))(state["params"])
+
+    strategy = ts.ShardMapStrategy(sc, optimizer, "data=2,model=4", fsdp=True)
+    args = (strategy.put_state(state), *strategy.put_batch(images, labels, ids),
+            strategy.put_replicated(key))
+    grads, metrics = grads_step(strategy).lower(*args).compile(FAST)(*args)
+    grads = jax.device_get(grads)
+    assert strategy.metrics_to_host(metrics)["loss"] == pytest.approx(
+        float(ref_metrics["loss"]), rel=1e-6)
+    _assert_close((0.0, ref), (0.0, grads), 1e-5)

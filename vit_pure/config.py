@@ -26,7 +26,7 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 LAST_BLOCKS = ("all", "class-token")
-BIASES = ("ones-column", "epilogue")
+BIASES = ("ones-column", "fc1-epilogue", "epilogue")
 FC1_OUTPUTS = ("matmul", "float32")
 REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
@@ -218,10 +218,12 @@ class Execution:
     biases         how the biases of fc1 and of the q, k, v projection ride with their
                    matmuls (vit_pure/layers/linear.py): "ones-column", inside the product
                    (the input gets a column of ones, the weight the bias as a row: the
-                   weight gradient's product makes the bias gradient), or "epilogue",
-                   added after the product (what cuBLASLt's bias epilogues take; the
-                   GEMMs keep K = E; fc1's bias gradient summed where the GELU's
-                   derivative is made, layers/mlp.py). The same results to rounding.
+                   weight gradient's product makes the bias gradient); "epilogue", added
+                   after the product (what cuBLASLt's bias epilogues take; the GEMMs keep
+                   K = E; fc1's bias gradient summed where the GELU's derivative is made,
+                   layers/mlp.py; q's, k's and v's by sums of their own);
+                   "fc1-epilogue", fc1's so and q's, k's and v's inside. The same results
+                   to rounding.
     fc1_output     the dtype fc1's product returns before its bias and GELU: "matmul"
                    (the policy's matmul dtype) or "float32" (the bias and the GELU then in
                    float32, the result cast to the compute dtype; layers/mlp.py): the
@@ -245,6 +247,12 @@ class Execution:
         _one_of("last_block", self.last_block, LAST_BLOCKS)
         _one_of("biases", self.biases, BIASES)
         _one_of("fc1_output", self.fc1_output, FC1_OUTPUTS)
+
+    @property
+    def qkv_biases(self) -> str:
+        """How the q, k, v projection's bias rides: "epilogue" or "ones-column" (the
+        latter under "fc1-epilogue" too), the value `layers.linear.biased` takes."""
+        return "epilogue" if self.biases == "epilogue" else "ones-column"
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)

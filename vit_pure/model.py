@@ -303,7 +303,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
 
     h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
     if class_token_only:  # the class token's rows from here on: (B, E)
-        y = class_token_attention(h, p["attn"], cfg, policy, execution.biases)
+        y = class_token_attention(h, p["attn"], cfg, policy, execution.qkv_biases)
         x = x.reshape(-1, cfg.seq_len, x.shape[-1])[:, 0]
     else:
         y = self_attention(h, p["attn"], cfg, policy, execution)

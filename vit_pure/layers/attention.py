@@ -35,17 +35,18 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     result (B*T, E) in the matmul dtype, before its bias. With tensor parallelism a holds
     Hl of the H heads and the result is this device's partial sum over them."""
     implementation = execution.attention
+    biases = execution.qkv_biases
     E, T = h.shape[-1], cfg.seq_len
     if implementation != "einsum" and cfg.lsa:
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {implementation!r}")
     if implementation == "einsum":  # (B, T, Hl*D)
         w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
-        qkv = biased(h, w_qkv, b_qkv, policy, execution.biases)  # (B*T, 3*Hl*D), matmul dtype
+        qkv = biased(h, w_qkv, b_qkv, policy, biases)  # (B*T, 3*Hl*D), matmul dtype
         qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
         ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
     else:  # (B, Tp, Hl*D)
-        q, k, v = padded_projections(h, a["qkv"], cfg, policy, execution.biases)
+        q, k, v = padded_projections(h, a["qkv"], cfg, policy, biases)
         ctx = attend_padded(q, k, v, T, policy, implementation)
     B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)

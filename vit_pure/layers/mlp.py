@@ -41,7 +41,7 @@ def mlp(h, m, policy: Policy, execution: Execution, gelu: str = "tanh"):
     if execution.fc1_output == "float32":  # fc1's product, bias and GELU in float32
         fc1 = dataclasses.replace(policy, matmul_dtype=jnp.dtype(F32))
     w1, b1 = m["fc1"]["kernel"], m["fc1"]["bias"]
-    if execution.biases == "ones-column":
+    if execution.biases == "ones-column":  # else "fc1-epilogue" or "epilogue"
         x, bias = dense(h, w1, b1, fc1), None  # (rows, Ml), the bias inside the product
     else:
         x = save_dot(matmul(h, w1, fc1))  # (rows, Ml), the bias added by `_gelu`
@@ -79,7 +79,7 @@ def _gelu(x, bias, dtype, exact=False, keep=None):
     under `Execution.fc1_output` "float32" the matmul dtype the product would have
     returned, so that the kept array stays its size), and evaluates the derivative's
     formula in float32, returning x's gradient in x's dtype and the bias's summed over
-    the rows in float32 from the same values, so that one kernel makes both."""
+    the rows in float32 from it."""
     return _gelu_fwd(x, bias, dtype, exact, keep)[0]
 
 
@@ -97,8 +97,14 @@ def _gelu_bwd(dtype, exact, keep, residuals, dz):
     dpre = dz.astype(F32) * slope
     if bias is None:
         return dpre.astype(x.dtype), None
+    # The bias's gradient summed (in float32) from x's gradient as returned, rounded to
+    # x's dtype, as the ones column's weight-gradient product sums it. The barrier: the
+    # sum reads x's gradient as written; else XLA:GPU writes the float32 product out for a
+    # kernel that makes both the sum and the rounded gradient (a float32 (rows, M) array
+    # written and read: docs/performance.md, "The GEMMs in their fast shapes").
+    dx = jax.lax.optimization_barrier(dpre.astype(x.dtype))
     rows = tuple(range(dpre.ndim - 1))
-    return dpre.astype(x.dtype), jnp.sum(dpre, axis=rows).astype(bias.dtype)
+    return dx, jnp.sum(dx.astype(F32), axis=rows).astype(bias.dtype)
 
 
 _gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -183,7 +183,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--biases", default=None, choices=list(BIASES),
                    help="fc1's and the q, k, v projection's biases: inside the product, a column "
                         "of ones on the input (ones-column), or added after it, where cuBLASLt's "
-                        "bias epilogue takes them (epilogue); same results "
+                        "bias epilogue takes them (epilogue), or fc1's after and q, k, v's inside "
+                        "(fc1-epilogue); same results "
                         f"(docs/performance.md) (default: {EXECUTION.biases})")
     g.add_argument("--fc1-output", default=None, choices=list(FC1_OUTPUTS),
                    help="what fc1's product returns before its bias and GELU: the policy's "
