@@ -1,6 +1,7 @@
-"""The code forms of fc1's and the q, k, v projection's biases and of fc1's product
-(`Execution.biases`, `Execution.fc1_output`) compute the shipped step's function: the
-same loss and gradients in float32, under every attention path that runs on a CPU."""
+"""The code forms of fc1's and the q, k, v projection's biases, of fc1's product and of
+the blocks' LayerNorms (`Execution.biases`, `.fc1_output`, `.layer_norm`) compute the
+shipped step's function: the same loss and gradients in float32, under every attention
+path that runs on a CPU."""
 import dataclasses
 
 import jax
@@ -17,8 +18,8 @@ from vit_pure.policy import LossScale
 TINY = PRESETS["tiny"]
 
 
-def _loss_and_grads(cfg, execution, policy=Policy()):
-    params = init_params(jax.random.key(0), cfg)
+def _loss_and_grads(cfg, execution, policy=Policy(), params=None):
+    params = init_params(jax.random.key(0), cfg) if params is None else params
     images = jax.random.normal(jax.random.key(1), (4, cfg.image_size, cfg.image_size, 3))
     labels = jnp.arange(4) % cfg.num_classes
 
@@ -105,3 +106,23 @@ def test_epilogue_biases_under_tensor_parallelism_equal_one_device():
     assert strategy.metrics_to_host(metrics)["loss"] == pytest.approx(
         float(ref_metrics["loss"]), rel=1e-6)
     _assert_close((0.0, ref), (0.0, grads), 1e-5)
+
+
+@pytest.mark.parametrize("attention, last_block", [
+    ("xla", "class-token"), pytest.param("einsum", "all", marks=pytest.mark.slow)])
+def test_layer_norm_folded_into_the_matmuls_gives_the_same_loss_and_gradients(attention,
+                                                                              last_block):
+    """Execution.layer_norm "fold": the LayerNorms' scale and bias folded into q, k, v's
+    and fc1's weights, float32: the same loss and every gradient (the LayerNorms' scale
+    and bias included), non-trivial scale and bias (a trained LayerNorm's are not 1, 0)."""
+    cfg = TINY.replace(dropout=0.1, drop_path=0.1)
+    base = Execution(attention=attention, last_block=last_block)
+    params = init_params(jax.random.key(0), cfg)
+    for ln in ("ln1", "ln2"):  # a trained LayerNorm's scale and bias
+        key = jax.random.key(7 + (ln == "ln2"))
+        shape = params["blocks"][ln]["scale"].shape
+        params["blocks"][ln] = {"scale": 1 + 0.3 * jax.random.normal(key, shape),
+                                "bias": 0.2 * jax.random.normal(jax.random.fold_in(key, 1),
+                                                                shape)}
+    _assert_close(_loss_and_grads(cfg, base, params=params),
+                  _loss_and_grads(cfg, base.replace(layer_norm="fold"), params=params), 1e-5)

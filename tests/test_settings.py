@@ -144,7 +144,8 @@ _EXECUTION_FLAGS = {"scan": ("--scan", "{}"), "remat": ("--remat", "default: {}"
                     "dropout_masks": ("--dropout-masks", "{} on CPU"),
                     "last_block": ("--last-block", "default: {}"),
                     "biases": ("--biases", "default: {}"),
-                    "fc1_output": ("--fc1-output", "default: {}")}
+                    "fc1_output": ("--fc1-output", "default: {}"),
+                    "layer_norm": ("--layer-norm", "default: {}")}
 
 
 def _help_of(parser, flag: str) -> str:

@@ -12,6 +12,7 @@ from vit_pure.config import (
     DROPOUT_MASKS,
     FC1_OUTPUTS,
     LAST_BLOCKS,
+    LAYER_NORMS,
     POOLS,
     PRESETS,
     REMAT_SAVE_NAMES,
@@ -191,6 +192,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "matmul dtype (matmul), or float32 with the bias and GELU in float32 "
                         "(float32); same function, another rounding point (docs/performance.md) "
                         f"(default: {EXECUTION.fc1_output})")
+    g.add_argument("--layer-norm", default=None, choices=list(LAYER_NORMS),
+                   help="the blocks' LayerNorms: apply their scale and bias (apply), or fold them "
+                        "into the weights of the matmuls that read them (fold: their gradients "
+                        "from those matmuls'); same function, other rounding "
+                        f"(docs/performance.md) (default: {EXECUTION.layer_norm})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
