@@ -246,7 +246,7 @@ class Execution:
     last_block: str = "class-token"
     biases: str = "ones-column"
     fc1_output: str = "matmul"
-    layer_norm: str = "apply"
+    layer_norm: str = "fold"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
