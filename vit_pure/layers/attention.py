@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
-from vit_pure.layers.linear import biased, dense_with_ones, with_ones
+from vit_pure.layers.linear import biased, dense_with_ones, fan_out, with_ones
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
 
@@ -142,14 +142,14 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy, biases: str = "on
     hp = jnp.pad(h.reshape(B, T, E), ((0, 0), (0, Tp - T), (0, 0))).reshape(B * Tp, E)
     w = qkv["kernel"].reshape(E, 3, -1)
     b = qkv["bias"].reshape(3, -1)
-    if biases == "ones-column":
-        hp = with_ones(hp)  # one copy for the three products (and their backward)
     out = []
-    for i in range(3):
+    # Each product's data gradient accumulated into the next by the GEMMs (`fan_out`); the
+    # three ones-column copies of hp are one array (XLA merges the identical copies).
+    for i, hi in enumerate(fan_out(hp, 3)):
         if biases == "ones-column":
-            y = dense_with_ones(hp, w[:, i], b[i], policy)  # (B*Tp, Hl*D)
+            y = dense_with_ones(with_ones(hi), w[:, i], b[i], policy)  # (B*Tp, Hl*D)
         else:
-            y = biased(hp, w[:, i], b[i], policy, biases)
+            y = biased(hi, w[:, i], b[i], policy, biases)
         out.append(y.reshape(B, Tp, -1, cfg.head_dim).astype(policy.compute_dtype))
     return tuple(out)
 

@@ -73,6 +73,30 @@ def dense(x, w, b, policy: Policy):
     return dense_with_ones(with_ones(x), w, b, policy)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(x, n: int):
+    """x, n times, for n matmuls that read it: the cotangents are summed as a chain, each
+    added to the next one's product (ct[n-1] + (... + (ct[1] + ct[0]))), the form in
+    which XLA:GPU's GEMM rewriter accumulates each data-gradient product into the next
+    (cuBLAS beta = 1) instead of writing n products for a kernel that adds them up
+    (autodiff's own sum, behind the ones column's concatenation, is not seen so)."""
+    return (x,) * n
+
+
+def _fan_out_fwd(x, n):
+    return fan_out(x, n), None
+
+
+def _fan_out_bwd(n, _, cts):
+    total = cts[0]
+    for ct in cts[1:]:
+        total = ct + total
+    return (total,)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
 def biased(x, w, b, policy: Policy, biases: str):
     """x @ w + b for x (rows, K) and w (K, N) in the matmul dtype, the bias as
     `Execution.biases` says: "ones-column", inside the product (`dense`: K + ONES_WIDTH
