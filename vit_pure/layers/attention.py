@@ -61,18 +61,20 @@ def class_token_attention(h, a, cfg: ViTConfig, policy: Policy, biases: str = "o
     matmul dtype, before its bias (with tensor parallelism a partial sum over Hl heads).
 
     Keys and values come from every row (with `biases` "ones-column", one ones-column
-    copy of h for both, `with_ones`; else each bias after its product: `linear.biased`),
+    copy of h for both, `with_ones`; else each bias after its product: `linear.biased`;
+    their data gradients summed by the GEMMs, `linear.fan_out`),
     the query from the first row alone; the two products are einsums with one query row
     (scores (B, Hl, T), no padding and no fused kernel: a (1, T) score matrix per head).
     With locality self-attention the class token's score for itself (key 0) is masked."""
     E, T, D = h.shape[-1], cfg.seq_len, cfg.head_dim
     B, cd = h.shape[0] // T, policy.compute_dtype
     w, b = a["qkv"]["kernel"].reshape(E, 3, -1), a["qkv"]["bias"].reshape(3, -1)
+    hk, hv = fan_out(h, 2)  # their data gradients accumulated by the GEMMs
     if biases == "ones-column":
-        hk = with_ones(h)
-        k, v = (dense_with_ones(hk, w[:, i], b[i], policy) for i in (1, 2))
+        k, v = (dense_with_ones(with_ones(hi), w[:, i], b[i], policy)
+                for i, hi in ((1, hk), (2, hv)))
     else:
-        k, v = (biased(h, w[:, i], b[i], policy, biases) for i in (1, 2))
+        k, v = (biased(hi, w[:, i], b[i], policy, biases) for i, hi in ((1, hk), (2, hv)))
     k, v = (y.reshape(B, T, -1, D).astype(cd) for y in (k, v))  # (B, T, Hl, D) each
     q = biased(h.reshape(B, T, E)[:, 0], w[:, 0], b[0], policy, biases)
     q = q.reshape(B, -1, D).astype(cd)
