@@ -362,31 +362,41 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
     if one_warp:  # geometric ops leave the image alone in the switch; the warp does them
         branches = [identity if g else b for b, g in zip(branches, geometric)]
 
-    def warp(index, image, op_key):
-        """The drawn op's warp, or the identity if it is not geometric (then unused)."""
-        affines = [_AFFINE[op](image.shape, m, op_key) if g else (IDENTITY_MATRIX, (0.0, 0.0))
-                   for op, g in zip(ops, geometric)]
-        matrix = jnp.stack([jnp.asarray(a, jnp.float32) for a, _ in affines])[index]
-        offset = jnp.stack([jnp.asarray(o, jnp.float32) for _, o in affines])[index]
-        return affine_warp(image, matrix, offset)
-
     def one_image(image, example_id):
         example_key = jax.random.fold_in(key, example_id)
         for slot in range(num_ops):  # a loop over op slots, not over images
-            choice_key, op_key = jax.random.split(jax.random.fold_in(example_key, slot))
-            index = jax.random.randint(choice_key, (), 0, len(ops))
-            # Under vmap this switch becomes "evaluate all branches, select one".
-            # JAX 0.10.2 pitfall: inside shard_map (check_vma=True), a vmapped switch fails
-            # ("pvary is a invariant->variant collective") if a branch uses a constant array
-            # such as jnp.asarray([0.299, 0.587, 0.114]); the ops here use scalars only.
-            switched = lax.switch(index, branches, image, op_key)
-            if one_warp:
-                is_geometric = jnp.asarray(geometric)[index]
-                switched = jnp.where(is_geometric, warp(index, image, op_key), switched)
-            image = switched
+            slot_key = jax.random.fold_in(example_key, slot)
+            image = _one_slot(image, slot_key, ops, branches, m, one_warp)
         return image
 
     return jax.vmap(one_image)(images, jnp.asarray(example_ids, jnp.int32))
+
+
+def _one_slot(image, slot_key, ops, branches, m, one_warp):
+    """One op slot of one image: an op drawn uniformly from `ops` and applied by
+    `branches` (one per op, at magnitude m). With `one_warp` the geometric branches are
+    the identity, and the drawn op's warp, if geometric, replaces the switch's result."""
+    choice_key, op_key = jax.random.split(slot_key)
+    index = jax.random.randint(choice_key, (), 0, len(ops))
+    # Under vmap this switch becomes "evaluate all branches, select one".
+    # JAX 0.10.2 pitfall: inside shard_map (check_vma=True), a vmapped switch fails
+    # ("pvary is a invariant->variant collective") if a branch uses a constant array
+    # such as jnp.asarray([0.299, 0.587, 0.114]); the ops here use scalars only.
+    switched = lax.switch(index, branches, image, op_key)
+    if one_warp:
+        is_geometric = jnp.asarray([op in _AFFINE for op in ops])[index]
+        switched = jnp.where(is_geometric, _drawn_warp(index, image, op_key, ops, m), switched)
+    return switched
+
+
+def _drawn_warp(index, image, op_key, ops, m):
+    """The warp of op `index` of `ops` at magnitude m, or the identity if it is not
+    geometric (then unused)."""
+    affines = [_AFFINE[op](image.shape, m, op_key) if op in _AFFINE
+               else (IDENTITY_MATRIX, (0.0, 0.0)) for op in ops]
+    matrix = jnp.stack([jnp.asarray(a, jnp.float32) for a, _ in affines])[index]
+    offset = jnp.stack([jnp.asarray(o, jnp.float32) for _, o in affines])[index]
+    return affine_warp(image, matrix, offset)
 
 
 __all__ = [

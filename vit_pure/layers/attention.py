@@ -1,13 +1,14 @@
 """Self-attention of an encoder block, one call (`self_attention`): the q, k, v
 projection, attention over this device's heads, and the output projection.
 
-Three implementations compute the same function of the same parameters
-(tests/test_attention.py), picked by `Execution.attention`: "einsum", the reference
-(`attention_einsum`, two products on (B, H, T, D)); "xla" and "cudnn" (`attend_padded`,
-`jax.nn.dot_product_attention` on (B, Tp, H, D) with the tokens padded to a multiple of 8
-and the padded keys masked; q, k, v come already in that layout: `padded_projections`).
-With pool "cls" the last block may compute the class token's row alone
-(`class_token_attention`, Execution.last_block "class-token").
+Four implementations compute the same function of the same parameters
+(tests/test_attention.py, tests/test_attention_pallas.py), picked by `Execution.attention`:
+"einsum", the reference (`attention_einsum`, two products on (B, H, T, D)); "xla" and
+"cudnn" (`attend_padded`, `jax.nn.dot_product_attention` on (B, Tp, H, D) with the tokens
+padded to a multiple of 8 and the padded keys masked: `padded_projections`); "pallas"
+(opt-in: layers/attention_pallas.py, a Mosaic GPU kernel for short sequences;
+"pallas-interpret" runs it in JAX's interpreter on a CPU). With pool "cls" the last block
+may compute the class token's row alone (`class_token_attention`).
 
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
+from vit_pure.layers.attention_pallas import attention_pallas
 from vit_pure.layers.linear import biased, dense_with_ones, fan_out, with_ones
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
@@ -40,11 +42,15 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     if implementation != "einsum" and cfg.lsa:
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {implementation!r}")
-    if implementation == "einsum":  # (B, T, Hl*D)
+    if implementation in ("einsum", "pallas", "pallas-interpret"):  # (B, T, Hl*D)
         w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
         qkv = biased(h, w_qkv, b_qkv, policy, biases)  # (B*T, 3*Hl*D), matmul dtype
         qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
-        ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+        if implementation == "einsum":
+            ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+        else:  # the kernel reads this unpadded token-major buffer as it is
+            ctx = attention_pallas(qkv, cfg.head_dim,
+                                   interpret=implementation == "pallas-interpret")
     else:  # (B, Tp, Hl*D)
         q, k, v = padded_projections(h, a["qkv"], cfg, policy, biases)
         ctx = attend_padded(q, k, v, T, policy, implementation)

@@ -140,32 +140,13 @@ def build_plan(lowered, compiled, strategy, global_batch: int, hw: ic.Hardware, 
     if gpu:  # XLA:GPU's own calls, each its own message
         calls, corrections = {id(c): c.count for c in found}, []
     else:
-        asked = lowered_collectives(lowered.as_text(debug_info=True))
-        corrections = correct_dtypes(found, asked)
-        calls = model_calls(module, found)
-        merged, merged_lines = correct_counts(found, asked)
-        found += merged
-        calls |= {id(c): c.count for c in merged}
-        corrections += merged_lines
-    notes = ([f"compiled for {compiled_for}"] if compiled_for else []) + list(notes)
-    if module.unknown_trips:
-        notes.append(f"{module.unknown_trips} while loop(s) without a known trip count: "
-                     "their collectives are counted once")
+        calls, corrections = _as_xla_gpu_would(module, lowered, found)
+    notes = _program_notes(module, notes, compiled_for)
     program_flops, gpu_program = dot_flops(module), None
     if gpu:  # cuBLAS calls carry their GEMMs (no dot op left in the program)
-        found_kernels = kernels.kernels(module)
-        gpu_program = kernels.traffic(found_kernels, targets.memory_bandwidth(hw.name),
-                                      hw.peak_flops,
-                                      kernels.RATES.get(hw.name, kernels.H100_RATES))
-        # The same program priced on each described GPU (what it would take on an H200).
-        gpu_program["predicted_s_on"] = {
-            name: kernels.predicted_s(found_kernels, targets.memory_bandwidth(name),
-                                      ic.HARDWARE[name].peak_flops, rates)
-            for name, rates in kernels.RATES.items()}
+        gpu_program = _gpu_program(module, hw)
         program_flops += gpu_program["flops"]
-    m = compiled.memory_analysis()
-    memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-              "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
+    memory = _memory(compiled)
     return Plan(
         script=script, devices=devices, mesh=mesh, hardware=hw, efficiency=efficiency,
         global_batch=global_batch, per_device_batch=global_batch // mesh.get("data", 1),
@@ -174,6 +155,49 @@ def build_plan(lowered, compiled, strategy, global_batch: int, hw: ic.Hardware, 
         model_flops=model_flops_per_device(strategy.sc, global_batch, devices), memory=memory,
         compile_s=compile_s, notes=notes, compiled=compiled, platform="gpu" if gpu else "cpu",
         gpu_program=gpu_program, algorithm=algorithm, pipeline=pipeline_summary(strategy))
+
+
+def _as_xla_gpu_would(module, lowered, found: list) -> tuple[dict[int, int], list[str]]:
+    """(calls per collective, the corrections made) of XLA:CPU's program as XLA:GPU would
+    run it: dtypes as JAX asked for them (the lowered StableHLO), XLA:GPU's combining
+    modelled, and the collectives XLA:CPU merged that the target keeps appended to `found`."""
+    asked = lowered_collectives(lowered.as_text(debug_info=True))
+    corrections = correct_dtypes(found, asked)
+    calls = model_calls(module, found)
+    merged, merged_lines = correct_counts(found, asked)
+    found += merged
+    calls |= {id(c): c.count for c in merged}
+    return calls, corrections + merged_lines
+
+
+def _program_notes(module, notes: tuple[str, ...], compiled_for: str) -> list[str]:
+    """The caller's notes, after what the program was compiled for, and a warning for
+    while loops whose collectives are counted once (no known trip count)."""
+    out = ([f"compiled for {compiled_for}"] if compiled_for else []) + list(notes)
+    if module.unknown_trips:
+        out.append(f"{module.unknown_trips} while loop(s) without a known trip count: "
+                   "their collectives are counted once")
+    return out
+
+
+def _gpu_program(module, hw: ic.Hardware) -> dict:
+    """XLA:GPU's kernels and their HBM traffic on `hw`, and the same program priced on
+    each described GPU (what it would take on an H200)."""
+    found_kernels = kernels.kernels(module)
+    program = kernels.traffic(found_kernels, targets.memory_bandwidth(hw.name), hw.peak_flops,
+                              kernels.RATES.get(hw.name, kernels.H100_RATES))
+    program["predicted_s_on"] = {
+        name: kernels.predicted_s(found_kernels, targets.memory_bandwidth(name),
+                                  ic.HARDWARE[name].peak_flops, rates)
+        for name, rates in kernels.RATES.items()}
+    return program
+
+
+def _memory(compiled) -> dict[str, int]:
+    """XLA's memory analysis of the compiled step, in bytes per device."""
+    m = compiled.memory_analysis()
+    return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+            "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
 
 
 def pipeline_summary(strategy) -> dict | None:

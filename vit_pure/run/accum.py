@@ -231,6 +231,11 @@ def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optim
     strategy.check_batch(rc.data.eval_batch, "--eval-batch")
     if requested != "auto":
         return strategy, strategy.sc
+    if sc.trainable == "head" and strategy.features_step is not None:
+        # The probe (run/probe.py) never runs the training step: nothing to measure.
+        log("--accum-steps auto: K=1; --trainable head trains the head on cached features "
+            "and never runs the full training step, so its memory is not measured")
+        return strategy, strategy.sc
 
     per_device = rc.schedule.batch // strategy.batch_divisor
     budget = resolve_budget(rc.schedule.memory_budget, budget)

@@ -219,6 +219,10 @@ def check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfi
     if cfg.lsa and attention != "einsum":
         raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
                          f"--attention einsum only, not {attention}")
+    if attention == "pallas" and platform != "gpu":
+        raise UsageError(f"--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU; "
+                         f"this run is on {platform}: use --attention pallas-interpret to run "
+                         f"it interpreted (slow), or einsum")
     if attention != "cudnn":
         return
     if platform != "gpu":

@@ -191,6 +191,14 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[pathlib.Path]:
     return [path for _, path in sorted(found)]
 
 
+def step_of(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory, from its name (``step_00001200`` -> 1200)."""
+    match = _STEP_DIR.fullmatch(pathlib.Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path}: not a checkpoint directory (step_NNNNNNNN)")
+    return int(match[1])
+
+
 def latest(
     ckpt_dir: str | os.PathLike, *, log: Callable[[str], Any] = print
 ) -> pathlib.Path | None:

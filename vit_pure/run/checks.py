@@ -117,18 +117,31 @@ def check_paths(parser, args) -> None:
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             parser.error(f"{flag} {path}: cannot create or write it ({parent} is not a "
                          f"writable directory)")
-    if args.log_json is not None:
-        parent = os.path.dirname(os.path.abspath(args.log_json))
-        if os.path.isdir(args.log_json):
-            parser.error(f"--log-json {args.log_json}: is a directory, expected a file")
+    for flag, path in (("--log-json", args.log_json),
+                       ("--plan-json", getattr(args, "plan_json", None))):
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            parser.error(f"{flag} {path}: is a directory, expected a file")
         if not os.path.isdir(parent):
-            parser.error(f"--log-json {args.log_json}: directory {parent} does not exist")
+            parser.error(f"{flag} {path}: directory {parent} does not exist")
     if (args.dataset == "cifar10" and os.path.exists(args.data_dir)
             and not os.path.isdir(args.data_dir)):
         parser.error(f"--data-dir {args.data_dir}: exists and is not a directory")
     init_from = getattr(args, "init_from", None)  # a URL is fetched later (vit_pure/weights/)
     if init_from and "://" not in init_from and not os.path.exists(os.path.expanduser(init_from)):
         parser.error(f"--init-from {init_from}: no such file or folder")
+
+
+def check_model_flags(parser, args) -> None:
+    """Flags that only make sense together: an explicit --last-block class-token needs the
+    class-token pool (with another pool it would be ignored). Call after args.cfg holds
+    --pool. (--trainable head without --init-from: settings.pretrained_weights.)"""
+    if args.last_block == "class-token" and args.cfg.pool != "cls":
+        parser.error(f"--last-block class-token: the head of --pool {args.cfg.pool} reads "
+                     f"every token, so every row of the last block is needed (drop the flag "
+                     f"or give --last-block all)")
 
 
 def check_checkpoint_flags(parser, args) -> None:

@@ -20,7 +20,7 @@ import itertools
 import json
 import pathlib
 import signal
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ from vit_pure.model import count_params
 from vit_pure.run import accum, distributed, probe
 from vit_pure.run.evaluate import evaluate_checkpoint, evaluate_split
 from vit_pure.run.monitor import (
+    Heartbeat,
     Logger,
     LossWatch,
     NoBar,
@@ -100,45 +101,16 @@ def run(rc: RunConfig, sc: StepConfig, make_strategy: Callable[..., Strategy], *
 
 def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
          stop: StopRequest, profiler: Profiler, init_params: dict | None = None) -> dict:
-    # One function on purpose: the whole loop reads top to bottom, like
-    # nanoGPT's train.py; what is not the loop itself is in the short helpers below.
-    # ---- Setup: data, the step count, the checkpoint to start from, the strategy, state.
-    data = rc.data
-    splits = data_lib.load_dataset(data.dataset, data.data_dir, log=log, **data.dataset_sizes)
-    train = splits["train"]
-    plan = plan_steps(rc.schedule, rc.logging, len(train))
-    # The schedule depends on total_steps, so a resumed run must have the same total (the
-    # checkpoint's trajectory check sees to it); --stop-after leaves it alone.
-    optimizer, schedule = make_optimizer(rc.schedule.optim, plan.total_steps)
-    # The checkpoint to start from, and whether it belongs to this run: before compiling.
-    ckpts = Checkpoints(rc, sc, train, plan.steps_per_epoch, plan.total_steps, log, is_main)
-    _agree_on_trajectory(ckpts.trajectory)  # several processes: the same run in every one
-    resume_from = ckpts.find_resume_point()
-    # K micro-batches per step (--accum-steps; auto: the smallest K that fits in memory),
-    # after checking that --batch and --eval-batch split over processes and devices.
-    # The step is measured for the images the loop feeds (the dataset's, resized on the
-    # device to the model's input size), so the loop's first step reuses that compile.
-    compiled = compile_seconds()
-    strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
-                                        image_shape=train.images.shape[1:], log=log)
-    # --accum-steps auto compiled the step that runs: the first step's figure counts it.
-    compiled_before = compile_seconds() - compiled if rc.schedule.accum_steps == "auto" else 0.0
-    eval_batch = rc.data.eval_batch
-    host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
-                                    init_params, log)
+    # ---- Setup (the loop reads top to bottom, as nanoGPT's train.py): data, the step
+    # count, the checkpoint to start from, the strategy, the state (`_set_up`).
+    (splits, plan, optimizer, schedule, ckpts, strategy, sc, state, step, losses,
+     probe_metrics, compiled_before) = _set_up(rc, sc, make_strategy, log, is_main, init_params)
     del init_params
-    if is_main:  # describe() may compile and place a whole state: once, and where it is read
-        _log_setup(log, rc.data, sc, strategy, ckpts, plan, host_state, step)
-    state = strategy.put_state(host_state)
-    losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
-                       min_scale=host_state["loss_scale"].min_scale)
-    # --trainable head: the frozen backbone's features once, then the head alone on them
-    # (probe.py); the step loop below then has no step left to run.
-    state, step, probe_metrics = _probe(rc.schedule, rc.data, rc.logging, sc, strategy, host_state,
-                                        state, splits, plan, step, ckpts, log, is_main)
-    del host_state
-    first_step, memory_step = step, None
-    metrics, bar = None, NoBar()
+    train, eval_batch = splits["train"], rc.data.eval_batch
+    first_step, memory_step, metrics, bar = step, None, None, NoBar()
+    # --no-progress: a line at least once a minute between the log points.
+    beat = Heartbeat(None if rc.logging.progress else log, "training", plan.total_steps,
+                     "steps")
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
@@ -171,6 +143,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
         step += 1
         losses.add(step, metrics)
         bar.update(1)
+        beat.update(step)
         if step == first_step + 1:  # the first step, waited for: its time, compile apart
             _log_first_step(log, speed, metrics, step)
             log_memory(log, step)  # after it ran: the peak includes compiling
@@ -189,15 +162,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
         why = _checkpoint_reason(rc.checkpoints, plan, step, end_of_epoch) if ckpts.dir else None
         if why:
             with speed.paused(metrics):  # the logged img/s counts training steps only
-                points.read(ckpts.describe_last())
-                # Never save a state that came from a NaN (the check raises) or a step whose
-                # loss was not finite (fp16: the loss scale skipped it).
-                losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
-                if losses.last_loss_finite:
-                    ckpts.save(strategy, state, step, why, points.last)
-                else:
-                    log(f"checkpoint of step {step} not written: its loss is not finite",
-                        event="checkpoint_skipped", step=step)
+                _save(strategy, state, step, why, ckpts, losses, points, log)
         if (end_of_epoch and rc.logging.eval_every and (epoch + 1) % rc.logging.eval_every == 0
                 and step < plan.total_steps and _stop_reason(stop, rc.schedule, step) is None):
             with speed.paused(metrics):
@@ -207,17 +172,100 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
 
     # ---- The end: the last checks, then stopped early (saved), or the final evaluation.
     del inputs  # the batches placed ahead of a run that stopped early
-    points.read(ckpts.describe_last())
     bar.close()
-    losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
-    profiler.finish(step, state)
-    if step not in (first_step, memory_step):
-        jax.block_until_ready(state)  # the figures of the steps done, not of those queued
-        log_memory(log, step)
+    _last_checks(strategy, state, step, ckpts, losses, points, profiler, log,
+                 memory_logged=step in (first_step, memory_step))
     reason = _stop_reason(stop, rc.schedule, step) if step < plan.total_steps else None
     if reason is not None:
         return _stopped(strategy, state, step, reason, ckpts, log, points.last)
     return _final(rc.logging, strategy, state, splits, eval_batch, log, step, points.last)
+
+
+def _last_checks(strategy: Strategy, state, step: int, ckpts: Checkpoints, losses: LossWatch,
+                 points: LogPoints, profiler: Profiler, log: Logger, memory_logged: bool):
+    """After the last step: its metrics read and checked (a NaN raises), the profile
+    finished, and the memory once the steps done have run (not those still queued)."""
+    points.read(ckpts.describe_last())
+    losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
+    profiler.finish(step, state)
+    if not memory_logged:
+        jax.block_until_ready(state)
+        log_memory(log, step)
+
+class _Start(NamedTuple):
+    """What the loop starts from (`_set_up`)."""
+    splits: dict
+    plan: StepPlan
+    optimizer: Any
+    schedule: Callable
+    ckpts: Checkpoints
+    strategy: Strategy
+    sc: StepConfig
+    state: Any
+    step: int
+    losses: LossWatch
+    probe_metrics: dict | None
+    compiled_before: float
+
+
+def _set_up(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: bool,
+            init_params: dict | None) -> _Start:
+    """The data, the step count, the checkpoint to start from (checked to belong to this
+    run before anything compiles), the strategy, the state on the devices; with
+    --trainable head, the probe trained already (probe.py: the step loop then has no step
+    left to run)."""
+    data = rc.data
+    splits = data_lib.load_dataset(data.dataset, data.data_dir, log=log, **data.dataset_sizes)
+    train = splits["train"]
+    plan = plan_steps(rc.schedule, rc.logging, len(train))
+    # The schedule depends on total_steps, so a resumed run must have the same total (the
+    # checkpoint's trajectory check sees to it); --stop-after leaves it alone.
+    optimizer, schedule = make_optimizer(rc.schedule.optim, plan.total_steps)
+    ckpts = Checkpoints(rc, sc, train, plan.steps_per_epoch, plan.total_steps, log, is_main)
+    _agree_on_trajectory(ckpts.trajectory)  # several processes: the same run in every one
+    resume_from = ckpts.find_resume_point()
+    strategy, sc, compiled_before = _build_strategy(rc, sc, make_strategy, optimizer,
+                                                    train.images.shape[1:], log)
+    host_state, step = _start_state(rc.data, sc, optimizer, ckpts, resume_from,
+                                    init_params, log)
+    if is_main:  # describe() may compile and place a whole state: once, and where it is read
+        _log_setup(log, rc.data, sc, strategy, ckpts, plan, host_state, step)
+    state = strategy.put_state(host_state)
+    losses = LossWatch(strategy, sc.policy.needs_loss_scaling,
+                       min_scale=host_state["loss_scale"].min_scale)
+    state, step, probe_metrics = _probe(rc.schedule, rc.data, rc.logging, sc, strategy, host_state,
+                                        state, splits, plan, step, ckpts, log, is_main)
+    return _Start(splits, plan, optimizer, schedule, ckpts, strategy, sc, state, step, losses,
+                  probe_metrics, compiled_before)
+
+
+def _build_strategy(rc: RunConfig, sc: StepConfig, make_strategy, optimizer, image_shape,
+                    log: Logger):
+    """(strategy, sc with its accumulation steps, seconds of the step's compile already
+    spent). K micro-batches per step (--accum-steps; auto: the smallest K that fits in
+    memory), after checking that --batch and --eval-batch split over processes and devices.
+    The step is measured for the images the loop feeds (the dataset's, resized on the device
+    to the model's input size), so the loop's first step reuses that compile."""
+    compiled = compile_seconds()
+    strategy, sc = accum.build_strategy(rc, sc, make_strategy, optimizer,
+                                        image_shape=image_shape, log=log)
+    # --accum-steps auto compiled the step that runs: the first step's figure counts it.
+    compiled_before = compile_seconds() - compiled if rc.schedule.accum_steps == "auto" else 0.0
+    return strategy, sc, compiled_before
+
+
+def _save(strategy: Strategy, state, step: int, why: str, ckpts: Checkpoints,
+          losses: LossWatch, points: LogPoints, log: Logger) -> None:
+    """A checkpoint of `state` after `step`, unless its loss was not finite. Never a state
+    that came from a NaN (the check raises) or a step whose loss was not finite (fp16: the
+    loss scale skipped it)."""
+    points.read(ckpts.describe_last())
+    losses.check(ckpts.describe_last(), _loss_scale(strategy, state, losses))
+    if losses.last_loss_finite:
+        ckpts.save(strategy, state, step, why, points.last)
+    else:
+        log(f"checkpoint of step {step} not written: its loss is not finite",
+            event="checkpoint_skipped", step=step)
 
 
 # --------------------------------------------------------------------------- the helpers
@@ -404,7 +452,7 @@ def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoin
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
-        if log is not None:  # one small compile per weight shape: seconds on a CPU
+        if log is not None:  # one compile (model.init_params, step.init_state)
             log(f"initialising the {sc.cfg.name} state"
                 + (" around the --init-from weights" if init_params is not None else ""))
         host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
@@ -547,8 +595,10 @@ def _stopped(strategy: Strategy, state, step: int, reason: str, ckpts: Checkpoin
     if ckpts.dir is not None:
         path = (ckpts.last if ckpts.saved_step == step
                 else ckpts.save(strategy, state, step, reason, last))
-        log(f"stopped by {reason} after step {step}; checkpoint {path}; "
-            "run the same command with --resume to continue",
+        again = ("the same command with --resume and without --stop-after (or with a later "
+                 "step)" if reason == "--stop-after" else "the same command with --resume")
+        log(f"stopped by {reason} after step {step}; checkpoint {path}; run {again} to "
+            f"continue",
             event="stopped", step=step, reason=reason, checkpoint=str(path))
     elif reason == "--stop-after":
         log(f"stopped by --stop-after after step {step}; no --ckpt-dir, nothing saved",

@@ -22,7 +22,7 @@ import numpy as np
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.model import classify
 from vit_pure.run import distributed
-from vit_pure.run.monitor import Logger, compiling, progress_bar
+from vit_pure.run.monitor import Heartbeat, Logger, compiling, progress_bar
 from vit_pure.run.strategy import Strategy
 from vit_pure.step import (
     OptimConfig,
@@ -37,16 +37,19 @@ F32 = jnp.float32
 
 
 def extract(strategy: Strategy, state, split: data_lib.Split, batch: int,
-            progress: bool) -> np.ndarray:
+            progress: bool, log: Logger | None = None) -> np.ndarray:
     """The head's inputs of every image of `split` and of its mirror: (N, 2, F) float32,
-    on every process, in the split's order."""
+    on every process, in the split's order. A bar shows the progress; without one (and
+    with `log`), a line at least once a minute."""
     rows = []
     bar = progress_bar(-(-len(split) // batch), "features", progress)
+    beat = Heartbeat(None if progress else log, "features", len(split), "images")
     for images, _, mask in data_lib.eval_batches(split, batch):
         local = distributed.local_rows(images)
         out = strategy.batch_to_host(strategy.features_step(state, *strategy.put_batch(*local)))
         rows.append(out[mask.astype(bool)])  # the padding of the last batch left out
         bar.update(1)
+        beat.update(sum(len(r) for r in rows))
     bar.close()
     return np.concatenate(rows)
 
@@ -141,10 +144,10 @@ def run(strategy: Strategy, host_state: dict, state, splits: dict, *, sc: StepCo
     with compiling(log, f"the features step for {sc.cfg.name}, batch {eval_batch}"):
         strategy.features_step.lower(
             state, *strategy.put_batch(*distributed.local_rows(images))).compile()
-    feats = extract(strategy, state, train, eval_batch, progress)
+    feats = extract(strategy, state, train, eval_batch, progress, log)
     cached_val = None
     if eval_every and len(val):
-        cached_val = (extract(strategy, state, val, eval_batch, progress), val.labels)
+        cached_val = (extract(strategy, state, val, eval_batch, progress, log), val.labels)
     log(f"features of {len(feats)} training images"
         f"{f' and {len(val)} validation images' if cached_val else ''} (each with its "
         f"mirror): {feats.shape[-1]} each, in {time.perf_counter() - started:.0f} s",

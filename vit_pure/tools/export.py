@@ -9,8 +9,8 @@ checkpoint is taken; the model is the one it records, the weights its params in 
 (or with --ema their EMA). Then `ViTForImageClassification.from_pretrained(DIR)`, or with
 timm: `timm.create_model(config["architecture"], pretrained=True, pretrained_cfg_overlay=
 dict(config["pretrained_cfg"], file=DIR + "/model.safetensors"), **config["model_args"])`
-with config = DIR/config.json. Hugging Face's ViT reads the class token: models with
---pool mean or gap export only to timm; a convolutional stem or lsa, not at all.
+with config = DIR/config.json. A --pool cls+mean model (a DINOv2 fine-tune) exports to hf
+as a Dinov2ForImageClassification; --pool mean or gap only to timm; a stem or lsa, not at all.
 """
 from __future__ import annotations
 
