@@ -36,14 +36,18 @@ def test_i_and_w_give_the_gradients_of_one_vjp(policy):
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(blocks)[0]]
     weights = {n for n, w in zip(names, split.weight_mask) if w}
     # The matmul kernels W takes (all four: under remat "gelu" fc2's would sit inside the
-    # GELU's recompute, a jax.checkpoint bound whole, and stay in I), and the biases those
+    # GELU's recompute, a jax.checkpoint bound whole, and stay in I), the biases those
     # matmuls add themselves (q, k, v's and fc1's, a row of the weight-gradient product:
-    # layers.linear.dense); LayerNorm and the other biases stay in I.
+    # layers.linear.dense), and the LayerNorms' scales and biases, folded into those
+    # matmuls' weights (Execution.layer_norm "fold", the default: layers.norm.fold_affine);
+    # the other biases stay in I.
     assert {"['attn']['qkv']['kernel']", "['attn']['out']['kernel']",
             "['mlp']['fc1']['kernel']", "['mlp']['fc2']['kernel']"} <= weights
     assert {n for n in weights if "bias" in n} == {"['attn']['qkv']['bias']",
-                                                   "['mlp']['fc1']['bias']"}
-    assert not any("ln" in n for n in weights)
+                                                   "['mlp']['fc1']['bias']",
+                                                   "['ln1']['bias']", "['ln2']['bias']"}
+    assert {n for n in weights if "ln" in n} == {"['ln1']['bias']", "['ln1']['scale']",
+                                                 "['ln2']['bias']", "['ln2']['scale']"}
 
     @jax.jit  # one compile: faster here than running the interpreter op by op
     def both(blocks, x, offset):

@@ -144,7 +144,10 @@ def test_loop_helpers_take_a_slice():
 _EXECUTION_FLAGS = {"scan": ("--scan", "{}"), "remat": ("--remat", "default: {}"),
                     "attention": ("--attention", "else {}"),
                     "dropout_masks": ("--dropout-masks", "{} on CPU"),
-                    "last_block": ("--last-block", "default: {}")}
+                    "last_block": ("--last-block", "default: {}"),
+                    "biases": ("--biases", "default: {}"),
+                    "fc1_output": ("--fc1-output", "default: {}"),
+                    "layer_norm": ("--layer-norm", "default: {}")}
 
 
 def _help_of(parser, flag: str) -> str:

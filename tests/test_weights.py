@@ -279,12 +279,12 @@ def test_exact_gelu_and_its_gradient():
     @jax.jit  # one program, not one per operation
     def values(x):
         def exact(x):
-            return _gelu(x, jnp.float32, True).sum()
+            return _gelu(x, None, jnp.float32, True).sum()
 
         def ref(x):
             return jax.nn.gelu(x, approximate=False).sum()
-        return (_gelu(x, jnp.float32, True), jax.nn.gelu(x, approximate=False),
-                jax.grad(exact)(x), jax.grad(ref)(x), _gelu(x, jnp.float32, False))
+        return (_gelu(x, None, jnp.float32, True), jax.nn.gelu(x, approximate=False),
+                jax.grad(exact)(x), jax.grad(ref)(x), _gelu(x, None, jnp.float32, False))
 
     gelu, ref, grad, ref_grad, tanh = values(jnp.linspace(-5.0, 5.0, 41))
     np.testing.assert_allclose(gelu, ref, rtol=1e-6, atol=1e-7)

@@ -26,6 +26,9 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "pallas", "pallas-interpret")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 LAST_BLOCKS = ("all", "class-token")
+BIASES = ("ones-column", "fc1-epilogue", "epilogue")
+FC1_OUTPUTS = ("matmul", "float32")
+LAYER_NORMS = ("apply", "fold")
 REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
@@ -171,7 +174,7 @@ def remat_saved_names(remat: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How the model runs: six performance knobs, each a choice between programs that
+    """How the model runs: nine performance knobs, each a choice between programs that
     compute the same function (up to rounding; `dropout_masks` draws other masks from the
     same distribution). The defaults are the one home of each knob's default: the program
     the training scripts run when no flag says otherwise, exactly so on a CPU. On an
@@ -218,6 +221,26 @@ class Execution:
                    for vit-cifar); the same logits, loss and gradients. Pipelines run
                    every row (`pipeline.step_config`). Other pools read every token:
                    "all" regardless (`class_token_rows`).
+    biases         how the biases of fc1 and of the q, k, v projection ride with their
+                   matmuls (vit_pure/layers/linear.py): "ones-column", inside the product
+                   (the input gets a column of ones, the weight the bias as a row: the
+                   weight gradient's product makes the bias gradient); "epilogue", added
+                   after the product (what cuBLASLt's bias epilogues take; the GEMMs keep
+                   K = E; fc1's bias gradient summed where the GELU's derivative is made,
+                   layers/mlp.py; q's, k's and v's by sums of their own);
+                   "fc1-epilogue", fc1's so and q's, k's and v's inside. The same results
+                   to rounding.
+    layer_norm     the blocks' two LayerNorms: "apply" their scale and bias, or "fold"
+                   them into the matmuls that read them (q, k, v; fc1), the LayerNorm
+                   writing the standardised x (layers/norm.py `fold_affine`): the same
+                   function, rounded elsewhere; the scale and bias gradients then come
+                   from those matmuls' weight and bias gradients, not from column sums
+                   over the activation. Under tensor parallelism "apply" regardless.
+    fc1_output     the dtype fc1's product returns before its bias and GELU: "matmul"
+                   (the policy's matmul dtype) or "float32" (the bias and the GELU then in
+                   float32, the result cast to the compute dtype; layers/mlp.py): the
+                   same function, a different rounding point; a code form for XLA's GEMM
+                   epilogue matcher.
     """
 
     scan: bool = False
@@ -226,12 +249,24 @@ class Execution:
     dropout_masks: str = "bernoulli"
     packed_masks: bool = False
     last_block: str = "class-token"
+    biases: str = "ones-column"
+    fc1_output: str = "matmul"
+    layer_norm: str = "fold"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
         _one_of("attention", self.attention, ATTENTION_IMPLS)
         _one_of("dropout_masks", self.dropout_masks, DROPOUT_MASKS)
         _one_of("last_block", self.last_block, LAST_BLOCKS)
+        _one_of("biases", self.biases, BIASES)
+        _one_of("fc1_output", self.fc1_output, FC1_OUTPUTS)
+        _one_of("layer_norm", self.layer_norm, LAYER_NORMS)
+
+    @property
+    def qkv_biases(self) -> str:
+        """How the q, k, v projection's bias rides: "epilogue" or "ones-column" (the
+        latter under "fc1-epilogue" too), the value `layers.linear.biased` takes."""
+        return "epilogue" if self.biases == "epilogue" else "ones-column"
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
@@ -241,7 +276,8 @@ class Execution:
         return (f"--{'scan' if self.scan else 'no-scan'}, --remat {self.remat}, --attention "
                 f"{self.attention}, --dropout-masks {self.dropout_masks} (kept "
                 f"{'packed eight to a byte' if self.packed_masks else 'a byte an element'}), "
-                f"--last-block {self.last_block}")
+                f"--last-block {self.last_block}, --biases {self.biases}, --fc1-output "
+                f"{self.fc1_output}, --layer-norm {self.layer_norm}")
 
 
 def class_token_rows(cfg: ViTConfig, execution: Execution) -> bool:

@@ -30,7 +30,7 @@ from vit_pure.layers.attention import class_token_attention, self_attention
 from vit_pure.layers.dropout import drop_path, dropout, example_keys
 from vit_pure.layers.linear import add_bias, varying_like
 from vit_pure.layers.mlp import mlp
-from vit_pure.layers.norm import layer_norm
+from vit_pure.layers.norm import fold_affine, layer_norm, standardise
 from vit_pure.layers.remat import LN, save_dot, save_policy
 from vit_pure.policy import Policy, matmul
 
@@ -316,18 +316,30 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
             return y
         return (y.astype(F32) * ls["gamma"].astype(F32)).astype(y.dtype)
 
-    h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln1"], cfg.ln_eps), LN), tp_axis)
+    def norm(x, ln, branch, name):
+        """LayerNorm `ln` of x for `branch` (p[branch], whose matmul `name` reads it): with
+        Execution.layer_norm "fold", x standardised and ln's scale and bias folded into
+        that matmul's params instead (`norm.fold_affine`). Not under tensor parallelism:
+        each device's weight slice would give part of the scale's gradient, summed over
+        the group by a collective that Megatron's two operators do not write."""
+        if execution.layer_norm == "apply" or tp_axis is not None:
+            return layer_norm(x, p[ln], cfg.ln_eps), p[branch]
+        w, b = fold_affine(p[ln], p[branch][name]["kernel"], p[branch][name]["bias"])
+        return standardise(x, cfg.ln_eps), {**p[branch], name: {"kernel": w, "bias": b}}
+
+    h, attn = norm(x, "ln1", "attn", "qkv")
+    h = _copy_to_tp(checkpoint_name(h, LN), tp_axis)
     if class_token_only:  # the class token's rows from here on: (B, E)
-        y = class_token_attention(h, p["attn"], cfg, policy)
+        y = class_token_attention(h, attn, cfg, policy, execution.qkv_biases)
         x = x.reshape(-1, cfg.seq_len, x.shape[-1])[:, 0]
     else:
-        y = self_attention(h, p["attn"], cfg, policy, execution)
+        y = self_attention(h, attn, cfg, policy, execution)
     y = save_dot(_reduce_from_tp(y, tp_axis))  # the sum over heads
     x = x + residual(y, p["attn"]["out"]["bias"], _SITE_ATTN, _SITE_PATH_ATTN, p.get("ls1"))
 
-    h = _copy_to_tp(checkpoint_name(layer_norm(x, p["ln2"], cfg.ln_eps), LN), tp_axis)
-    y = save_dot(_reduce_from_tp(mlp(h, p["mlp"], policy, execution, cfg.gelu),
-                                 tp_axis))
+    h, mlp_params = norm(x, "ln2", "mlp", "fc1")
+    h = _copy_to_tp(checkpoint_name(h, LN), tp_axis)
+    y = save_dot(_reduce_from_tp(mlp(h, mlp_params, policy, execution, cfg.gelu), tp_axis))
     return x + residual(y, p["mlp"]["fc2"]["bias"], _SITE_MLP, _SITE_PATH_MLP, p.get("ls2"))
 
 

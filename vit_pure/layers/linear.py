@@ -1,5 +1,6 @@
-"""Bias adds with float32 gradients (`add_bias`; `dense`, a matmul that adds its own bias),
-and the cast that types a parameter like an activation.
+"""Bias adds with float32 gradients (`add_bias`; `dense`, a matmul that adds its own bias;
+`biased`, either as `Execution.biases` says), and the cast that types a parameter like an
+activation.
 
 Inside `shard_map` a replicated parameter that meets a varying activation must be made
 varying first (`varying_like`): a custom VJP's cotangent for the parameter must have the
@@ -70,6 +71,41 @@ def dense(x, w, b, policy: Policy):
     column sum: one pass over it a layer for fc1 (B*T x M) and for each of q, k, v
     (docs/performance.md, "The memory-bound passes")."""
     return dense_with_ones(with_ones(x), w, b, policy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(x, n: int):
+    """x, n times, for n matmuls that read it: the cotangents are summed as a chain, each
+    added to the next one's product (ct[n-1] + (... + (ct[1] + ct[0]))), the form in
+    which XLA:GPU's GEMM rewriter accumulates each data-gradient product into the next
+    (cuBLAS beta = 1) instead of writing n products for a kernel that adds them up
+    (autodiff's own sum, behind the ones column's concatenation, is not seen so)."""
+    return (x,) * n
+
+
+def _fan_out_fwd(x, n):
+    return fan_out(x, n), None
+
+
+def _fan_out_bwd(n, _, cts):
+    total = cts[0]
+    for ct in cts[1:]:
+        total = ct + total
+    return (total,)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
+def biased(x, w, b, policy: Policy, biases: str):
+    """x @ w + b for x (rows, K) and w (K, N) in the matmul dtype, the bias as
+    `Execution.biases` says: "ones-column", inside the product (`dense`: K + ONES_WIDTH
+    columns, the bias gradient from the weight gradient's product); "epilogue", added
+    after the product (`add_bias`: the form cuBLASLt's bias epilogue takes, K columns,
+    the bias gradient a float32 column sum of the output's gradient)."""
+    if biases == "ones-column":
+        return dense(x, w, b, policy)
+    return add_bias(save_dot(matmul(x, w, policy)), b)
 
 
 def with_ones(x):

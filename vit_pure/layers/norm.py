@@ -1,4 +1,6 @@
-"""LayerNorm: float32 statistics and arithmetic, the result in the input's dtype.
+"""LayerNorm: float32 statistics and arithmetic, the result in the input's dtype; or its
+standardisation alone with its scale and bias folded into the next matmul's weights
+(`standardise`, `fold_affine`: Execution.layer_norm "fold").
 
 A custom VJP (`_normalise`) so that the backward pass reads and writes what a fused
 kernel would: it keeps x as it came and two float32 statistics per token, not float32
@@ -20,6 +22,35 @@ def layer_norm(x, p, eps):
     """LayerNorm with float32 statistics; returns x's dtype (`_normalise`)."""
     return _normalise(x, varying_like(p["scale"], x), varying_like(p["bias"], x), eps)
 
+
+
+def standardise(x, eps):
+    """(x - mean) / std over the last axis, float32 statistics, x's dtype: `layer_norm`
+    without its scale and bias, for a matmul that takes them into its weights
+    (`fold_affine`). Its backward is one row-wise pass: no column sums of dy and x."""
+    e = x.shape[-1]
+    return layer_norm(x, {"scale": jnp.ones((e,), x.dtype), "bias": jnp.zeros((e,), x.dtype)},
+                      eps)
+
+
+def fold_affine(p, kernel, bias):
+    """A LayerNorm's scale and bias (`p`) folded into the matmul that reads its output:
+    (xhat * scale + b_ln) @ W + b = xhat @ (scale[:, None] * W) + (b_ln @ W + b), for
+    `kernel` (E, ...) and `bias` (...) -> the folded (kernel, bias) in their dtypes.
+
+    The same function as `layer_norm` then the matmul, rounded elsewhere (the product
+    scale * W is rounded to W's dtype instead of the LayerNorm's output). The backward
+    then makes the scale's and bias's gradients from the matmul's weight and bias
+    gradients, (E, N) arrays, instead of column sums over the (rows, E) activation and
+    its gradient. Computed in float32 (the gradient sums over N too), elementwise: the
+    bias's term is a sum of products, not a dot, as the policy's matmuls are the model's."""
+    e = kernel.shape[0]
+    w = kernel.reshape(e, -1).astype(F32)
+    scale = varying_like(p["scale"], kernel).astype(F32)
+    shift = varying_like(p["bias"], kernel).astype(F32)
+    folded_w = (scale[:, None] * w).astype(kernel.dtype).reshape(kernel.shape)
+    folded_b = jnp.sum(shift[:, None] * w, axis=0).reshape(bias.shape) + bias.astype(F32)
+    return folded_w, folded_b.astype(bias.dtype)
 
 
 def _ln_statistics(x, eps):

@@ -8,8 +8,11 @@ from typing import Any
 
 from vit_pure.config import (
     ATTENTION_IMPLS,
+    BIASES,
     DROPOUT_MASKS,
+    FC1_OUTPUTS,
     LAST_BLOCKS,
+    LAYER_NORMS,
     POOLS,
     PRESETS,
     REMAT_SAVE_NAMES,
@@ -177,6 +180,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(docs/performance.md). Pipelines and other pools compute every row; "
                         "class-token given with another pool is an error "
                         f"(default: {EXECUTION.last_block})")
+    g.add_argument("--biases", default=None, choices=list(BIASES),
+                   help="fc1's and the q, k, v projection's biases: inside the product, a column "
+                        "of ones on the input (ones-column), or added after it, where cuBLASLt's "
+                        "bias epilogue takes them (epilogue), or fc1's after and q, k, v's inside "
+                        "(fc1-epilogue); same results "
+                        f"(docs/performance.md) (default: {EXECUTION.biases})")
+    g.add_argument("--fc1-output", default=None, choices=list(FC1_OUTPUTS),
+                   help="what fc1's product returns before its bias and GELU: the policy's "
+                        "matmul dtype (matmul), or float32 with the bias and GELU in float32 "
+                        "(float32); same function, another rounding point (docs/performance.md) "
+                        f"(default: {EXECUTION.fc1_output})")
+    g.add_argument("--layer-norm", default=None, choices=list(LAYER_NORMS),
+                   help="the blocks' LayerNorms: apply their scale and bias (apply), or fold them "
+                        "into the weights of the matmuls that read them (fold: their gradients "
+                        "from those matmuls'); same function, other rounding "
+                        f"(docs/performance.md) (default: {EXECUTION.layer_norm})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
