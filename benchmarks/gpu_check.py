@@ -47,7 +47,8 @@ CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
 # The Pallas attention row is untimed (opt-in until measured). `--remat gelu` left the
 # rows to make room for the GELU candidates: measured on the H100 (docs/performance.md).
-STEP_ROWS = ("as shipped=", "every row=--last-block all", "pallas attention=--attention pallas")
+STEP_ROWS = ("as shipped=", "every row=--last-block all", "layer norm fold=--layer-norm fold",
+             "pallas attention=--attention pallas")
 # Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
 # epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
 # the GELU after the dot, and the two code forms of fc1 that may match its patterns

@@ -251,7 +251,7 @@ class Execution:
     last_block: str = "class-token"
     biases: str = "ones-column"
     fc1_output: str = "matmul"
-    layer_norm: str = "fold"
+    layer_norm: str = "apply"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
