@@ -69,10 +69,10 @@ def test_memory_and_time_from_the_tables(P):
     zb, inter = schedules.build("zb-h1", P, M), schedules.build("interleaved", P, M, 2)
     assert list(schedules.in_flight(gpipe)) == [M] * P
     # 1F1B: stage s holds P - s (PipeDream-Flush's promise), one F or B a tick, so
-    # 2(M + P - 1) ticks; zb-h1 runs F and I in one tick and holds no more than 2P - 1.
+    # 2(M + P - 1) ticks; zb-h1, built on 1F1B's table, holds no more than 1F1B (P).
     assert list(schedules.in_flight(one_f)) == [P - s for s in range(P)]
     assert one_f.ticks == 2 * (M + P - 1)
-    assert schedules.in_flight(zb).max() == 2 * P - 1
+    assert schedules.in_flight(zb).max() == P
     # GPipe's bubble is the textbook (P-1)/(M+P-1), whatever F and B cost.
     for t_f, t_b in ((1.0, 2.0), (1.0, 3.0)):
         assert schedules.bubble(gpipe, t_f, t_b) == pytest.approx((P - 1) / (M + P - 1))
@@ -89,40 +89,62 @@ def test_memory_and_time_from_the_tables(P):
 
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
                                          ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
-                                         ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2)])
+                                         ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2),
+                                         ("gpipe", 4, 8, 1)])
 def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
     """The program's ring as the table drives it: every F writes its slot (an idle tick
     writes back what the slot holds); every B and W must then find its own micro-batch's
-    residuals at (i V + v) mod ring, a ring of as many slots as the most sets held."""
+    residuals at the slot the plan names, in a ring of exactly as many slots as the most
+    sets a stage holds (interleaved once needed 23 slots for 15 sets: a modulo rule)."""
     s = schedules.build(name, P, M, V)
     plan = ticks.static_plan(s)
-    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
+    assert plan.ring == schedules.in_flight(s).max()
     for st in range(P):
         held = {}
         for t in range(s.ticks):
             f = s.fwd[t, st]
             if f != IDLE:
-                held[int(plan.writes[t, st])] = (f, s.fwd_chunk[t, st])
-            for mb, ch in ((s.bwd[t, st], s.bwd_chunk[t, st]), (s.wgt[t, st], s.wgt_chunk[t, st])):
+                held[int(plan.slots[t, 0, st])] = (f, s.fwd_chunk[t, st])
+            for mb, ch, k in ((s.bwd[t, st], s.bwd_chunk[t, st], 1),
+                              (s.wgt[t, st], s.wgt_chunk[t, st], 2)):
                 if mb != IDLE:
-                    assert held.get((mb * V + ch) % plan.ring) == (mb, ch), (name, st, t)
+                    assert held.get(int(plan.slots[t, k, st])) == (mb, ch), (name, st, t)
 
 
 @pytest.mark.parametrize("P,M", [(4, 32), (4, 4), (2, 4), (8, 16)])
 def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
     """The program's ring of the weight matmuls' output cotangents: I writes micro-batch i's
-    into slot i mod `kept_size` (an idle I the extra slot), W reads it later; no I may
-    overwrite one that a W still has to read."""
+    into the slot the plan names, W reads it later; no I may overwrite one that a W still
+    has to read, and the ring is as large as the most cotangent sets waiting at once."""
     s = schedules.build("zb-h1", P, M)
-    held = schedules.kept_size(s)
-    assert held <= schedules.ring_size(s)
+    plan = ticks.static_plan(s)
+    assert plan.kept <= plan.ring
+    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
+    assert plan.kept == int((waiting + (s.wgt != IDLE)).max())
     for st in range(P):
         slots = {}
         for t in range(s.ticks):
             i, w = s.bwd[t, st], s.wgt[t, st]
-            slots[held if i == IDLE else int(i) % held] = i
+            if i != IDLE:
+                slots[int(plan.slots[t, 3, st])] = i
             if w != IDLE:
-                assert slots.get(int(w) % held) == w, (P, M, st, t)
+                assert slots.get(int(plan.slots[t, 4, st])) == w, (P, M, st, t)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_zb_h1_is_1f1b_with_its_weight_gradients_in_the_bubbles(P):
+    """zb-h1 runs 1F1B's F and B ticks (B as I) and puts the W's where their stage idles:
+    at K = P its bubble is below 1F1B's at the same memory, and it runs as 1F1B's one scan
+    of swaps (plus a scan of its last W's, which send nothing): compile flat in K."""
+    for M in (P, 4 * P):
+        zb, one_f = schedules.build("zb-h1", P, M), schedules.build("1f1b", P, M)
+        T = one_f.ticks
+        np.testing.assert_array_equal(zb.fwd[:T], one_f.fwd)
+        np.testing.assert_array_equal(zb.bwd[:T], one_f.bwd)
+        assert (zb.fwd[T:] == IDLE).all() and (zb.bwd[T:] == IDLE).all()
+        assert schedules.bubble(zb) < schedules.bubble(one_f)
+        assert schedules.in_flight(zb).max() == schedules.in_flight(one_f).max()
+        assert [g.period for g in schedules.segments(zb)] in ([2], [2, 1])
 
 
 def test_picture_reads_the_table():
@@ -141,10 +163,10 @@ def test_static_plan(name, P, M, V):
     s = schedules.build(name, P, M, V)
     plan = ticks.static_plan(s)
     assert plan.rows.shape == (s.ticks, 6, P)
-    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
-    assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
-    assert plan.writes.max() < plan.ring
-    assert (plan.kept > 1) == (name == "zb-h1")
+    assert plan.ring == schedules.in_flight(s).max()
+    assert plan.slots.shape == (s.ticks, 5, P) and 0 <= plan.slots.min()
+    assert plan.slots[:, :3].max() < plan.ring and plan.slots[:, 3:].max() < plan.kept
+    assert name == "zb-h1" or plan.kept == 1
     # The scans cover the ticks in order; every send a segment makes is a pair of
     # neighbours, round the ring with virtual stages (the last stage feeds stage 0).
     assert [g.start for g in plan.segments] == [0] + [g.stop for g in plan.segments[:-1]]

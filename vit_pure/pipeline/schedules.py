@@ -15,10 +15,9 @@ cotangent to the previous one (with V chunks, round the ring); nothing here impo
     interleaved  V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-
                  batches go round V times in groups of P (Megatron's order); F and B of
                  different micro-batches may share a tick.
-    zb-h1        the F-and-B-per-tick 1F1B table (stage s holds 2(P - s) - 1) with B split
-                 into I and W (pipeline/split.py); each W in the first tick where it
-                 lengthens the tick by at most a quarter of a W, or where the stage would
-                 otherwise hold more than 2P - 1 residual sets.
+    zb-h1        1F1B's table with B split into I and W (pipeline/split.py); each W in
+                 the first tick where it lengthens the tick by at most a quarter of a W,
+                 or where the stage would otherwise hold more than 1F1B's P residual sets.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
 send waits for its two stages only). `segments`: the program's scans and their sends.
@@ -113,12 +112,6 @@ def _greedy(P: int, M: int, V: int, fwd_order, bwd_order, cap) -> tuple:
     return tuple(table[:, :, k] for k in range(4))
 
 
-def _1f1b_lockstep(P: int, M: int) -> tuple:
-    """F and B in one tick where both are ready (zb-h1's base): stage s holds 2(P - s) - 1."""
-    order = [[(i, 0) for i in range(M)] for _ in range(P)]
-    return _greedy(P, M, 1, order, order, [2 * (P - s) - 1 for s in range(P)])
-
-
 def _1f1b(P: int, M: int) -> tuple:
     """One F or B per stage per tick, in step: stage s runs micro-batch i's F at tick
     s + 2i and its B at tick 2P - 1 - s + 2i, so F on the ticks of one parity and B on the
@@ -150,12 +143,14 @@ def _interleaved(P: int, M: int, V: int) -> tuple:
 
 
 def _zb_h1(P: int, M: int, costs) -> tuple:
-    fwd, fc, bwd, bc = _1f1b_lockstep(P, M)
+    """1F1B's table with each B split into I and W (ZB-H1): the W's fill the ticks where
+    their stage would idle, and no stage holds more residual sets than 1F1B (P)."""
+    fwd, fc, bwd, bc = _1f1b(P, M)
     t_f, t_i, t_w = costs
     T = fwd.shape[0]
     load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
     busiest = load.max(axis=1)
-    cap = 2 * P - 1  # its base table's peak (stage 0's): no stage holds more
+    cap = P  # its base table's peak (stage 0's): no stage holds more
     wgt = np.full((T, P), IDLE)
     pending, held = [[] for _ in range(P)], [0] * P
     for t in range(T):
@@ -380,41 +375,66 @@ def check_sends(s: Schedule) -> None:
                                f"find its input (sent at tick {sent})")
 
 
-def _least_ring(s: Schedule, take, take_chunk, release, release_chunk, least: int) -> int:
-    """The least R >= `least` such that the sets a stage holds at once (taken where `take`
-    names a micro-batch, given back where `release` does, later in the same tick at the
-    earliest) never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
-    P, V = s.stages, s.virtual
-    for R in range(max(least, 1), s.microbatches * V + 1):
-        ok = True
-        for st in range(P):
-            live = set()
-            for t in range(s.ticks):
-                if take[t, st] != IDLE:
-                    slot = (take[t, st] * V + take_chunk[t, st]) % R
-                    ok &= slot not in live
-                    live.add(slot)
-                if release[t, st] != IDLE:
-                    live.discard((release[t, st] * V + release_chunk[t, st]) % R)
-        if ok:
-            return R
-    return s.microbatches * V
+@dataclasses.dataclass(frozen=True, eq=False)
+class Slots:
+    """A ring of `size` slots: `of[s]` maps each (micro-batch, chunk) set stage s holds to
+    its slot (a set keeps its slot from its take to its release)."""
+    size: int
+    of: tuple
+
+    def at(self, work: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+        """(ticks, stages) int32: the slot of the set each entry of `work` names (0 idle)."""
+        out = np.zeros(work.shape, np.int32)
+        for t, st in zip(*np.nonzero(work != IDLE)):
+            out[t, st] = self.of[st][(int(work[t, st]), int(chunk[t, st]))]
+        return out
+
+
+def _allocate(s: Schedule, take, take_chunk, release, release_chunk) -> Slots:
+    """Slots for the sets taken where `take` names a micro-batch and given back where
+    `release` does: each take gets the lowest free slot, a release frees its set's slot
+    after the takes of its tick (a tick writes before it reads). Sets held at once never
+    share a slot, and the ring is exactly as large as the most sets held at once: a new
+    slot is opened only when every open one is live."""
+    of, size = [], 1
+    for st in range(s.stages):
+        free, live, slot_of = [], {}, {}
+        for t in range(s.ticks):
+            if take[t, st] != IDLE:
+                slot = min(free) if free else len(live)
+                if free:
+                    free.remove(slot)
+                key = (int(take[t, st]), int(take_chunk[t, st]))
+                live[key] = slot_of[key] = slot
+                size = max(size, slot + 1)
+            if release[t, st] != IDLE:
+                free.append(live.pop((int(release[t, st]), int(release_chunk[t, st]))))
+        of.append(slot_of)
+    return Slots(size, tuple(of))
+
+
+def residual_slots(s: Schedule) -> Slots:
+    """The residual ring: a set is taken at F and given back at B (zb-h1: at W)."""
+    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
+    return _allocate(s, s.fwd, s.fwd_chunk, release, chunk)
+
+
+def cotangent_slots(s: Schedule) -> Slots:
+    """zb-h1: the ring of output cotangents I keeps for W (taken at I, given back at W);
+    one slot, never written, for the other schedules."""
+    if not s.split_backward:
+        return Slots(1, tuple({} for _ in range(s.stages)))
+    return _allocate(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk)
 
 
 def ring_size(s: Schedule) -> int:
-    """The residual ring's slots: residual sets are taken at F, given back at B (zb-h1: W)."""
-    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
-    return _least_ring(s, s.fwd, s.fwd_chunk, release, chunk, int(in_flight(s).max()))
+    """The residual ring's slots: the most sets any stage holds at once."""
+    return residual_slots(s).size
 
 
 def kept_size(s: Schedule) -> int:
-    """zb-h1: the slots of the ring of output cotangents I keeps for W (taken at I, given
-    back at W); 1 for the other schedules, which keep none."""
-    if not s.split_backward:
-        return 1
-    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
-    least = int((waiting + (s.wgt != IDLE)).max())  # a W's set is live during its tick
-    return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
+    """zb-h1: the slots of the ring of output cotangents (1 for the other schedules)."""
+    return cotangent_slots(s).size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,8 +456,8 @@ def _one_to_one(pairs) -> bool:
 
 def segments(schedule: Schedule) -> tuple:
     """The table's ticks cut into scans whose sends are the same at every step. A table
-    whose stage pairs only swap (1F1B) runs as one scan of two ticks a step, one send a
-    tick; any other as runs of ticks that send the same ways (forward, back, both or
+    whose stage pairs only swap (1F1B, zb-h1) runs as one scan of two ticks a step, one
+    send a tick (then, for zb-h1, a scan of its last W's, which send nothing); any other as runs of ticks that send the same ways (forward, back, both or
     none: zb-h1's last ticks run W alone), each way's pairs one send."""
     P, V, T = schedule.stages, schedule.virtual, schedule.ticks
     fwd, bwd, wgt = schedule.fwd, schedule.bwd, schedule.wgt
@@ -449,11 +469,15 @@ def segments(schedule: Schedule) -> tuple:
     def phases(a, z):
         return "".join(k for k, arr in zip("FBW", (fwd, bwd, wgt)) if (arr[a:z] != IDLE).any())
 
-    swaps = [set().union(*(f[t] | b[t] for t in range(k, T, 2))) for k in (0, 1)]
-    if T % 2 == 0 and all(_one_to_one(list(f[t]) + list(b[t])) for t in range(T)) and \
+    # The ticks that send, rounded up to pairs; the rest (zb-h1's last W's) send nothing.
+    sending = 1 + max((t for t in range(T) if f[t] or b[t]), default=-1)
+    paired = sending + sending % 2
+    swaps = [set().union(*(f[t] | b[t] for t in range(k, paired, 2))) for k in (0, 1)]
+    if paired <= T and all(_one_to_one(list(f[t]) + list(b[t])) for t in range(paired)) and \
             all(_one_to_one(x) for x in swaps):
-        return (Segment(0, T, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
-                                       for x in swaps), phases(0, T)),)
+        rest = (Segment(paired, T, 1, ((),), phases(paired, T)),) if paired < T else ()
+        return (Segment(0, paired, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
+                                            for x in swaps), phases(0, paired)),) + rest
     out, t = [], 0
     while t < T:
         z = t

@@ -67,8 +67,9 @@ def _bits(a):
 class StaticPlan:
     """What the program reads off the table before tracing anything (numpy, no jax)."""
     rows: np.ndarray      # (ticks, 6, P): F, F's chunk, B, B's chunk, W, W's chunk
-    writes: np.ndarray    # (ticks, P): the ring slot each stage's F writes (idle: 0)
-    ring: int             # slots; micro-batch i of chunk v lives in slot (i V + v) mod ring
+    slots: np.ndarray     # (ticks, 5, P): the residual ring's slot F writes, B reads, W
+                          # reads; the cotangent ring's slot I writes, W reads (idle: 0)
+    ring: int             # the residual ring's slots: the most sets a stage holds
     kept: int             # zb-h1: slots of the output cotangents held from I to W
     arrive: np.ndarray    # (ticks, 3, P) bool: an activation / a cotangent arrives; the
                           # stage sends its F's output (not its B's cotangent)
@@ -83,11 +84,14 @@ def static_plan(schedule: schedules.Schedule) -> StaticPlan:
     """The ring's sizes and slots, the arrivals and the scans of `schedule`."""
     schedules.check_sends(schedule)
     arrivals = schedules.arrivals(schedule)  # stage s + 1's activation comes from stage s
-    ring = schedules.ring_size(schedule)
-    f, v = schedule.fwd, schedule.fwd_chunk
-    writes = np.where(f != IDLE, (f * schedule.virtual + v) % ring, 0).astype(np.int32)
-    return StaticPlan(rows=schedule.rows(), writes=writes,
-                      ring=ring, kept=schedules.kept_size(schedule),
+    s = schedule
+    res, cot = schedules.residual_slots(s), schedules.cotangent_slots(s)
+    kept = [cot.at(s.bwd, s.bwd_chunk), cot.at(s.wgt, s.wgt_chunk)] if s.split_backward \
+        else [np.zeros_like(s.fwd)] * 2  # no cotangent is kept: the ring's one slot
+    slots = np.stack([res.at(s.fwd, s.fwd_chunk), res.at(s.bwd, s.bwd_chunk),
+                      res.at(s.wgt, s.wgt_chunk), *kept], axis=1)
+    return StaticPlan(rows=schedule.rows(), slots=slots.astype(np.int32),
+                      ring=res.size, kept=cot.size,
                       arrive=np.stack([*arrivals, np.roll(arrivals[0], -1, axis=1)], axis=1),
                       segments=schedules.segments(schedule))
 
@@ -262,12 +266,6 @@ def _unless(pred, fn, *xs):
     return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
 
 
-def _slot(mb, v, virtual: int, n: int, idle: int):
-    """Micro-batch mb of chunk v's slot of an n-slot ring; `idle` where mb = -1 (any slot:
-    the branches that read or write it run only where mb >= 0)."""
-    return jnp.where(mb >= 0, (mb * virtual + v) % n, idle)
-
-
 def _add_grads(acc, v, g_cp, g_top):
     """acc (chunks', top's float32 sums) plus chunk v's gradients; a None gradient (zb-h1's
     I or W leaves some) adds nothing."""
@@ -305,11 +303,12 @@ def run_f(stage: Stage, layout: ResidualLayout, f_mb, f_v, recv_f, rings, write,
     return y, rings, (sums[0] + loss, sums[1] + acc)
 
 
-def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, recv_b, rings,
-          cots, grads, seed):
+def run_b(stage: Stage, layout: ResidualLayout, b_mb, b_v, slot, kept, recv_b, rings, cots,
+          grads, seed):
     """B (zb-h1: I) of micro-batch b_mb through chunk b_v (idle where b_mb < 0): the
     pull-back of the received cotangent (the loss's seed / M on the last virtual stage)
-    through the ring's residuals. Returns (the input cotangent to send, the cotangents'
+    through the ring's residuals at `slot` (zb-h1: its output cotangents kept at slot
+    `kept` of theirs). Returns (the input cotangent to send, the cotangents'
     ring with zb-h1's weight-matmul output cotangents written, the gradient sums). The
     branch reads its slot of the ring, writes zb-h1's cotangents into theirs and adds its
     gradients to the float32 sums itself: no copy of a residual set goes in or comes out,
@@ -323,15 +322,14 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
                 jnp.zeros_like(loss0) + jnp.where(last, seed / M, 0.0), jnp.zeros_like(loss0))
 
     def do_b(rings, dy, grads, cots):
-        res = [r[_slot(b_mb, b_v, V, plan.ring, 0)] for r in rings]
+        res = [r[slot] for r in rings]
         again = stage.pulled(b_v, b_mb, jnp.zeros_like(layout.x))[1]  # XLA keeps the fixed
         pulled = layout.unpack(again, res)(cotangent(dy))
         if stage.split is None:
             g_cp, g_top, dx, dys = *pulled, []
         else:  # zb-h1's I: the weights' gradients are None (W's)
             (g_cp, g_top), dx, dys = stage.split.input_grads(pulled)
-        slot = _slot(b_mb, b_v, V, plan.kept, 0)
-        return dx, [c.at[slot].set(d) for c, d in zip(cots, dys)], \
+        return dx, [c.at[kept].set(d) for c, d in zip(cots, dys)], \
             _add_grads(grads, jnp.maximum(b_v, 0), stage.sc.policy.cast_to_compute(g_cp), g_top)
 
     def no_b(rings, dy, grads, cots):  # do_b's types (XLA drops its work), the rest kept
@@ -348,17 +346,14 @@ def run_b(stage: Stage, layout: ResidualLayout, plan: StaticPlan, b_mb, b_v, rec
     return dx, cots, grads
 
 
-def run_w(stage: Stage, layout: ResidualLayout, plan: StaticPlan, w_mb, w_v, rings, cots,
-          grads):
+def run_w(stage: Stage, layout: ResidualLayout, w_mb, w_v, slot, kept, rings, cots, grads):
     """zb-h1's W of micro-batch w_mb through chunk w_v (idle where w_mb < 0): each weight
-    matmul's weight gradient from its activation operand (kept at F in the residual ring)
-    and its output cotangent (kept at I); no cotangent chain again. Returns the sums (the
+    matmul's weight gradient from its activation operand (kept at F in the residual ring's
+    `slot`) and its output cotangent (kept at I in slot `kept`); no cotangent chain again. Returns the sums (the
     branch reads both slots and adds to the sums itself, as run_b)."""
-    V = stage.virtual
-
     def do_w(rings, cots, grads):
-        res = [r[_slot(w_mb, w_v, V, plan.ring, 0)] for r in rings]
-        dys = [c[_slot(w_mb, w_v, V, plan.kept, 0)] for c in cots]
+        res = [r[slot] for r in rings]
+        dys = [c[kept] for c in cots]
         g = stage.split.weight_grads((stage.layers(w_v), stage.top), res[layout.n_pull:], dys,
                                      w_v, w_mb)
         return _add_grads(grads, jnp.maximum(w_v, 0), stage.sc.policy.cast_to_compute(g[0]),
@@ -405,18 +400,18 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
     def tick(carry, xs, phases: str, sends: tuple):
         """One tick: its F, B (zb-h1: I) and W where the segment has them, its sends."""
-        row, write, arrive = xs
+        row, slots, arrive = xs
         recv_f, recv_b, rings, cots, grads, sums = carry
         f_mb, f_v, b_mb, b_v, w_mb, w_v = (r[stage.stage] for r in row)
+        f_slot, b_slot, w_slot, i_kept, w_kept = (r[stage.stage] for r in slots)
         y, dx = jnp.zeros_like(y0), jnp.zeros_like(x0)
         if "F" in phases:
-            y, rings, sums = run_f(stage, layout, f_mb, f_v, recv_f, rings, write[stage.stage],
-                                   sums)
+            y, rings, sums = run_f(stage, layout, f_mb, f_v, recv_f, rings, f_slot, sums)
         if "B" in phases:
-            dx, cots, grads = run_b(stage, layout, plan, b_mb, b_v, recv_b, rings, cots, grads,
-                                    seed)
+            dx, cots, grads = run_b(stage, layout, b_mb, b_v, b_slot, i_kept, recv_b, rings,
+                                    cots, grads, seed)
         if "W" in phases and stage.split is not None:
-            grads = run_w(stage, layout, plan, w_mb, w_v, rings, cots, grads)
+            grads = run_w(stage, layout, w_mb, w_v, w_slot, w_kept, rings, cots, grads)
         recv_f, recv_b = exchange(sends, y, dx, recv_f, recv_b, arrive[:, stage.stage],
                                   pipe_axis)
         return recv_f, recv_b, rings, cots, grads, sums
@@ -432,11 +427,11 @@ def schedule_grads(sc: StepConfig, params, images_u8, labels, targets, example_i
 
 def scan_segments(tick, carry, plan: StaticPlan):
     """`lax.scan` over each segment's ticks, `period` ticks a step, in order: tick(carry,
-    one tick's (row, write, arrive), the segment's phases, that tick's sends) -> carry."""
+    one tick's (row, slots, arrive), the segment's phases, that tick's sends) -> carry."""
     for g in plan.segments:
         n = (g.stop - g.start) // g.period
         xs = tuple(jnp.asarray(a[g.start:g.stop].reshape(n, g.period, *a.shape[1:]))
-                   for a in (plan.rows, plan.writes, plan.arrive))
+                   for a in (plan.rows, plan.slots, plan.arrive))
 
         def body(carry, xs, g=g):
             for k in range(g.period):
