@@ -71,7 +71,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
     (pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
     compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
     compiled alone, from the activations and output cotangents F and I keep for it, as
-    pipeline/ticks.py runs them. Fake CPU devices share this machine's cores, so no step
+    pipeline/tick.py runs them. Fake CPU devices share this machine's cores, so no step
     time is measured here.
     """
     cfg = PRESETS[cfg_name]
@@ -96,7 +96,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
         y, pull = jax.vjp(f, p, x)
         return pull(jnp.ones_like(y))
 
-    # I and W as pipeline/ticks.py runs them (split.py): I is F's pull-back with the
+    # I and W as pipeline/tick.py runs them (split.py): I is F's pull-back with the
     # weight matmuls' weights held constant; W compiled alone, from I's kept arrays.
     split = Split(f, blocks, x)
 

@@ -23,11 +23,13 @@ from conftest import grads_step
 from test_layout_matrix import tolerances
 
 import train_shardmap
+from benchmarks import pipeline_schedules as bench
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.pipeline import schedules, split, ticks
+from vit_pure.pipeline import ring, schedules, tick
 from vit_pure.pipeline.schedules import IDLE
+from vit_pure.run import cli
 
 CFG = PRESETS["tiny"]
 BATCH = 16
@@ -97,7 +99,7 @@ def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
     residuals at the slot the plan names, in a ring of exactly as many slots as the most
     sets a stage holds (interleaved once needed 23 slots for 15 sets: a modulo rule)."""
     s = schedules.build(name, P, M, V)
-    plan = ticks.static_plan(s)
+    plan = tick.static_plan(s)
     assert plan.ring == schedules.in_flight(s).max()
     for st in range(P):
         held = {}
@@ -117,7 +119,7 @@ def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
     into the slot the plan names, W reads it later; no I may overwrite one that a W still
     has to read, and the ring is as large as the most cotangent sets waiting at once."""
     s = schedules.build("zb-h1", P, M)
-    plan = ticks.static_plan(s)
+    plan = tick.static_plan(s)
     assert plan.kept <= plan.ring
     waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
     assert plan.kept == int((waiting + (s.wgt != IDLE)).max())
@@ -161,7 +163,7 @@ def test_static_plan(name, P, M, V):
     """The numbers the program reads off the table: a ring as large as the stages' most
     residual sets, the writes inside it, zb-h1's cotangent ring, the scans and sends."""
     s = schedules.build(name, P, M, V)
-    plan = ticks.static_plan(s)
+    plan = tick.static_plan(s)
     assert plan.rows.shape == (s.ticks, 6, P)
     assert plan.ring == schedules.in_flight(s).max()
     assert plan.slots.shape == (s.ticks, 5, P) and 0 <= plan.slots.min()
@@ -174,8 +176,8 @@ def test_static_plan(name, P, M, V):
     neighbours = {(a, (a + 1) % P) for a in range(P if V > 1 else P - 1)}
     for g in plan.segments:
         assert (g.stop - g.start) % g.period == 0 and len(g.sends) == g.period
-        for tick in g.sends:
-            for what, pairs in tick:
+        for sends in g.sends:
+            for what, pairs in sends:
                 assert {(a, b) if what == "f" else (b, a) for a, b in pairs} <= neighbours \
                     or what == "fb"
     # Only useful sends: at K = 4P at most 1.2 times the sends that carry data
@@ -187,7 +189,7 @@ def test_static_plan(name, P, M, V):
 def test_1f1b_swaps_once_a_tick():
     """1F1B's stage pairs only swap: one scan of two ticks a step, each with one send of
     whichever each stage made (pairs (0,1), (2,3) at even ticks, (1,2) at odd ones)."""
-    plan = ticks.static_plan(schedules.build("1f1b", 4, 32))
+    plan = tick.static_plan(schedules.build("1f1b", 4, 32))
     (g,) = plan.segments
     assert (g.period, g.phases) == (2, "FB")
     assert g.sends == ((("fb", ((0, 1), (1, 0), (2, 3), (3, 2))),),
@@ -212,7 +214,7 @@ def test_residual_layout_keeps_what_depends_on_the_input():
         return (out, out, out), pull, [x * 2]
 
     zero, x0 = jnp.int32(0), jnp.ones((2, 2))
-    layout = ticks.residual_layout(pulled, zero, x0)
+    layout = ring.residual_layout(pulled, zero, x0)
     assert True in layout.fixed and False in layout.fixed
     assert any(i is not None for i in layout.impls)  # the key, kept as bits
     assert all(not jnp.issubdtype(e.dtype, jax.dtypes.prng_key) for e in layout.entries)
@@ -248,9 +250,9 @@ def test_residual_layout_keeps_one_copy_of_a_reshaped_residual():
         return (out, out, out), pull, []
 
     zero, x0 = jnp.int32(0), jnp.ones((2, 3))
-    same = split.same_data(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    same = ring.same_data(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
     assert same == [None, 0, None]  # x; x reshaped; cos(x), another value
-    layout = ticks.residual_layout(pulled, zero, x0)
+    layout = ring.residual_layout(pulled, zero, x0)
     assert [e.shape for e in layout.entries] == [(2, 3), (2, 3)]  # x and cos(x) alone
     x = jnp.array([[0.5, -1.0, 2.0], [0.25, 3.0, -0.5]])
     _, pull, _ = pulled(zero, jnp.int32(2), x)
@@ -271,6 +273,45 @@ def test_the_docs_draw_what_the_program_runs():
         P, V = int(P), int(V or 1)
         log = schedules.describe(P * V * 2, P, int(M), name, V).splitlines()
         assert drawn.splitlines() == log[-P:], name
+
+
+def _memory_table():
+    """docs/parallelism.md's pipeline memory table: (its commands, its rows as (K, label))."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    section = text[text.index("### The schedules' memory"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")].replace("\\\n", " ")
+    commands = [line.split() for line in block.splitlines() if line.strip()]
+    rows = re.findall(r"^\| (\d+) \| (\w[\w-]*(?: V=\d)?) \|", section, re.M)
+    return commands, [(int(k), label) for k, label in rows]
+
+
+def test_the_docs_memory_table_commands_still_run():
+    """Each row of the docs' memory table comes from its command, and the command still
+    parses, down to the training script's flags of every row (the cheap form of running
+    it: the rows themselves are minutes of compiling each)."""
+    commands, rows = _memory_table()
+    assert commands and rows
+    made = set()
+    for argv in commands:
+        assert argv[:3] == ["python", "-m", "benchmarks.pipeline_schedules"], argv
+        args = bench.build_parser().parse_args(argv[3:])
+        if args.from_json:
+            for pattern in args.from_json:
+                assert list(pathlib.Path(__file__).parents[1].glob(pattern)), pattern
+            continue
+        for P in args.stages:
+            for mult in args.mult:
+                for name in args.schedules:
+                    V = args.virtual if name == "interleaved" else 1
+                    job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
+                           "image_size": args.image_size, "remat": args.remat,
+                           "hardware": args.hardware, "stages": P,
+                           "microbatches": mult * P, "schedule": name, "virtual": V}
+                    cli.parse_args(train_shardmap.build_parser(), bench.row_argv(job))
+                    schedules.build(name, P, mult * P, V)
+                    made.add((mult * P, name + (f" V={V}" if V > 1 else "")))
+    assert set(rows) <= made
 
 
 @pytest.mark.parametrize("name,P,M,V,message", [
@@ -472,17 +513,23 @@ def test_evaluation_equals_the_unpipelined_one(mesh, k, sc, schedule, v):
     assert float(got["correct"]) == float(want["correct"])
 
 
-def test_evaluation_compiles_the_same_program_at_any_k():
-    """The forward ticks are one scan: the lowered evaluation step has as many matmuls at
-    K = 8 as at K = 2 (GPipe's unrolled training loop grows with K)."""
+@pytest.mark.parametrize("what", ["train", "eval"])
+def test_gpipe_compiles_the_same_program_at_any_k(what):
+    """GPipe runs from its table through the ticks' scans, as every schedule does: the
+    lowered training and evaluation steps have as many matmuls at K = 8 as at K = 2 (the
+    program no longer grows with K, as an unrolled loop of ticks did)."""
     def dots(k):
         strategy = train_shardmap.ShardMapStrategy(_sc("fp32", 1), OPT, "data=1,pipe=2",
                                                    microbatches=k, devices=jax.devices()[:2])
-        host = jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT))
-        images, labels, _ = _batch(0)
-        args = (strategy.put_state(host), *strategy.put_batch(images, labels,
-                                                              np.ones(BATCH, np.float32)))
-        return strategy.eval_step.lower(*args).as_text().count("dot_general")
+        state = strategy.put_state(
+            jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT)))
+        images, labels, ids = _batch(0)
+        if what == "eval":
+            args = (state, *strategy.put_batch(images, labels, np.ones(BATCH, np.float32)))
+            return strategy.eval_step.lower(*args).as_text().count("dot_general")
+        args = (state, *strategy.put_batch(images, labels, ids),
+                strategy.put_replicated(step.step_key(0, 0, 0)))
+        return strategy.train_step.lower(*args).as_text().count("dot_general")
     assert dots(8) == dots(2) > 0
 
 

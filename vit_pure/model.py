@@ -347,7 +347,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     saved = remat_saved_names(execution.remat)
     # `blocks` may also be a list of per-layer params (no layer axis): the pipeline's
     # table-driven schedules pass its layers so, to find the weights among a pull-back's
-    # residuals (pipeline/ticks.py).
+    # residuals (pipeline/ring.py).
     layered = isinstance(blocks, (list, tuple))
     num_layers = len(blocks) if layered else jax.tree.leaves(blocks)[0].shape[0]
 

@@ -3,7 +3,7 @@
 For every *tick* t and pipeline stage s (a device on the 'pipe' axis), a table says which
 micro-batch the stage runs forward (F), which backward (B; zb-h1: I, the input gradient)
 and which weight gradient (W, zb-h1), through which chunk of its layers. The same
-`Schedule` drives the program (pipeline/ticks.py), the start-up picture, the plan's bubble
+`Schedule` drives the program (pipeline/tick.py), the start-up picture, the plan's bubble
 and memory, and the tests. A stage's F output goes to the next stage, its B's input
 cotangent to the previous one (with V chunks, round the ring); nothing here imports jax.
 
@@ -69,7 +69,8 @@ def _gpipe(P: int, M: int) -> tuple:
     for s in range(P):
         for i in range(M):
             fwd[i + s, s] = i
-            # Autodiff runs the loop backwards: micro-batch M-1 first, from the last stage.
+            # The backwards in reverse (micro-batch M-1 first, from the last stage): the
+            # order of autodiff of the forward ticks, the textbook GPipe.
             bwd[M + P - 1 + (M - 1 - i) + (P - 1 - s), s] = i
     return fwd, np.zeros_like(fwd), bwd, np.zeros_like(bwd)
 
@@ -457,8 +458,9 @@ def _one_to_one(pairs) -> bool:
 def segments(schedule: Schedule) -> tuple:
     """The table's ticks cut into scans whose sends are the same at every step. A table
     whose stage pairs only swap (1F1B, zb-h1) runs as one scan of two ticks a step, one
-    send a tick (then, for zb-h1, a scan of its last W's, which send nothing); any other as runs of ticks that send the same ways (forward, back, both or
-    none: zb-h1's last ticks run W alone), each way's pairs one send."""
+    send a tick (then, for zb-h1, a scan of its last W's, which send nothing); any other
+    as runs of ticks that send the same ways (forward, back, both or none), each way's
+    pairs one send."""
     P, V, T = schedule.stages, schedule.virtual, schedule.ticks
     fwd, bwd, wgt = schedule.fwd, schedule.bwd, schedule.wgt
     f = [{(s, (s + 1) % P) for s in range(P) if fwd[t, s] != IDLE
