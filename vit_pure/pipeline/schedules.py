@@ -146,7 +146,7 @@ def _interleaved(P: int, M: int, V: int) -> tuple:
 def _zb_h1(P: int, M: int, costs) -> tuple:
     """1F1B's table with each B split into I and W (ZB-H1): the W's fill the ticks where
     their stage would idle, and no stage holds more residual sets than 1F1B (P)."""
-    fwd, fc, bwd, bc = _1f1b(P, M)
+    fwd, fwd_chunk, bwd, bwd_chunk = _1f1b(P, M)
     t_f, t_i, t_w = costs
     T = fwd.shape[0]
     load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
@@ -171,11 +171,12 @@ def _zb_h1(P: int, M: int, costs) -> tuple:
     if n_extra:
         pad = np.full((n_extra, P), IDLE)
         fwd, bwd, wgt = (np.concatenate([a, pad]) for a in (fwd, bwd, wgt))
-        fc, bc = (np.concatenate([a, np.zeros_like(pad)]) for a in (fc, bc))
+        fwd_chunk, bwd_chunk = (np.concatenate([a, np.zeros_like(pad)])
+                                for a in (fwd_chunk, bwd_chunk))
         for s, pending in enumerate(extra):
             for k, i in enumerate(pending):
                 wgt[T + k, s] = i
-    return fwd, fc, bwd, bc, wgt
+    return fwd, fwd_chunk, bwd, bwd_chunk, wgt
 
 
 def build(name: str, stages: int, microbatches: int, virtual: int = 1,
@@ -186,17 +187,17 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1,
     P, M, V = stages, microbatches, virtual
     wgt = None
     if name == "gpipe":
-        fwd, fc, bwd, bc = _gpipe(P, M)
+        fwd, fwd_chunk, bwd, bwd_chunk = _gpipe(P, M)
     elif name == "1f1b":
-        fwd, fc, bwd, bc = _1f1b(P, M)
+        fwd, fwd_chunk, bwd, bwd_chunk = _1f1b(P, M)
     elif name == "interleaved":
-        fwd, fc, bwd, bc = _interleaved(P, M, V)
+        fwd, fwd_chunk, bwd, bwd_chunk = _interleaved(P, M, V)
     else:
-        fwd, fc, bwd, bc, wgt = _zb_h1(P, M, costs)
+        fwd, fwd_chunk, bwd, bwd_chunk, wgt = _zb_h1(P, M, costs)
     if wgt is None:
         wgt = np.full_like(fwd, IDLE)
-    wc = np.zeros_like(wgt)
-    as32 = [np.asarray(a, np.int32) for a in (fwd, fc, bwd, bc, wgt, wc)]
+    wgt_chunk = np.zeros_like(wgt)
+    as32 = [np.asarray(a, np.int32) for a in (fwd, fwd_chunk, bwd, bwd_chunk, wgt, wgt_chunk)]
     return Schedule(name, P, M, V, *as32)
 
 
@@ -205,12 +206,11 @@ def forward_only(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     input has arrived (no backward, no cap): GPipe's forward ticks where virtual = 1
     (stage s runs micro-batch t - s at tick t), M V + P - 1 ticks where P divides M."""
     P, M, V = stages, microbatches, virtual
-    fwd, fc, bwd, bc = _greedy(P, M, V, [_megatron_order(P, M, V)] * P, [[]] * P,
-                               [M * V] * P)
-    idle = np.full_like(fwd, IDLE)
+    fwd, fwd_chunk, _, _ = _greedy(P, M, V, [_megatron_order(P, M, V)] * P, [[]] * P,
+                                   [M * V] * P)
+    idle, zero = np.full_like(fwd, IDLE), np.zeros_like(fwd)
     return Schedule("forward", P, M, V, *(np.asarray(a, np.int32) for a in
-                                          (fwd, fc, idle, np.zeros_like(fwd), idle,
-                                           np.zeros_like(fwd))))
+                                          (fwd, fwd_chunk, idle, zero, idle, zero)))
 
 
 def block_order(depth: int, stages: int, virtual: int = 1) -> np.ndarray:
