@@ -157,8 +157,10 @@ def test_picture_reads_the_table():
 
 # ------------------------------------------------------ the program's phases, alone
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
-                                         ("zb-h1", 2, 4, 1), ("zb-h1", 4, 32, 1),
-                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 32, 2)])
+                                         ("1f1b", 3, 24, 1), ("zb-h1", 2, 4, 1),
+                                         ("zb-h1", 4, 32, 1), ("interleaved", 2, 4, 2),
+                                         ("interleaved", 4, 32, 2), ("gpipe", 2, 1, 1),
+                                         ("gpipe", 2, 8, 1), ("gpipe", 4, 32, 1)])
 def test_static_plan(name, P, M, V):
     """The numbers the program reads off the table: a ring as large as the stages' most
     residual sets, the writes inside it, zb-h1's cotangent ring, the scans and sends."""
@@ -181,9 +183,14 @@ def test_static_plan(name, P, M, V):
                 assert {(a, b) if what == "f" else (b, a) for a, b in pairs} <= neighbours \
                     or what == "fb"
     # Only useful sends: at K = 4P at most 1.2 times the sends that carry data
-    # (1F1B: one swap a tick; the others: each way only while something goes that way).
+    # (1F1B: one swap a tick; the others: each way only while something goes that way);
+    # GPipe's exactly: K + P - 2 each way. At most four scans at any K: the compiled
+    # program does not grow with the micro-batches.
     if M >= 4 * P:
         assert plan.sends() <= 1.2 * schedules.messages(s)
+    if name == "gpipe":
+        assert plan.sends() == 2 * (M + P - 2)
+    assert len(plan.segments) <= 4
 
 
 def test_1f1b_swaps_once_a_tick():

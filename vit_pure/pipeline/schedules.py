@@ -1,28 +1,17 @@
 """Pipeline schedules as data: one table per schedule, read by everything else.
 
-For every *tick* t and pipeline stage s (a device on the 'pipe' axis), a table says which
+For every tick t and pipeline stage s (a device on the 'pipe' axis), a table says which
 micro-batch the stage runs forward (F), which backward (B; zb-h1: I, the input gradient)
 and which weight gradient (W, zb-h1), through which chunk of its layers. The same
 `Schedule` drives the program (pipeline/tick.py), the start-up picture, the plan's bubble
-and memory, and the tests. A stage's F output goes to the next stage, its B's input
-cotangent to the previous one (with V chunks, round the ring); nothing here imports jax.
-
-    gpipe        all M forwards, then all M backwards: 2 (M + P - 1) ticks, M residual
-                 sets held per stage.
-    1f1b         one F or B per stage per tick: micro-batch i's F at tick s + 2i, its B at
-                 2P - 1 - s + 2i (PipeDream-Flush's order in unit ticks): 2 (M + P - 1)
-                 ticks, stage s holds P - s; stage pairs only swap, one send a tick.
-    interleaved  V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-
-                 batches go round V times in groups of P (Megatron's order); F and B of
-                 different micro-batches may share a tick.
-    zb-h1        1F1B's table with B split into I and W (pipeline/split.py); each W in
-                 the first tick where it lengthens the tick by at most a quarter of a W,
-                 or where the stage would otherwise hold more than 1F1B's P residual sets.
+and memory, and the tests; nothing here imports jax. The builders (`_gpipe`, `_1f1b`,
+`_interleaved`, `_zb_h1`) say each schedule's order.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
-send waits for its two stages only). `segments`: the program's scans and their sends.
-`forward_only`: evaluation's table (the forwards alone). `block_order`: the layout's order
-of the stacked blocks, which puts each stage's V chunks in its slice of the layer axis."""
+send waits for its two stages only). The program's needs: `residual_slots` (the ring),
+`segments` (the scans and their sends), `forward_only` (evaluation's table),
+`block_order` (the layout's order of the stacked blocks).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -64,6 +53,8 @@ class Schedule:
 
 # ------------------------------------------------------------------------ the builders
 def _gpipe(P: int, M: int) -> tuple:
+    """All M forwards, then all M backwards: 2 (M + P - 1) ticks, M residual sets held per
+    stage."""
     T = 2 * (M + P - 1)
     fwd, bwd = np.full((T, P), IDLE), np.full((T, P), IDLE)
     for s in range(P):
@@ -138,14 +129,19 @@ def _megatron_order(P: int, M: int, V: int, reverse: bool = False) -> list:
 
 
 def _interleaved(P: int, M: int, V: int) -> tuple:
+    """V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-batches go
+    round V times in groups of P (Megatron's order); F and B of different micro-batches
+    may share a tick."""
     cap = [2 * (P - s) - 1 + (V - 1) * P for s in range(P)]
     return _greedy(P, M, V, [_megatron_order(P, M, V)] * P,
                    [_megatron_order(P, M, V, True)] * P, cap)
 
 
 def _zb_h1(P: int, M: int, costs) -> tuple:
-    """1F1B's table with each B split into I and W (ZB-H1): the W's fill the ticks where
-    their stage would idle, and no stage holds more residual sets than 1F1B (P)."""
+    """1F1B's table with each B split into I and W (ZB-H1, pipeline/split.py): each W in
+    the first tick where it lengthens the tick by at most a quarter of a W (where its
+    stage would idle), or where the stage would otherwise hold more residual sets than
+    1F1B's P."""
     fwd, fwd_chunk, bwd, bwd_chunk = _1f1b(P, M)
     t_f, t_i, t_w = costs
     T = fwd.shape[0]
@@ -455,12 +451,42 @@ def _one_to_one(pairs) -> bool:
     return len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
 
 
+def _runs(f, b, phases, T: int) -> tuple:
+    """The ticks cut into runs that send the same ways (forward, back, both or none),
+    one scan of one tick a step each, each way's pairs one send."""
+    out, t = [], 0
+    while t < T:
+        z = t
+        while z < T and (bool(f[z]), bool(b[z])) == (bool(f[t]), bool(b[t])):
+            z += 1
+        ways = [(w, tuple(sorted(set().union(*sets[t:z])))) for w, sets in (("f", f), ("b", b))]
+        out.append(Segment(t, z, 1, (tuple(x for x in ways if x[1]),), phases(t, z)))
+        t = z
+    return tuple(out)
+
+
+def _swaps(f, b, phases, T: int) -> tuple | None:
+    """Where stage pairs only swap: one scan of two ticks a step over the ticks that send
+    (rounded up to pairs), each tick one send of whichever value each stage made, then a
+    scan of the rest (zb-h1's last W's, which send nothing). None where pairs do not."""
+    sending = 1 + max((t for t in range(T) if f[t] or b[t]), default=-1)
+    paired = sending + sending % 2
+    swaps = [set().union(*(f[t] | b[t] for t in range(k, paired, 2))) for k in (0, 1)]
+    if paired > T or not all(_one_to_one(list(f[t]) + list(b[t])) for t in range(paired)) \
+            or not all(_one_to_one(x) for x in swaps):
+        return None
+    rest = (Segment(paired, T, 1, ((),), phases(paired, T)),) if paired < T else ()
+    return (Segment(0, paired, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
+                                        for x in swaps), phases(0, paired)),) + rest
+
+
 def segments(schedule: Schedule) -> tuple:
-    """The table's ticks cut into scans whose sends are the same at every step. A table
-    whose stage pairs only swap (1F1B, zb-h1) runs as one scan of two ticks a step, one
-    send a tick (then, for zb-h1, a scan of its last W's, which send nothing); any other
-    as runs of ticks that send the same ways (forward, back, both or none), each way's
-    pairs one send."""
+    """The table's ticks cut into scans whose sends are the same at every step: of the
+    two cuts, runs of ticks that send the same ways (GPipe, interleaved, evaluation: a
+    ramp up, a steady state, a ramp down, a tail) and, where stage pairs only swap, one
+    scan of two ticks a step (1F1B, zb-h1, whose ways alternate tick by tick), the one
+    with fewer sends among those of at most four scans, so the scans do not grow with
+    the micro-batches."""
     P, V, T = schedule.stages, schedule.virtual, schedule.ticks
     fwd, bwd, wgt = schedule.fwd, schedule.bwd, schedule.wgt
     f = [{(s, (s + 1) % P) for s in range(P) if fwd[t, s] != IDLE
@@ -471,24 +497,9 @@ def segments(schedule: Schedule) -> tuple:
     def phases(a, z):
         return "".join(k for k, arr in zip("FBW", (fwd, bwd, wgt)) if (arr[a:z] != IDLE).any())
 
-    # The ticks that send, rounded up to pairs; the rest (zb-h1's last W's) send nothing.
-    sending = 1 + max((t for t in range(T) if f[t] or b[t]), default=-1)
-    paired = sending + sending % 2
-    swaps = [set().union(*(f[t] | b[t] for t in range(k, paired, 2))) for k in (0, 1)]
-    if paired <= T and all(_one_to_one(list(f[t]) + list(b[t])) for t in range(paired)) and \
-            all(_one_to_one(x) for x in swaps):
-        rest = (Segment(paired, T, 1, ((),), phases(paired, T)),) if paired < T else ()
-        return (Segment(0, paired, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
-                                            for x in swaps), phases(0, paired)),) + rest
-    out, t = [], 0
-    while t < T:
-        z = t
-        while z < T and (bool(f[z]), bool(b[z])) == (bool(f[t]), bool(b[t])):
-            z += 1
-        ways = [(w, tuple(sorted(set().union(*sets[t:z])))) for w, sets in (("f", f), ("b", b))]
-        out.append(Segment(t, z, 1, (tuple(x for x in ways if x[1]),), phases(t, z)))
-        t = z
-    return tuple(out)
+    cuts = [c for c in (_runs(f, b, phases, T), _swaps(f, b, phases, T)) if c]
+    few = [c for c in cuts if len(c) <= 4] or cuts
+    return min(few, key=sends)
 
 
 def sends(segments) -> int:

@@ -10,15 +10,9 @@ a_l^T dy_l, which nobody waits for: a zero-bubble schedule runs it later, as W.
     g_weights = split.weight_grads(params, acts, dys, *others)  # W
 
 `Split` traces fn to a jaxpr and binds its equations again (calls of jitted functions
-walked into). A *weight matmul* multiplies an operand made from the parameters alone with
-one made from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around
-one). Parameters feeding only weight matmuls are the *weights*; the rest stay in I.
-F is `jax.vjp` over (other params, x, a zero tap added to each weight matmul's output) with
-the weights held constant, returning each matmul's activation a_l; I is its pull-back (the
-taps' cotangents are the dy_l); W is `jax.vjp` over the weights of the matmuls alone,
-pulled back from the dy_l: no cotangent chain again. Anything not walked into (a custom
-VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls staying in I. No collective of
-its own: the model's tensor-parallel ones are bound where the model wrote them.
+walked into); `Split._classify` says which matmuls are weight matmuls, `forward` and
+`weight_grads` how F, I and W are made. No collective of its own: the model's
+tensor-parallel ones are bound where the model wrote them.
 """
 from __future__ import annotations
 
@@ -105,7 +99,17 @@ def _bind(node: _Node, operands):
 
 class Split:
     """fn(params, x, *others) -> outputs, split into F, I and W (module docstring).
-    `params` is any pytree; `others` are operands nothing is differentiated for (indices)."""
+    `params` is any pytree; `others` are operands nothing is differentiated for (indices).
+
+    A *weight matmul* multiplies an operand made from the parameters alone with one made
+    from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around
+    one). Parameters feeding only weight matmuls are the *weights*; the rest stay in I.
+    F is `jax.vjp` over (other params, x, a zero tap added to each weight matmul's output)
+    with the weights held constant, returning each matmul's activation a_l; I is its
+    pull-back (the taps' cotangents are the dy_l); W is `jax.vjp` over the weights of the
+    matmuls alone, pulled back from the dy_l: no cotangent chain again. Anything not
+    walked into (a custom VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls
+    staying in I."""
 
     def __init__(self, fn, params, x, *others):
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, x, *others)
