@@ -1,5 +1,6 @@
-"""The pipeline schedules' tables are sound, and the table-driven program (1f1b,
-interleaved, zb-h1: `--pipeline-schedule`) equals the single-device reference.
+"""The pipeline schedules' tables are sound, and the tick program that runs them
+(`--pipeline-schedule`; GPipe's in tests/test_pipeline.py) equals the single-device
+reference.
 
 The tables (vit_pure/pipeline/schedules.py) are checked as data: every micro-batch runs
 forward and backward once through every virtual stage, in dependency order, each send
@@ -289,8 +290,8 @@ def _memory_table():
     block = section[section.index("```\n") + 4:]
     block = block[:block.index("```")].replace("\\\n", " ")
     commands = [line.split() for line in block.splitlines() if line.strip()]
-    rows = re.findall(r"^\| (\d+) \| (\w[\w-]*(?: V=\d)?) \|", section, re.M)
-    return commands, [(int(k), label) for k, label in rows]
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\w[\w-]*(?: V=\d)?) \|", section, re.M)
+    return commands, [(int(p), int(k), label) for p, k, label in rows]
 
 
 def test_the_docs_memory_table_commands_still_run():
@@ -317,7 +318,7 @@ def test_the_docs_memory_table_commands_still_run():
                            "microbatches": mult * P, "schedule": name, "virtual": V}
                     cli.parse_args(train_shardmap.build_parser(), bench.row_argv(job))
                     schedules.build(name, P, mult * P, V)
-                    made.add((mult * P, name + (f" V={V}" if V > 1 else "")))
+                    made.add((P, mult * P, name + (f" V={V}" if V > 1 else "")))
     assert set(rows) <= made
 
 

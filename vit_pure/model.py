@@ -416,7 +416,7 @@ def head(params, x, cfg: ViTConfig, policy: Policy):
 def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int):
     """The per-example keys (B,) of a forward pass's dropout and stochastic depth, or None
     when it draws nothing (evaluation, or both rates 0). Used by `apply` and by
-    `pipeline.pipelined_logits`. example_ids default to 0..B-1."""
+    the pipeline's `program.table_grads`. example_ids default to 0..B-1."""
     if not train or (cfg.dropout == 0 and cfg.drop_path == 0):
         return None
     if rng is None:

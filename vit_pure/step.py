@@ -15,8 +15,8 @@ handed in `model.Parallel` or call: with its `tp_axis`, the model's two tensor-p
 operators (`model._copy_to_tp`, a pcast whose transpose is a psum, and
 `model._reduce_from_tp`, a psum); with its `gather`, the script's FSDP hook (an
 all_gather, a reduce-scatter in the backward pass). `accumulate` is the one gradient
-path: `local_grads` and `pipeline.pipeline_grads` (whose loss carries the pipeline
-schedule's ppermute and psum) both run through it.
+path: `local_grads` and `pipeline.pipeline_grads` (whose `grads_fn` runs the pipeline
+schedule's ticks, with their ppermutes and psums) both run through it.
 """
 from __future__ import annotations
 
@@ -354,8 +354,8 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
 
     `micro_metrics(p, images, labels, targets, example_ids, drop_key) -> {"loss", ...}`
     is the forward pass and loss of one micro-batch; its "loss" is differentiated (scaled
-    by `loss_scale`, the gradients unscaled after). It may hold collectives of its own
-    (the pipeline's schedule); this function adds none.
+    by `loss_scale`, the gradients unscaled after). It and `grads_fn` may hold
+    collectives of their own (the pipeline's schedule); this function adds none.
 
     Gradient accumulation (`sc.accum_steps` = K > 1): the slice of b examples is cut into
     K micro-batches of b/K, run one after another in a `lax.scan`; their gradients are
