@@ -11,7 +11,6 @@ device applies the same update and the replicas never drift apart.
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -20,7 +19,7 @@ if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv) and (
         "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")):
     # The first line, before JAX loads (seconds on a busy CPU). The restart with huge
     # pages (vit_pure/run/hostmem.py) sets that tunable, so it is said once.
-    print(f"{os.path.basename(__file__)}: starting", flush=True)
+    print(f"{os.path.basename(__file__)}: starting: loading JAX", flush=True)
 import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU, quiet.py)
 # isort: on
 import jax
@@ -31,9 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vit_pure import step
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, hostmem, loop
-from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
+from vit_pure.run import accum, cli, entry, hostmem
 
 AXIS = "data"
 
@@ -144,18 +141,8 @@ class PmapStrategy:
 
 def main(argv=None) -> dict:
     args = cli.parse_args(cli.build_parser(__doc__.splitlines()[0]), argv)
-    if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(PlanConfig.from_args(args), functools.partial(
-            step_config, args), lambda sc, optimizer, devices: PmapStrategy(
-            sc, optimizer, devices=devices), "train_pmap.py")
-    cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
-    backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
-    # --init-from: the file's weights fitted to the model (which it may change), or None.
-    pretrained = pretrained_weights(args)
-    # The flags become two frozen values, here, once: nothing below reads `args`.
-    sc, rc = step_config(args), RunConfig.from_args(args)
-    return loop.run(rc, sc, PmapStrategy, init_params=pretrained)
+    # Train (or, with --plan N, compile for N devices and print the plan): vit_pure/run/entry.py.
+    return entry.main(args, PmapStrategy, "train_pmap.py")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,17 @@
-"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
+r"""ViT training with `jax.shard_map` over a named Mesh: every collective written out.
 
     python train_shardmap.py --batch 4096 --dtype bf16 --data-dir ./data
     python train_shardmap.py --model tiny --dataset synthetic --steps 20 --cpu-devices 8 \
         --mesh data=2,model=4 --fsdp
 
-The mesh has three axes, `--mesh data=D,model=M,pipe=S` (D*M*S = the device count):
-
-* 'data': the batch is split over it (data parallelism); with `--fsdp` the weight
-  matrices and their optimizer state too (ZeRO-3): `fsdp_gather` all-gathers each layer's
-  weights just before use, and its backward pass reduce-scatters their gradients.
-* 'model': Megatron-style tensor parallelism over heads and MLP units; its two operators
-  are in vit_pure/model.py (`_copy_to_tp`, "f", and `_reduce_from_tp`, "g").
-* 'pipe': pipeline parallelism, `--microbatches K`: each stage holds depth/S blocks; the
-  schedules and their collectives are in vit_pure/pipeline/.
-
-Which array is split over which axis comes from the parameters' logical axis names and the
-two rule tables `TP_RULES` and `FSDP_RULES` below. Inside `shard_map` nothing moves between
-devices unless a collective says so: the data-parallel and FSDP ones are in this file.
-The gradient pitfall (a replicated parameter's gradient comes back already summed over
-'data') and how this file avoids it are at `global_grads`; tests/test_train.py pins the
-naive recipe's factor of N down, tests/test_model_parallel.py checks every layout against
-a single-device reference.
+`--mesh data=D,model=M,pipe=S`: 'data' splits the batch (with `--fsdp` also the weights and
+their optimizer state, ZeRO-3: `fsdp_gather`); 'model' is Megatron-style tensor
+parallelism (its two operators in vit_pure/model.py); 'pipe' is pipeline parallelism
+(`--microbatches K`, vit_pure/pipeline/). Which array splits over which axis: the rule
+tables `TP_RULES` and `FSDP_RULES`. Inside `shard_map` nothing moves unless a collective
+says so; the data-parallel and FSDP ones are in this file. The gradient pitfall (a
+replicated parameter's gradient comes back already summed over 'data') is handled at
+`global_grads`; tests/test_train.py and tests/test_model_parallel.py check it.
 """
 from __future__ import annotations
 
@@ -35,7 +26,7 @@ if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv) and (
         "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")):
     # The first line, before JAX loads (seconds on a busy CPU). The restart with huge
     # pages (vit_pure/run/hostmem.py) sets that tunable, so it is said once.
-    print(f"{os.path.basename(__file__)}: starting", flush=True)
+    print(f"{os.path.basename(__file__)}: starting: loading JAX", flush=True)
 import vit_pure  # noqa: E402, F401 (before jax: JAX's CUDA plugin without a GPU, quiet.py)
 # isort: on
 import jax
@@ -51,9 +42,7 @@ from vit_pure.layout import entry_axes, mesh_axes
 from vit_pure.layout import is_spec as _is_spec
 from vit_pure.layout import like_param as _like_param
 from vit_pure.model import Parallel, init_params, param_axes
-from vit_pure.plan import build as plan
-from vit_pure.run import accum, backend, cli, distributed, hostmem, loop
-from vit_pure.run.settings import PlanConfig, RunConfig, pretrained_weights, step_config
+from vit_pure.run import accum, cli, distributed, entry, hostmem
 
 DATA, MODEL, PIPE = "data", "model", "pipe"
 
@@ -226,43 +215,52 @@ class ShardMapStrategy:
         # parallelism's all-reduces in every layer; 'pipe' moves one activation per tick.
         self.mesh = jax.make_mesh((sizes[DATA], sizes[PIPE], sizes[MODEL]), (DATA, PIPE, MODEL),
                                   axis_types=(AxisType.Auto,) * 3, devices=devices)
-        # Pipeline: S stages, K micro-batches per device slice (default K = S).
-        self.stages = sizes[PIPE]
-        if microbatches is not None and self.stages == 1:
+        self.batch_divisor, self.fsdp, self.optimizer = sizes[DATA], fsdp, optimizer
+        self.tp_axis = MODEL if sizes[MODEL] > 1 else None
+        self._set_pipeline(sc, sizes[PIPE], microbatches, schedule, virtual_stages)
+        if self.stages > 1:  # what the pipeline runs of it (every row of the last block)
+            sc = pipeline.step_config(sc)
+        self.sc = sc
+        self._set_state_specs(sizes)
+        self._build(optimizer)
+
+    def _set_pipeline(self, sc, stages: int, microbatches: int | None, schedule: str,
+                      virtual_stages: int) -> None:
+        """The pipeline's S stages, K micro-batches per device slice (default K = S), its
+        schedule's table (vit_pure/pipeline/schedules.py) and the blocks' order on the
+        devices; a UsageError for flags that ask for a pipeline without one, or for a
+        schedule the stages, micro-batches and depth do not allow."""
+        self.stages, self.schedule, self.virtual_stages = stages, schedule, virtual_stages
+        if microbatches is not None and stages == 1:
             raise cli.UsageError("--microbatches needs a pipeline: add pipe=S to --mesh")
-        self.microbatches = self.stages if microbatches is None else microbatches
+        self.microbatches = stages if microbatches is None else microbatches
         if self.microbatches < 1:
             raise cli.UsageError(f"--microbatches must be >= 1, got {self.microbatches}")
-        # The schedule's table (vit_pure/pipeline/schedules.py): which stage runs which
-        # micro-batch's forward and backward at each tick.
-        self.schedule, self.virtual_stages = schedule, virtual_stages
-        if self.stages == 1 and (schedule != "gpipe" or virtual_stages != 1):
+        if stages == 1 and (schedule != "gpipe" or virtual_stages != 1):
             raise cli.UsageError("--pipeline-schedule / --virtual-stages need a pipeline: "
                                  "add pipe=S to --mesh")
         try:
-            pipeline.schedules.check_schedule(schedule, self.stages, self.microbatches,
+            pipeline.schedules.check_schedule(schedule, stages, self.microbatches,
                                               virtual_stages)
-            if (sc.cfg.depth // self.stages) % virtual_stages:
+            if (sc.cfg.depth // stages) % virtual_stages:
                 raise ValueError(f"--virtual-stages {virtual_stages}: the "
-                                 f"{sc.cfg.depth // self.stages} blocks per stage do not "
+                                 f"{sc.cfg.depth // stages} blocks per stage do not "
                                  f"split into {virtual_stages} chunks")
         except ValueError as e:
-            if self.stages > 1:
+            if stages > 1:
                 raise cli.UsageError(str(e)) from None
         # Interleaved: each stage's slice of the stacked blocks is its V chunks (virtual
         # stages s, S + s, ...: pipeline.block_order), so the blocks are stored in that
         # order on the devices. put_state applies it, host_state undoes it: checkpoints
         # and exports keep the layers in order.
-        self.block_order = (pipeline.block_order(sc.cfg.depth, self.stages, virtual_stages)
-                            if self.stages > 1 and virtual_stages > 1 else None)
-        if self.stages > 1:  # what the pipeline runs of it (every row of the last block)
-            sc = pipeline.step_config(sc)
-        self.optimizer = optimizer
-        self.batch_divisor = sizes[DATA]
-        self.sc = sc
-        self.fsdp = fsdp
-        self.tp_axis = MODEL if sizes[MODEL] > 1 else None
-        self.param_specs = param_specs(sc.cfg, sizes, fsdp)
+        self.block_order = (pipeline.block_order(sc.cfg.depth, stages, virtual_stages)
+                            if stages > 1 and virtual_stages > 1 else None)
+
+    def _set_state_specs(self, sizes: dict[str, int]) -> None:
+        """Where every array of the training state lives on the mesh (`state_specs`), and
+        the layout table the start-up log prints."""
+        sc, optimizer = self.sc, self.optimizer
+        self.param_specs = param_specs(sc.cfg, sizes, self.fsdp)
         self.params_shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg))
         self.opt_state_shapes = jax.eval_shape(optimizer.init, self.params_shapes)
         # The optimizer state is laid out like the parameters it belongs to (Adam's mu and
@@ -279,7 +277,6 @@ class ShardMapStrategy:
         self.layout = layout.format_table(self.param_specs, self.params_shapes,
                                           self.opt_state_shapes, self.opt_specs, optimizer,
                                           dict(self.mesh.shape))
-        self._build(optimizer)
 
     def describe(self) -> str:
         fsdp = "on" if any(DATA in mesh_axes(s) for s in
@@ -429,8 +426,10 @@ class ShardMapStrategy:
         axes = jax.tree.map(lambda names: names.index("layers") if "layers" in names else -1,
                             param_axes(self.sc.cfg), is_leaf=lambda x: isinstance(x, tuple))
 
-        def take(x, axis):
-            return x if axis < 0 else np.take(np.asarray(x), order, axis=axis)
+        def take(x, axis):  # (a size-1 axis: a state leaf of a frozen param, whole)
+            if axis < 0 or np.shape(x)[axis] == 1:
+                return x
+            return np.take(np.asarray(x), order, axis=axis)
         out = dict(state)
         for k in ("params", "ema"):
             if k in out:
@@ -499,27 +498,15 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
-    if args.plan is not None:  # compile for --plan N devices and print the plan; no training
-        pretrained_weights(args, fit=False)  # --init-from's model, not its weights
-        return plan.run(PlanConfig.from_args(args), functools.partial(
-            step_config, args), lambda sc, optimizer, devices: ShardMapStrategy(
-            sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
-            microbatches=args.microbatches, schedule=args.pipeline_schedule,
-            virtual_stages=args.virtual_stages), "train_shardmap.py")
-    cli.start_runtime(args)  # --cpu-devices, then join the processes of a multi-process job
-    backend.note_missing_cuda()  # a GPU this jax cannot use: one line naming the install
-    # --init-from: the file's weights fitted to the model (which it may change), or None.
-    pretrained = pretrained_weights(args)
-    # The flags become two frozen values, here, once: nothing below reads `args`.
-    sc, rc = step_config(args), RunConfig.from_args(args)
 
-    def make_strategy(sc, optimizer):
-        return ShardMapStrategy(sc, optimizer, args.mesh, fsdp=args.fsdp,
+    def make_strategy(sc, optimizer, devices=None):  # all of JAX's devices unless given
+        return ShardMapStrategy(sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
                                 microbatches=args.microbatches,
                                 schedule=args.pipeline_schedule,
                                 virtual_stages=args.virtual_stages)
 
-    return loop.run(rc, sc, make_strategy, init_params=pretrained)
+    # Train (or, with --plan N, compile for N devices and print the plan): vit_pure/run/entry.py.
+    return entry.main(args, make_strategy, "train_shardmap.py")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,15 @@
-"""Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
+r"""Benchmark the real training step: images/s, compile time, FLOPs, MFU and memory.
 
     python -m benchmarks.bench --cpu-devices 8 \
         --config "pmap:1:fp32" --config "shard_map:data=4,model=2:bf16"
     python -m benchmarks.bench --config "pmap:1:fp32; pmap:1:bf16; shard_map:data=2:bf16:scan=0"
-    python -m benchmarks.bench --model tiny --batch 32 --steps 3 --config "shard_map:2:fp32"
-
-A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
-    STRATEGY  pmap | shard_map
-    LAYOUT    a device count N (shard_map: the mesh data=N) or a mesh data=D,model=M;
-              empty means every device (with --cpu-devices N: N)
-    POLICY    fp32 | bf16 | fp16 | p=DTYPE,c=DTYPE,o=DTYPE (as --policy in the scripts)
-    OPTIONS   key=value pairs, comma-separated, overriding the global flags for this
-              configuration: scan=0|1|auto, remat=NAME, accum=K, precision=default|high|highest,
-              fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
-Give several with repeated --config flags or separated by ';' (or both).
-
-Or `--kit LABEL=FLAGS` (repeatable; harness.py parse_kit_row, as in benchmarks.peers and
-benchmarks.deviceless): train_shardmap.py's step with --model, --batch and these flags, e.g.
     python -m benchmarks.bench --model tiny --batch 32 --kit "dp=--cpu-devices 2" \
         --kit "tp=--cpu-devices 2 --mesh data=1,model=2 --dtype bf16"
 
-What is timed: `run_config`; a fresh process per configuration: `_child`; the
-columns: `markdown_table`.
+Each row is a --config (STRATEGY:LAYOUT:POLICY[:OPTIONS], below) or a `--kit LABEL=FLAGS`
+(train_shardmap.py's step with --model, --batch and these flags, as in benchmarks.peers
+and benchmarks.deviceless). What is timed: `run_config`; a fresh process per
+configuration: `_child`; the columns: `markdown_table`.
 """
 from __future__ import annotations
 
@@ -389,8 +377,21 @@ def markdown_table(results: list[dict]) -> str:
     return harness.markdown_table(head, rows)
 
 
+# What --help prints after the usage lines: the grammar of --config (rows.py reads it).
+CONFIG_GRAMMAR = """A configuration is STRATEGY:LAYOUT:POLICY[:OPTIONS]
+    STRATEGY  pmap | shard_map
+    LAYOUT    a device count N (shard_map: the mesh data=N) or a mesh data=D,model=M;
+              empty means every device (with --cpu-devices N: N)
+    POLICY    fp32 | bf16 | fp16 | p=DTYPE,c=DTYPE,o=DTYPE (as --policy in the scripts)
+    OPTIONS   key=value pairs, comma-separated, overriding the global flags for this
+              configuration: scan=0|1|auto, remat=NAME, accum=K, precision=default|high|highest,
+              fsdp=0|1 (ZeRO-3 over 'data'), mb=K (pipeline micro-batches; layout pipe=S)
+Give several with repeated --config flags or separated by ';' (or both)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.doc_parser(__doc__)
+    p.epilog = f"{p.epilog}\n\n{CONFIG_GRAMMAR}"
     a = p.add_argument
     a("--config", action="append", default=[], metavar="STRATEGY:LAYOUT:POLICY[:OPTIONS]",
       help="a configuration to measure (repeatable; ';' separates several)")

@@ -1,26 +1,17 @@
-"""The kit's training step compiled for a GPU without one, configurations side by side.
+r"""The kit's training step compiled for a GPU without one, configurations side by side.
 
     python -m benchmarks.deviceless                       # the default rows (build_jobs)
     python -m benchmarks.deviceless --kit "as written=" --kit "einsum=--attention einsum" \
         --kit "save-dots=--remat block-save-dots" --json deviceless.json
-    python -m benchmarks.deviceless --model tiny --batch 64 --kit "tiny="   # a quick check
     python -m benchmarks.deviceless --kit "headline=" --top 12   # where its traffic goes
 
-Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FLAGS]
---plan G --hardware H` (the plan's deviceless compile, vit_pure/plan/build.py), run in a
-process of its own (benchmarks/harness.py's child runner). `--kit LABEL=FLAGS` (repeatable)
-gives a row's label and extra training-script flags, after any NAME=VALUE words that set
-environment variables for that row only (as benchmarks.peers reads them).
-
-Nothing runs: XLA:GPU compiles the step for the described GPU
-(vit_pure/plan/targets/*.txtpb) with JAX's CUDA plugin (`pip install -r
-requirements-gpu.txt`; no driver, no GPU; without the plugin this tool stops with one line).
-The columns, per device and per step, from the compiled program: `table`. `--program
-LABEL=FILE` (repeatable) adds a row from a GPU's own optimised module: `read_programs`.
-
-Autotuning is off (there is no device to time on) and GEMMs go to cuBLAS; the real GPU's
-program can differ in its tiles and fusions. docs/performance.md compares these figures
-with the H100's measurements.
+Each row is `train_shardmap.py --model M --batch B --dtype D --accum-steps 1 [FLAGS] --plan
+G --hardware H` (the plan's deviceless compile, vit_pure/run/planning.py) in a process of
+its own; `--kit LABEL=FLAGS` gives a row's label and flags, after any NAME=VALUE words (that
+row's environment). Nothing runs: XLA:GPU compiles for the described GPU
+(vit_pure/plan/targets/) with JAX's CUDA plugin (`pip install -r requirements-gpu.txt`),
+autotuning off, GEMMs to cuBLAS. The columns: `table`; `--program LABEL=FILE` rows from a
+GPU's own module: `read_programs`. docs/performance.md compares them with measurements.
 """
 from __future__ import annotations
 
@@ -160,12 +151,14 @@ def table(rows: list[dict]) -> str:
         TFLOP          matmul FLOPs of the program (cuBLAS calls and any dot left)
         int Gop        integer arithmetic outside the GEMMs, instructions x elements (random
                        bits, mostly: dropout masks); not in the floor
-        floor ms       each kernel max(bytes / bandwidth, GEMM FLOPs / peak) + a launch, summed:
-                       a floor, not a prediction of the step time
-        pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem), FLOPs /
-                       (peak x e_class)) + its integer work + a launch, the efficiencies fitted
-                       to the H100's measured steps (vit_pure/xla/kernels.py, H100_RATES;
-                       benchmarks/fit_step.py gives the fit and its errors)
+        floor ms       each kernel max(bytes / bandwidth, FLOPs / the fastest GEMM rate
+                       measured) + a launch, summed: a floor, not a prediction of the step
+        pred ms        the predicted step: each kernel max(bytes / (bandwidth x e_mem of its
+                       class), FLOPs / (peak x e of its GEMM shape class or attention pass))
+                       + its integer work + a launch, the efficiencies fitted class by class
+                       to an H100 profile (vit_pure/xla/kernels.py, H100_RATES;
+                       `benchmarks.fit_step --profile`); the JSON also has it by class
+                       (`predicted_s_by_class`)
         compile s      the deviceless compile
 
     Under the table, each compiled row's predicted step on every described GPU (the same

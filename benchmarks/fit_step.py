@@ -4,20 +4,13 @@
     python -m benchmarks.fit_step --rows benchmarks/data/h100-2026-11-23.json
     python -m benchmarks.fit_step --profile gpu-check/kernel_times.json --hardware h200
 
-A row is a measured step (LABEL=MS=FILE: the step's milliseconds on the GPU and its
-program, an optimised XLA:GPU module, compiled deviceless for the GPU from the kit that
-was measured). Its kernels are read with vit_pure/xla/kernels.py and kept, alike kernels
-together, in --save's JSON (the compiles take minutes on a small CPU; the JSON is the
-cache). The fit: e_mem, e_gemm and e_attention of `kernels.Rates` on a grid (0.01 steps),
-minimising the squared relative errors of the predicted steps (`kernels.predicted_s`;
-the INT32 rate and launch cost as `kernels.H100_RATES`), then each row's error
-at the fit and left out of it (fitted on the others, predicted). Prints a Markdown table,
-and which terms the rows cannot separate (a term whose work is the same in every row acts
-as an intercept: its efficiency is whatever absorbs the rest).
-
-`--profile` fits from kernel times instead (benchmarks.gpu_check's profile part): each
-class's efficiency from its own kernels' device time (GEMMs also per shape), the INT32
-rate from what the random-bit kernels take beyond their memory time.
+A row is a measured step, LABEL=MS=FILE: its milliseconds on the GPU and its program (an
+optimised XLA:GPU module compiled deviceless from the kit measured), whose kernels are read
+with vit_pure/xla/kernels.py and kept in --save's JSON (the cache of slow compiles). `fit`:
+e_mem, e_gemm and e_attention of `kernels.Rates` on a 0.01 grid, minimising the squared
+relative errors of `kernels.predicted_s`; then each row's error at the fit and left out of
+it; and the terms the rows cannot separate (`unseparable`). `--profile` fits from kernel
+times instead (benchmarks.gpu_check's profile part: `fit_profile`).
 """
 from __future__ import annotations
 
@@ -44,10 +37,11 @@ def summarise(found: list[kernels.Kernel]) -> list[dict]:
     """Alike kernels together (every field but name, shape and op; runs added)."""
     groups: dict[tuple, dict] = {}
     for k in found:
-        key = (k.kind, k.bytes, k.flops, k.int_ops, k.attention_flops)
+        key = (k.kind, k.bytes, k.flops, k.int_ops, k.attention_flops, k.variant)
         row = groups.setdefault(key, {"kind": k.kind, "bytes": k.bytes, "flops": k.flops,
                                       "int_ops": k.int_ops,
-                                      "attention_flops": k.attention_flops, "runs": 0})
+                                      "attention_flops": k.attention_flops,
+                                      "variant": k.variant, "runs": 0})
         row["runs"] += k.runs
     return list(groups.values())
 
@@ -55,7 +49,8 @@ def summarise(found: list[kernels.Kernel]) -> list[dict]:
 def as_kernels(summary: list[dict]) -> list[kernels.Kernel]:
     return [kernels.Kernel(name="", kind=g["kind"], bytes=g["bytes"], flops=g["flops"],
                            runs=g["runs"], int_ops=g["int_ops"],
-                           attention_flops=g["attention_flops"]) for g in summary]
+                           attention_flops=g["attention_flops"],
+                           variant=g.get("variant", "")) for g in summary]
 
 
 def _grid(summary: list[dict], bandwidth: float, peak: float, rates: kernels.Rates):
@@ -81,11 +76,14 @@ def _grid(summary: list[dict], bandwidth: float, peak: float, rates: kernels.Rat
 
 def fit(rows: list[dict], bandwidth: float, peak: float,
         rates: kernels.Rates = kernels.H100_RATES) -> kernels.Rates:
-    """The rates minimising the rows' squared relative errors."""
+    """The rates minimising the rows' squared relative errors: one efficiency each for
+    memory, GEMMs and attention (`rates`' INT32 rate and launch kept)."""
     loss = sum((_grid(r["kernels"], bandwidth, peak, rates) / (r["measured_ms"] / 1e3) - 1) ** 2
                for r in rows)
     i, j, k = np.unravel_index(np.argmin(loss), loss.shape)
-    return dataclasses.replace(rates, e_mem=round(float(E_MEM[i]), 2),
+    # one efficiency per term: the class-by-class ones of a profile fit do not apply
+    return dataclasses.replace(rates, e_mem_by_class=(), e_gemm_by_shape=(),
+                               e_attention_by_pass=(), e_mem=round(float(E_MEM[i]), 2),
                                e_gemm=round(float(E_GEMM[j]), 2),
                                e_attention=round(float(E_ATTENTION[k]), 2))
 
@@ -143,68 +141,175 @@ def unseparable(rows: list[dict]) -> list[str]:
     return lines
 
 
+MATCHED_AT_LEAST = 0.8  # of the kernels' device time, for a profile fit (XLA:CPU: 88%, its loops)
+
+
+class ProfileError(UsageError):
+    """A profile that attributes too little of its device time to the program's kernels."""
+
+
+def _matched_fraction(record: dict) -> float:
+    """The share of the profile's device time that the join gave to the program's kernels
+    (a record written before the join kept it: from its classes and unmatched time)."""
+    if "matched_fraction" in record:
+        return record["matched_fraction"]
+    matched = sum(record.get("classes_us", {}).values())
+    total = matched + record.get("unmatched_us", 0.0)
+    return matched / total if total else 0.0
+
+
+def check_profile(record: dict) -> None:
+    """ProfileError (one line, naming the largest unmatched names) unless the profile
+    gives at least MATCHED_AT_LEAST of its device time to the program's kernels: a fit
+    on less would price each class on a part of its time."""
+    matched = _matched_fraction(record)
+    if matched >= MATCHED_AT_LEAST:
+        return
+    top = ", ".join(f"{name} {us / 1e3:.2f} ms" for name, us in record.get("unmatched_top", [])[:4])
+    raise ProfileError(
+        f"the profile attributes {100 * matched:.1f}% of its kernels' device time to the "
+        f"program (at least {100 * MATCHED_AT_LEAST:.0f}% needed); unmatched per step: "
+        f"{top or 'nothing named'}: profile with benchmarks.gpu_check (the trace joined to "
+        "the program by benchmarks.profile_breakdown)")
+
+
 def fit_profile(record: dict, bandwidth: float, peak: float,
-                rates: kernels.Rates = kernels.H100_RATES) -> tuple[kernels.Rates, list[dict]]:
-    """The rates from a profile's kernel times (`profile_breakdown.kernel_times`): e_mem
-    from the memory-bound kernels without integer work, the INT32 rate from the time the
-    others take beyond their memory time, e_gemm and e_attention from their kernels'
-    FLOPs over their time (each less a launch). Also the GEMMs per output shape:
-    [{shape, runs, tflop, ms, e}]."""
+                rates: kernels.Rates = kernels.H100_RATES
+                ) -> tuple[kernels.Rates, list[dict], list[str]]:
+    """The rates, class by class, from a profile's kernel times
+    (`profile_breakdown.kernel_times`), each class's kernels' time less a launch each:
+
+        launch             the idle time inside the step per kernel (where the record has it)
+        e_mem by class     each memory-bound class's bytes at the bandwidth over its time
+                           (less its integer work at the INT32 rate)
+        INT32 rate         the rng kernels' integer operations over their time less their
+                           memory time
+        e_gemm by shape    each GEMM shape class's FLOPs at the peak over its time
+        e_attention        each cuDNN pass's tile FLOPs at the peak over its time
+
+    Also the GEMMs per output shape ([{shape, class, runs, tflop, ms, e}]) and the rates it
+    could not fit (no kernel of theirs ran): those keep `rates`' values, named in the
+    list (as "e_gemm narrow", "e_mem elementwise", "INT32 rate", "launch")."""
     ks = [k for k in record["kernels"] if k["us"] > 0]
-    launch = rates.launch_s
+    launches = sum(k["runs"] for k in ks)
+    launch = (record["idle_ms"] * 1e-3 / launches if record.get("idle_ms") is not None
+              and launches else rates.launch_s)
+    defaults = [] if record.get("idle_ms") is not None else ["launch"]
 
-    def seconds(k):
-        return max(k["us"] * 1e-6 - k["runs"] * launch, 1e-9)
+    def seconds(group):
+        return max(sum(k["us"] * 1e-6 - k["runs"] * launch for k in group), 1e-12)
 
-    memory = [k for k in ks if k["kind"] not in ("gemm", "attention", "collectives")]
-    plain = [k for k in memory if not k["int_ops"]]
-    e_mem = (sum(k["runs"] * k["bytes"] for k in plain) / bandwidth
-             / sum(seconds(k) for k in plain)) if plain else rates.e_mem
-    ints = [k for k in memory if k["int_ops"]]
-    int_time = sum(max(seconds(k) - k["runs"] * k["bytes"] / (bandwidth * e_mem), 0.0)
-                   for k in ints)
-    int_per_s = (sum(k["runs"] * k["int_ops"] for k in ints) / int_time
-                 if ints and int_time > 0 else rates.int_per_s)
+    def kind(k):
+        return k["kind"] if k["kind"] in kernels.CLASSES else "other"
+
+    rng = [k for k in ks if kind(k) == "rng"]
+    int_per_s = rates.int_per_s
+    memory_classes = [c for c in kernels.CLASSES if c not in ("gemm", "attention", "rng")]
+    e_mem_by = {}
+    for c in memory_classes:
+        group = [k for k in ks if kind(k) == c]
+        nbytes = sum(k["runs"] * k["bytes"] for k in group)
+        ints = sum(k["runs"] * k["int_ops"] for k in group)
+        if nbytes:
+            e_mem_by[c] = nbytes / bandwidth / max(seconds(group) - ints / int_per_s, 1e-12)
+    plain = [k for c in ("elementwise", "norms/reductions", "transposes/copies")
+             for k in ks if kind(k) == c]
+    e_mem = (sum(k["runs"] * k["bytes"] for k in plain) / bandwidth / seconds(plain)
+             if plain else rates.e_mem)
+    if rng:
+        mem_s = sum(k["runs"] * k["bytes"] for k in rng) / (bandwidth * e_mem)
+        int_per_s = sum(k["runs"] * k["int_ops"] for k in rng) / max(seconds(rng) - mem_s,
+                                                                      1e-12)
+    else:
+        defaults.append("INT32 rate")
+    for c in memory_classes:
+        if c not in e_mem_by and c in dict(rates.e_mem_by_class):
+            defaults.append(f"e_mem {c}")
 
     def efficiency(group, key):
         flops = sum(k["runs"] * k[key] for k in group)
-        return flops / peak / sum(seconds(k) for k in group) if flops else None
+        return flops / peak / seconds(group) if flops else None
+
+    # The library kernels' bytes at the full bandwidth: a floor under their time, which
+    # their fitted compute efficiencies carry.
+    e_mem_by.update(gemm=1.0, attention=1.0)
 
     gemm = [k for k in ks if k["kind"] == "gemm"]
+    e_gemm_by = {}
+    for shape in kernels.GEMM_SHAPES:
+        e = efficiency([k for k in gemm if k.get("variant") == shape], "flops")
+        if e is not None:
+            e_gemm_by[shape] = e
+        else:
+            defaults.append(f"e_gemm {shape}")
+    # the one e_gemm (for GEMMs of no shape class): all of them together
+    e_gemm = efficiency(gemm, "flops")
     attention = [k for k in ks if k["kind"] == "attention"]
+    e_attention_by = {}
+    for part in kernels.ATTENTION_PASSES:
+        e = efficiency([k for k in attention if k.get("variant") == part], "attention_flops")
+        if e is not None:
+            e_attention_by[part] = e
+        else:
+            defaults.append(f"e_attention {part}")
+    e_attention = efficiency(attention, "attention_flops")
+    if e_gemm is None:
+        defaults.append("e_gemm")
+    if e_attention is None:
+        defaults.append("e_attention")
     shapes = {}
     for k in gemm:
         shapes.setdefault((k["shape"], k["flops"]), []).append(k)
-    by_shape = [{"shape": shape, "runs": sum(k["runs"] for k in group),
+    by_shape = [{"shape": shape, "class": group[0].get("variant", ""),
+                 "runs": sum(k["runs"] for k in group),
                  "tflop": sum(k["runs"] * k["flops"] for k in group) / 1e12,
                  "ms": sum(k["us"] for k in group) / 1e3, "e": efficiency(group, "flops")}
                 for (shape, _), group in shapes.items()]
     fitted = dataclasses.replace(
-        rates, e_mem=e_mem, int_per_s=int_per_s,
-        e_gemm=efficiency(gemm, "flops") or rates.e_gemm,
-        e_attention=efficiency(attention, "attention_flops") or rates.e_attention)
-    return fitted, sorted(by_shape, key=lambda g: -g["ms"])
+        rates, e_mem=e_mem, int_per_s=int_per_s, launch_s=launch,
+        e_gemm=e_gemm or rates.e_gemm, e_attention=e_attention or rates.e_attention,
+        e_mem_by_class=tuple((dict(rates.e_mem_by_class) | e_mem_by).items()),
+        e_gemm_by_shape=tuple((dict(rates.e_gemm_by_shape) | e_gemm_by).items()),
+        e_attention_by_pass=tuple((dict(rates.e_attention_by_pass) | e_attention_by).items()))
+    return fitted, sorted(by_shape, key=lambda g: -g["ms"]), defaults
 
 
 def profile_report(record: dict, bandwidth: float, peak: float) -> str:
-    """The rates fitted to a profile, the GEMMs per shape, and the predicted step at those
-    rates against the step measured and the kernels' sum."""
-    rates, by_shape = fit_profile(record, bandwidth, peak)
+    """The rates fitted to a profile class by class (defaults marked), the GEMMs per
+    shape, and each class's predicted time at those rates against its measured time."""
+    check_profile(record)
+    rates, by_shape, defaults = fit_profile(record, bandwidth, peak)
     found = as_kernels(record["kernels"])
     predicted = kernels.predicted_s(found, bandwidth, peak, rates) * 1e3
+    by_class = kernels.predicted_by_class(found, bandwidth, peak, rates)
     measured, summed = record["step_ms"], record["total_us"] / 1e3
+
+    def mark(name):
+        return " (default: not in the profile)" if name in defaults else ""
+
+    def pairs(items, prefix):
+        return ", ".join(f"{n} {e:.3g}{mark(f'{prefix} {n}')}" for n, e in items)
+
     lines = [f"fit on the profile of {record.get('model')} batch {record.get('batch')} "
-             f"({record.get('device')}, {record['steps']} steps): e_mem {rates.e_mem:.3g}, "
-             f"e_gemm {rates.e_gemm:.3g}, e_attention {rates.e_attention:.3g}, INT32 "
-             f"{rates.int_per_s / 1e12:.1f} T/s (launch {rates.launch_s * 1e6:.0f} us: fixed)",
+             f"({record.get('device')}, {record['steps']} steps, "
+             f"{100 * _matched_fraction(record):.1f}% of the device time matched):",
+             f"  e_mem by class: {pairs(rates.e_mem_by_class, 'e_mem')}",
+             f"  e_gemm by shape class: {pairs(rates.e_gemm_by_shape, 'e_gemm')}",
+             f"  e_attention by pass: {pairs(rates.e_attention_by_pass, 'e_attention')}",
+             f"  INT32 {rates.int_per_s / 1e12:.1f} T/s{mark('INT32 rate')}, launch "
+             f"{rates.launch_s * 1e6:.2f} us{mark('launch')}",
              f"predicted step at these rates {predicted:.1f} ms; measured {measured:.1f} ms "
              f"({100 * (predicted / measured - 1):+.1f}%); the kernels' device time "
-             f"{summed:.1f} ms", "", "time by class (ms per step): " + ", ".join(
-                 f"{k} {v / 1e3:.2f}" for k, v in record["classes_us"].items()), ""]
-    table = [[g["shape"][:48], str(g["runs"]), f"{g['tflop']:.3f}", f"{g['ms']:.2f}",
-              "-" if g["e"] is None else f"{g['e']:.2f}"] for g in by_shape]
-    return "\n".join(lines) + harness.markdown_table(
-        ["GEMM output", "per step", "TFLOP", "ms", "e_gemm"], table, numeric=range(1, 5))
+             f"{summed:.1f} ms", ""]
+    rows = [[c, f"{record['classes_us'].get(c, 0.0) / 1e3:.2f}", f"{by_class[c] * 1e3:.2f}"]
+            for c in by_class]
+    lines.append(harness.markdown_table(["class", "measured ms", "predicted ms"], rows,
+                                        numeric=(1, 2)))
+    table = [[g["shape"][:48], g["class"], str(g["runs"]), f"{g['tflop']:.3f}",
+              f"{g['ms']:.2f}", "-" if g["e"] is None else f"{g['e']:.2f}"] for g in by_shape]
+    return "\n".join(lines) + "\n\n" + harness.markdown_table(
+        ["GEMM output", "class", "per step", "TFLOP", "ms", "e_gemm"], table,
+        numeric=range(2, 6))
 
 
 def read_row(spec: str, hardware: str) -> dict:

@@ -3,26 +3,12 @@
     python -m benchmarks.gpu_check --out gpu-check            # on the GPU: at most 8 minutes
     python -m benchmarks.gpu_check --out /tmp/c --dry-run     # on a CPU: all but the timing (_part)
 
-Parts, in order, each in a process of its own with its own time limit (seconds), each
-writing what it has as it goes: DIR/gpu_check.json (every figure) and DIR/summary.md
-(the tables), rewritten after every part, so a loan cut short keeps what was done.
-
-    env      30   jax and torch versions, the device, and which `--hardware` describes it
-                  (vit_pure/plan/targets/: h100, h200), used by the parts below
-    steps   200   benchmarks.peers, one fresh process per row, one run: torch.compile
-                  first, then the headline as shipped, `--remat gelu` (the GELU output
-                  recomputed), `--last-block all` (the last block on every token:
-                  torch.compile's work): img/s, step ms, peak GiB (DIR/steps.json, .md)
-    log      45   the headline command itself (`train_shardmap.py --batch 4096 --dtype
-                  bf16 --dataset synthetic`), its own log (DIR/headline.log)
-    profile  75   the shipped step: its program (DIR/step.hlo.txt), step ms, and each
-                  kernel's device time from a jax.profiler trace, by the predictor's
-                  classes (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
-    gemms    60   each distinct GEMM of that program timed alone at its shape, layout and
-                  dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
-    program  70   that program read by `benchmarks.deviceless --program`, beside the
-                  deviceless compile of the same flags where the CUDA 12 plugin is:
-                  kernels, traffic, floor, predicted step (DIR/program.md)
+Parts, in order, each in a process of its own with its own time limit: env (versions, the
+device), steps (benchmarks.peers rows), log (the headline command's own log), profile (the
+shipped step's program and kernel times), gemms (each GEMM timed alone) and program (that
+program read by benchmarks.deviceless); what each writes: the comment above LIMITS.
+DIR/gpu_check.json (every figure) and DIR/summary.md (the tables) are rewritten after
+every part, so a loan cut short keeps what was done.
 """
 from __future__ import annotations
 
@@ -37,10 +23,37 @@ from benchmarks import harness
 from vit_pure.errors import UsageError
 from vit_pure.run import cli
 
-LIMITS = {"env": 30, "steps": 200, "log": 45, "profile": 75, "gemms": 60, "program": 70}
+# The parts, in order, with their time limits in seconds (LIMITS):
+#   env      jax and torch versions, the device, and which `--hardware` describes it
+#            (vit_pure/plan/targets/: h100, h200), used by the parts below
+#   steps    benchmarks.peers, one fresh process per row, one run: torch.compile first,
+#            then the headline as shipped, `--remat gelu` (the GELU output recomputed),
+#            `--last-block all` (the last block on every token: torch.compile's work),
+#            `--attention pallas` (the kit's Mosaic GPU attention kernel) and the
+#            GELU-epilogue candidates (GELU_ROWS: XLA settings): img/s, step ms, peak
+#            GiB (DIR/steps.json, .md)
+#   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
+#            --dataset synthetic`), its own log (DIR/headline.log)
+#   profile  the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
+#            inputs staged beforehand), and each kernel's device time from a
+#            jax.profiler trace joined to that program, by the predictor's classes
+#            (DIR/kernel_times.json: what `benchmarks.fit_step --profile` fits)
+#   gemms    each distinct GEMM of that program timed alone at its shape, layout and
+#            dtypes: TFLOP/s per shape (DIR/gemm_shapes.json)
+#   program  that program read by `benchmarks.deviceless --program`, beside the
+#            deviceless compile of the same flags where the CUDA 12 plugin is: kernels,
+#            traffic, floor, predicted step (DIR/program.md)
+LIMITS = {"env": 25, "steps": 240, "log": 40, "profile": 75, "gemms": 30, "program": 70}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all")
+# The Pallas attention row is untimed (opt-in until measured).
+STEP_ROWS = ("as shipped=", "remat gelu=--remat gelu", "every row=--last-block all",
+             "pallas attention=--attention pallas")
+# Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
+# epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
+# the GELU after the dot. A step ~3 ms or more under "as shipped" says it fused.
+GELU_ROWS = ("gelu: no triton gemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false",
+             "gelu: autotune 0=XLA_FLAGS=--xla_gpu_autotune_level=0")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 
@@ -81,7 +94,7 @@ def _steps(out: pathlib.Path, dry: bool) -> dict:
     argv = [sys.executable, "-m", "benchmarks.peers", "--batch", "4096", "--dtype", "bf16",
             "--steps", "8", "--warmup", "3", "--only", "torch-compile,kit",
             "--entry-timeout", "60", "--json", str(out / "steps.json")]
-    for row in STEP_ROWS:
+    for row in STEP_ROWS + GELU_ROWS:
         check_kit_flags(parse_kit_variant(row)[2], row)
         argv += ["--kit", row]
     if dry:
@@ -166,7 +179,10 @@ def part_table(name: str, part: dict) -> str:
     if name == "profile":
         rows = [[k, f"{v:.2f}"] for k, v in part["classes_ms"].items()]
         rows += [["(no kernel of the program)", f"{part['unmatched_ms']:.2f}"],
-                 ["kernels, all", f"{part['kernels_ms']:.2f}"], ["step", f"{part['step_ms']:.2f}"]]
+                 ["kernels, all", f"{part['kernels_ms']:.2f}"],
+                 ["step (pipelined, inputs staged)", f"{part['step_ms']:.2f}"]]
+        if part.get("step_ms_trace") is not None:
+            rows.append(["step in the trace (start to start)", f"{part['step_ms_trace']:.2f}"])
         return harness.markdown_table(["class", "ms per step"], rows, numeric=[1])
     rows = [[r["gemm"], str(r["runs"]), f"{r['gflop']:.1f}", f"{r['ms']:.3f}",
              f"{r['tflop_per_s']:.0f}", f"{100 * r['of_peak']:.0f}%"] for r in part["shapes"]]

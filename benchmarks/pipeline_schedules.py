@@ -1,4 +1,4 @@
-"""The pipeline schedules side by side: memory, compile time, modelled lockstep step time.
+r"""The pipeline schedules side by side: memory, compile time, modelled lockstep step time.
 
     python -m benchmarks.pipeline_schedules                      # ViT-B/16, pipe=4, H100
     python -m benchmarks.pipeline_schedules --stages 8 --json p8.json

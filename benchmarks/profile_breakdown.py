@@ -1,23 +1,17 @@
-"""Device time of a jax.profiler trace, split by kind of kernel.
+r"""Device time of a jax.profiler trace, by kind of kernel, or joined to its program.
 
     python -m benchmarks.profile_breakdown /tmp/prof             # newest run under it
+    python -m benchmarks.profile_breakdown TRACE --program step.hlo.txt.gz --json out.json
     python -m benchmarks.profile_breakdown /tmp/prof/plugins/profile/RUN/host.trace.json.gz
     python train_shardmap.py --model tiny --dataset synthetic --steps 6 --batch 16 \
         --cpu-devices 1 --profile /tmp/prof --profile-steps 3:4 --no-progress
 
-Reads the `*.trace.json.gz` that `jax.profiler` writes (the training scripts' `--profile
-DIR`, vit_pure/run/loop.py's Profiler, or `python -m benchmarks.peers --profile-kit DIR`):
-under DIR/plugins/profile/<run>/, one file per host. A directory means its newest run.
-
-Which events count as device time (`device_events`), and how nested or overlapping ones
-count (`self_times`): those functions' docstrings.
-
-Categories are assigned by name, first match wins (`CATEGORIES`); a kernel whose name says
-nothing (e.g. a vendor library kernel) is classified by its `hlo_op` instead. Names are
-only a hint: XLA names a fusion after its root op, so e.g. a fusion ending in a convert
-counts as "convert" even if it also adds and multiplies. `kernel_times` instead joins each
-event to the program's own kernel (its `hlo_op`) and groups the times by the predictor's
-classes (vit_pure/xla/kernels.py): what benchmarks.fit_step fits the efficiencies to.
+Reads the `*.trace.json.gz` that `jax.profiler` writes (the scripts' `--profile DIR`, or
+`benchmarks.peers --profile-kit DIR`) under DIR/plugins/profile/<run>/; a directory means
+its newest run. Categories by name, first match wins (`CATEGORIES`): only a hint. With
+`--program HLO` (`kernel_times`, `join`) each event goes to the program's own kernel and
+the times per step to the predictor's classes (vit_pure/xla/kernels.py): the JSON holds
+`matched_fraction`, `classes_ms`, each kernel's time and `step_ms_trace` (`join` says how).
 """
 from __future__ import annotations
 
@@ -31,6 +25,8 @@ import sys
 
 from benchmarks import harness
 from vit_pure.run import cli
+from vit_pure.xla import hlo, kernels
+from vit_pure.xla.hlo import Instr, Module
 
 # (category, pattern), first match wins: the order resolves names that match several
 # (a "gemm_fusion_dot" is a gemm; a threefry "shift-right-logical_convert_fusion" is random).
@@ -190,27 +186,215 @@ def breakdown(events: list[dict], top: int = 15, nested: bool = False) -> dict:
     }
 
 
-def kernel_times(found: list, events: list[dict], steps: int, nested: bool = False) -> dict:
+def kernel_times(found: list, events: list[dict], steps: int, nested: bool = False,
+                 module: Module | None = None) -> dict:
     """Each kernel of the program (`vit_pure.xla.kernels.kernels`) with its device time per
-    step from the trace's events (joined on their `hlo_op`, every event of one kernel
-    added), and the time per step by the predictor's classes; events naming no kernel of
-    the program count as "unmatched". JSON-ready: what benchmarks.fit_step --profile reads."""
-    by_op = collections.Counter()
-    durations = self_times(events) if nested else [float(e["dur"]) for e in events]
-    for e, dur in zip(events, durations):
-        by_op[str((e.get("args") or {}).get("hlo_op") or e.get("name", ""))] += dur
+    step from the trace's events, and the time per step by the predictor's classes; what
+    no kernel of the program takes counts as "unmatched". JSON-ready: what
+    benchmarks.fit_step --profile reads.
+
+    Given the program (`module`) and a GPU trace whose events name their module
+    (`args.hlo_module`), the events are joined to it by `join` (a step run as one CUDA graph
+    names only the graph in `hlo_op`); otherwise on each event's `hlo_op` (XLA:CPU's op
+    events, a GPU step run kernel by kernel), every event of one kernel added."""
+    if module is not None and any((e.get("args") or {}).get("hlo_module") for e in events):
+        joined = join(module, events)
+        by_op = collections.Counter({n: us * joined["executions"] for n, us in
+                                     joined["us_per_step"].items()})
+        steps = joined["executions"] or steps
+        unmatched = joined["unmatched_us"] * steps
+        extra = {"matched_fraction": joined["matched_fraction"],
+                 "failed_name_checks": joined["failed_name_checks"],
+                 "step_ms_trace": joined["step_ms"], "idle_ms": joined["idle_ms"],
+                 "unmatched_top": joined["unmatched_top"]}
+    else:
+        by_op = collections.Counter()
+        durations = self_times(events) if nested else [float(e["dur"]) for e in events]
+        for e, dur in zip(events, durations):
+            by_op[str((e.get("args") or {}).get("hlo_op") or e.get("name", ""))] += dur
+        unmatched, extra = None, {}
     rows, classes = [], collections.Counter()
     for k in found:
         us = by_op.pop(k.name, 0.0) / steps
         classes[k.kind] += us
         rows.append({"name": k.name, "kind": k.kind, "bytes": k.bytes, "flops": k.flops,
                      "int_ops": k.int_ops, "attention_flops": k.attention_flops,
-                     "runs": k.runs, "shape": k.shape, "op": k.op, "us": us})
-    unmatched = sum(by_op.values()) / steps
+                     "variant": k.variant, "runs": k.runs, "shape": k.shape, "op": k.op, "us": us})
+    if unmatched is None:
+        unmatched = sum(by_op.values())
+        extra = {"unmatched_top": [[n, t / steps] for n, t in by_op.most_common(8)]}
+        matched = sum(classes.values())
+        extra["matched_fraction"] = matched / (matched + unmatched / steps) if matched else 0.0
+    else:
+        unmatched += sum(by_op.values())
+    unmatched /= steps
     return {"steps": steps, "total_us": sum(classes.values()) + unmatched,
             "classes_us": dict(classes), "unmatched_us": unmatched,
-            "unmatched_top": [[n, t / steps] for n, t in by_op.most_common(8)],
+            "classes_ms": {k: v / 1e3 for k, v in classes.items()}, **extra,
             "kernels": rows}
+
+
+# ------------------------------------------------ the trace joined to the program (GPU)
+_MEMSET = re.compile(r"^Memset", re.IGNORECASE)
+_LIBRARY_GEMM = re.compile(r"nvjet|gemm|cutlass|xmma|cublas|sm\d\d_", re.IGNORECASE)
+_METADATA = re.compile(r"(metadata|backend_config|frontend_attributes)=\{.*$")
+
+
+def _trace_name(name: str) -> str:
+    """The kernel name a trace gives an instruction: its `.` written `_`."""
+    return name.replace(".", "_")
+
+
+def _signature(module: Module, instr: Instr) -> tuple:
+    """What makes two fusions one compiled kernel: their kind, result and operands'
+    shapes and fused computations, instruction by instruction, names left out."""
+    def body(comp):
+        instrs = module.computations.get(comp, [])
+        pos = {i.name: k for k, i in enumerate(instrs)}
+        return tuple((i.opcode, i.shape, i.index, tuple(pos.get(o, -1) for o in i.operands),
+                      re.sub(r"%[\w.\-]+", "%", _METADATA.sub("", i.attrs)))
+                     for i in instrs)
+    kind = re.search(r"kind=(\w+)", instr.attrs)
+    return (instr.opcode, instr.shape, kind and kind.group(1),
+            tuple(body(c) for c in instr.callees))
+
+
+def launches(module: Module) -> list[tuple[Instr, set[str]]]:
+    """The entry computation's kernel-launching instructions in schedule order, each with
+    the trace names it may run under: its own, its `deduplicated_name` (identical fusions
+    share one compiled kernel, named after the first of the group in schedule order), and
+    the first earlier fusion of the same signature (`_signature`: XLA de-duplicates some
+    fusions without marking them)."""
+    out, first = [], {}
+    for instr in module.computations[module.entry]:
+        if not kernels.launches_kernel(instr):
+            continue
+        names = {_trace_name(instr.name)}
+        dedup = re.search(r'deduplicated_name="([^"]+)"', instr.attrs)
+        if dedup:
+            names.add(_trace_name(dedup.group(1)))
+        if instr.opcode == "fusion":
+            names.add(first.setdefault(_signature(module, instr), _trace_name(instr.name)))
+        out.append((instr, names))
+    return out
+
+
+def _executions(module: Module, events: list[dict]) -> list[list[dict]]:
+    """The program's executions in the trace: its module's device events (`args.hlo_module`
+    the module's name; host-to-device copies and other jitted functions left out), grouped
+    by `correlation_id` (one launch of the program, a CUDA graph or not), each in timestamp
+    order, the executions in time order."""
+    name = module.name
+    groups: dict[str, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if args.get("hlo_module") == name:
+            groups[str(args.get("correlation_id"))].append(e)
+    runs = [sorted(g, key=lambda e: float(e["ts"])) for g in groups.values()]
+    return sorted(runs, key=lambda g: float(g[0]["ts"]))
+
+
+def _walk(program: list[tuple[Instr, set[str]]], xla_names: set[str],
+          run: list[dict]) -> tuple[list[float], list[tuple[str, float]], int]:
+    """One execution's events walked beside the program's launches: per launch its
+    microseconds, the events matched to none (name, us) and the failed name checks.
+
+    An event named after an XLA kernel is the next fusion or copy (custom calls that
+    launched nothing are passed over); if the next one runs under another name, the walk
+    looks ahead for the launch it names (a failed check: those passed over stay at 0).
+    Any other event (cuBLAS, cuDNN, a Memset) is a library call's: the current custom
+    call's, until one starts the next call: a Memset after the call's kernels, a kernel
+    it already ran, a second GEMM kernel in a cuBLAS call, or the other library."""
+    times = [0.0] * len(program)
+    unmatched, failed = [], 0
+    pos, current, seen = 0, None, []  # next launch; the custom call being credited
+
+    def starts_next(name: str) -> bool:
+        if current is None:
+            return True
+        target = program[current][0].attrs
+        kernels_run = [n for n in seen if not _MEMSET.match(n)]
+        if _MEMSET.match(name):
+            return bool(kernels_run)
+        cudnn = "cudnn" in name.lower()
+        if cudnn != ("cudnn" in target) or name in kernels_run:
+            return True
+        return (not cudnn and any(_LIBRARY_GEMM.search(n) for n in kernels_run)
+                and bool(_LIBRARY_GEMM.search(name)))
+
+    for e in run:
+        name, us = str(e.get("name", "")), float(e["dur"])
+        if name in xla_names:
+            current, seen = None, []
+            j = pos
+            while j < len(program) and program[j][0].opcode == "custom-call":
+                j += 1
+            if j < len(program) and name in program[j][1]:
+                times[j] += us
+                pos = j + 1
+                continue
+            failed += 1
+            ahead = next((k for k in range(j, len(program)) if name in program[k][1]), None)
+            if ahead is None:
+                unmatched.append((name, us))
+            else:
+                times[ahead] += us
+                pos = ahead + 1
+            continue
+        if current is not None and not starts_next(name):
+            times[current] += us
+            seen.append(name)
+            continue
+        j = pos
+        if j < len(program) and program[j][0].opcode != "fusion":
+            # a custom call, or a copy run as a library memcpy kernel
+            times[j] += us
+            pos = j + 1
+            current, seen = (j, [name]) if program[j][0].opcode == "custom-call" else (None, [])
+        else:
+            unmatched.append((name, us))
+    return times, unmatched, failed
+
+
+def join(module: Module, events: list[dict]) -> dict:
+    """The trace's events joined to the program's kernels: per instruction its device
+    microseconds per execution (`us_per_step`), `matched_fraction` (of the program's
+    device time in the trace), the unmatched time per execution and its largest names,
+    the failed name checks, and the pipelined step time (`step_ms`: from one execution's
+    first kernel to the next's, averaged) with the idle time inside an execution.
+
+    Needs the events' `args.hlo_module` and `correlation_id` (GPU traces). See `launches`
+    and `_walk` for how each event finds its instruction."""
+    runs = _executions(module, events)
+    program = launches(module)
+    xla_names = set().union(*(names for i, names in program if i.opcode == "fusion")) \
+        if program else set()
+    per = collections.Counter()
+    missed = collections.Counter()
+    failed, total = 0, 0.0
+    idle = 0.0
+    for run in runs:
+        times, unmatched, bad = _walk(program, xla_names, run)
+        for (instr, _), us in zip(program, times):
+            per[instr.name] += us
+        for name, us in unmatched:
+            missed[name] += us
+        failed += bad
+        total += sum(float(e["dur"]) for e in run)
+        end = float(run[0]["ts"])
+        for e in run:
+            idle += max(float(e["ts"]) - end, 0.0)
+            end = max(end, float(e["ts"]) + float(e["dur"]))
+    n = len(runs)
+    starts = [float(r[0]["ts"]) for r in runs]
+    step_ms = (starts[-1] - starts[0]) / (n - 1) / 1e3 if n > 1 else None
+    matched = sum(per.values())
+    return {"executions": n, "us_per_step": {k: v / n for k, v in per.items()} if n else {},
+            "matched_fraction": matched / total if total else 0.0,
+            "unmatched_us": sum(missed.values()) / n if n else 0.0,
+            "unmatched_top": [[k, v / n] for k, v in missed.most_common(8)],
+            "failed_name_checks": failed, "step_ms": step_ms,
+            "idle_ms": idle / n / 1e3 if n else None}
 
 
 def _short(name: str, width: int = 70) -> str:
@@ -241,24 +425,79 @@ def analyse(path: str, top: int = 15) -> tuple[dict, str, list[str]]:
     return breakdown(events, top, nested=source.startswith(CPU_SOURCE)), source, files
 
 
+def read_program(path: str) -> Module:
+    """An optimised HLO module's text (`compiled.as_text()`, XLA's
+    *gpu_after_optimizations.txt dump; gzipped or not); TraceError if unreadable."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as fh:
+            return hlo.parse_module(fh.read())
+    except (OSError, ValueError) as e:
+        raise TraceError(f"--program {path}: not a readable HLO module ({e})") from None
+
+
+def program_times(path: str, program: str) -> tuple[dict, list[str]]:
+    """The trace at `path` joined to the program at `program` (`kernel_times`): per
+    step, each kernel's time and the time by the predictor's classes."""
+    files = find_traces(path)
+    events, source = device_events(load_events(files))
+    if not events:
+        raise TraceError(f"{path}: the trace has no device or XLA op events")
+    module = read_program(program)
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    cpu = source.startswith(CPU_SOURCE)
+    steps = max(len(_executions(module, events)), 1)
+    times = kernel_times(found, events, steps, nested=cpu, module=None if cpu else module)
+    return {"source": source, **times}, files
+
+
+def format_program_times(times: dict) -> str:
+    """The time per class (ms per step) and what was left unmatched, as Markdown."""
+    rows = [[k, f"{v:.2f}"] for k, v in sorted(times["classes_ms"].items(),
+                                                key=lambda kv: -kv[1])]
+    rows.append(["(no kernel of the program)", f"{times['unmatched_us'] / 1e3:.2f}"])
+    step = times.get("step_ms_trace")
+    lines = [f"{times['steps']} executions of the program; "
+             f"{100 * times['matched_fraction']:.1f}% of their device time matched to its "
+             f"kernels ({times.get('failed_name_checks', 0)} failed name checks)"
+             + (f"; step {step:.2f} ms from one execution's start to the next, "
+                f"{times['idle_ms']:.2f} ms idle inside one" if step else ""), "",
+             harness.markdown_table(["class", "ms per step"], rows, numeric=[1])]
+    if times.get("unmatched_top"):
+        lines += ["", "unmatched (ms per step): " + ", ".join(
+            f"{_short(n, 40)} {us / 1e3:.2f}" for n, us in times["unmatched_top"])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = cli.doc_parser(__doc__)
     p.add_argument("trace", help="a *.trace.json.gz, or a --profile directory (newest run)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list")
+    p.add_argument("--program", default=None, metavar="HLO",
+                   help="the traced program's optimised HLO text (.txt or .txt.gz): join "
+                        "the trace to its kernels and give the time by the predictor's classes")
     p.add_argument("--json", default=None, help="also write the breakdown to this JSON file")
     args = p.parse_args(argv)
     if args.top < 0:
         p.error("--top must be >= 0")
     try:
-        result, source, files = analyse(args.trace, args.top)
+        if args.program:
+            result, files = program_times(args.trace, args.program)
+        else:
+            result, source, files = analyse(args.trace, args.top)
     except TraceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"# trace: {', '.join(files)}")
-    print(format_breakdown(result, source))
+    if args.program:
+        print(f"# program: {args.program}")
+        print(format_program_times(result))
+    else:
+        print(format_breakdown(result, source))
+        result = {"source": source, **result}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"files": files, "source": source, **result}, f, indent=1)
+            json.dump({"files": files, **result}, f, indent=1)
     return 0
 
 

@@ -1,24 +1,17 @@
-"""Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
+r"""Dtype and precision study: what parameter dtype, compute dtype, batch and matmul
 precision do to memory, speed and the loss, measured on the real training step.
 
     python -m benchmarks.study --model vit-cifar --steps 3 --out study.md --png study.png
     python -m benchmarks.study --model tiny --param-dtypes f32,bf16 --compute-dtypes f32,f16 \
         --batches 32 --precisions default --steps 2 --out /tmp/study.md
 
-For every combination of --param-dtypes x --compute-dtypes x --batches x --precisions
-(default: {f32, bf16, f16} x {f32, bf16, f16} x {128, 4096} x {default, highest}) it
-builds the shard_map strategy of train_shardmap.py over the current devices (all on the
-'data' axis), compiles its train_step and runs --warmup + --steps steps on synthetic
-CIFAR-shaped data (the same data and seed for every configuration), with benchmarks/bench.py's
-timing (bench.measure_train_step). The Markdown table (--out) has one row each (its
-columns: `markdown`).
-
-Parameters in float16 need the loss scale: init_state creates a dynamic `LossScale`
-whenever the policy has float16 anywhere (Policy.needs_loss_scaling). A batch too big
-for memory in one piece runs as several micro-batches with gradient accumulation
-(StepConfig.accum_steps, one optimizer step per global batch; --micro-batch sets the
-per-device micro-batch; 0 turns accumulation off). With --png (and matplotlib
-installed) a bar chart of images/s and peak memory is written too.
+For every combination of --param-dtypes x --compute-dtypes x --batches x --precisions it
+builds train_shardmap.py's strategy over the current devices (all on 'data'), compiles
+its train_step and times --warmup + --steps steps on the same synthetic data
+(bench.measure_train_step); the Markdown table (--out) has one row each (`markdown`).
+float16 anywhere brings the dynamic `LossScale`; a batch too big for memory runs as
+micro-batches with gradient accumulation (--micro-batch; 0 turns it off). With --png (and
+matplotlib) a bar chart of images/s and peak memory is written too.
 """
 from __future__ import annotations
 

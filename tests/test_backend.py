@@ -81,7 +81,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 
 def test_the_scripts_parser_leaves_these_to_the_hardware():
     """What `python train_shardmap.py --batch 4096 --dtype bf16` parses to, resolved as
-    backend.step_config does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
+    settings.step_config does for a GPU; `--recipe cpu-quick` asks for --dtype auto."""
     args = cli.parse_args(cli.build_parser("t"), ["--batch", "4096", "--dtype", "bf16"])
     assert args.scan is None and args.attention is None
     sc = settings.step_config(args, platform="gpu")

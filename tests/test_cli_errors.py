@@ -23,7 +23,7 @@ import pytest
 
 import train_pmap
 import train_shardmap
-from vit_pure import step
+from vit_pure import step, weights
 from vit_pure.data import download
 from vit_pure.run import checkpoint_arrays, checks, cli, settings
 
@@ -233,6 +233,15 @@ AFTER_PARSE = [
      "--profile-steps 5:6: the run ends sooner, at step 4 (1 epoch x 4 steps)"),
     (["--batch", "8", "--mixup", "0.2"], "mixup / CutMix pair examples 2k and 2k+1 on one "
                                          "device: the per-device batch 1 must be even"),
+    # checked with the other paths, before anything compiles
+    (["--plan-json", "{tmp}/no/plan.json"],
+     "--plan-json {tmp}/no/plan.json: directory {tmp}/no does not exist"),
+    (["--plan-json", "{tmp}"], "--plan-json {tmp}: is a directory, expected a file"),
+    # an explicit value that the pool would ignore
+    (["--pool", "mean", "--last-block", "class-token"],
+     "--last-block class-token: the head of --pool mean reads every token"),
+    (["--trainable", "head"], "--trainable head trains the head alone on a frozen backbone: "
+                              "give --init-from FILE"),
 ]
 
 
@@ -492,3 +501,21 @@ def test_val_fraction_out_of_range_is_one_line(value, capsys):
     assert excinfo.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert f"--val-fraction must be in [0, 0.5], got {float(value):g}" in err[-1]
+
+
+def test_help_names_what_init_from_reads_and_how_image_size_resamples():
+    parser = train_shardmap.build_parser()
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    for kind in (".npz", "model.safetensors", "Hugging Face", ".onnx"):
+        assert kind in helps["--init-from"], kind
+    # weights/tree.py RESAMPLERS: bilinear for big_vision, bicubic for timm and HF
+    assert "bilinear for a big_vision .npz, bicubic for timm and Hugging Face" \
+        in helps["--image-size"]
+    assert weights.tree.RESAMPLERS["timm"].startswith("bicubic")
+    assert weights.tree.RESAMPLERS["hf"].startswith("bicubic")
+    assert weights.tree.RESAMPLERS["bigvision"].startswith("bilinear")
+
+
+def test_pool_mean_alone_leaves_the_last_block_to_the_pool():
+    args = cli.parse_args(train_shardmap.build_parser(), ["--pool", "mean"])
+    assert args.last_block is None and args.cfg.pool == "mean"

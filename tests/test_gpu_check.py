@@ -23,7 +23,7 @@ def test_the_rows_and_the_headline_command_parse(tmp_path):
     log = gpu_check._log(tmp_path, dry=True)
     assert steps["status"] == log["status"] == "dry run: flags checked"
     command = " ".join(steps["command"])
-    for row in gpu_check.STEP_ROWS:
+    for row in gpu_check.STEP_ROWS + gpu_check.GELU_ROWS:
         assert f"--kit {row}" in command
     assert "--only torch-compile,kit" in command  # the comparator first
     assert log["command"][1:] == ["train_shardmap.py", *gpu_check.HEADLINE]
@@ -38,7 +38,8 @@ def test_the_summary_reads_a_record():
     part = {"status": "ok", "step_ms": 70.0, "kernels_ms": 68.0, "unmatched_ms": 0.5,
             "classes_ms": {"gemm": 40.0, "elementwise": 20.0}}
     table = gpu_check.part_table("profile", part)
-    assert "| gemm | 40.00 |" in table and "| step | 70.00 |" in table
+    assert "| gemm | 40.00 |" in table
+    assert "| step (pipelined, inputs staged) | 70.00 |" in table
     record["parts"]["profile"] = {**part, "table": table}
     assert "## profile" in gpu_check.summary(record)
 

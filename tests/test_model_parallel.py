@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST, grads_step
+from conftest import FAST, REPO, grads_step
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -245,34 +245,37 @@ def stablehlo_inventory(text: str, mesh_shape: dict) -> collections.Counter:
 
 # The StableHLO of train_step (remat none), before XLA combines anything: one op per array
 # each collective in the code is applied to, counted once per program text (the layer scan's
-# body appears once, whatever the depth). The test model has 20 parameter arrays; FSDP
-# splits 7 of them over 'data' (the 4 block kernels, patch_embed/kernel, pos_embed,
-# head/kernel), so 13 stay data-replicated. Where the numbers come from:
+# body appears once, whatever the depth; the last block, on the class token's row alone as
+# the scripts run it, sits outside the scan and appears once more). The test model has 20
+# parameter arrays; FSDP splits 7 of them over 'data' (the 4 block kernels,
+# patch_embed/kernel, pos_embed, head/kernel), so 13 stay data-replicated. Where the
+# numbers come from:
 #   all_reduce 'data':  pmean of each data-replicated gradient (20, or 13 under FSDP)
 #                       + pmean of the 2 metrics + 1 grad-norm psum if some leaf is split
 #                       over 'data' alone (FSDP's patch_embed, pos_embed, head kernels)
 #   all_reduce 'model': TP's 2 forward psums ("g": after the attention output projection
 #                       and after fc2) and 2 backward psums (the transpose of "f" before
-#                       qkv and fc1), in the scan body + 1 grad-norm psum over 'model'
+#                       qkv and fc1), in the scan body and in the last block (2 x 4), + 1
+#                       grad-norm psum over 'model'
 #   all_reduce 'data+model': 1 grad-norm psum for the leaves split over both (FSDP x TP)
 #   all_gather / reduce_scatter 'data': FSDP, one of each per FSDP-split array: the
-#                       all-gather before use, the reduce-scatter in its backward pass
+#                       all-gather before use, the reduce-scatter in its backward pass; the
+#                       4 block kernels in the scan body and in the last block (7 + 4)
 #   '' (no axis): pmeans over a size-1 'data' axis; the code writes them, they move nothing
+TP = 2 * 4 + 1
+FSDP = {("all_gather", "data"): 7 + 4, ("reduce_scatter", "data"): 7 + 4}
 EXPECTED_TRAIN_STEP = {
     ("data=8", False): {("all_reduce", "data"): 20 + 2},
-    ("data=8", True): {("all_reduce", "data"): 13 + 2 + 1,
-                       ("all_gather", "data"): 7, ("reduce_scatter", "data"): 7},
-    ("data=4,model=2", False): {("all_reduce", "data"): 20 + 2, ("all_reduce", "model"): 4 + 1},
-    ("data=4,model=2", True): {("all_reduce", "data"): 13 + 2 + 1, ("all_reduce", "model"): 4 + 1,
-                               ("all_reduce", "data+model"): 1,
-                               ("all_gather", "data"): 7, ("reduce_scatter", "data"): 7},
-    ("data=2,model=4", False): {("all_reduce", "data"): 20 + 2, ("all_reduce", "model"): 4 + 1},
-    ("data=2,model=4", True): {("all_reduce", "data"): 13 + 2 + 1, ("all_reduce", "model"): 4 + 1,
-                               ("all_reduce", "data+model"): 1,
-                               ("all_gather", "data"): 7, ("reduce_scatter", "data"): 7},
+    ("data=8", True): {("all_reduce", "data"): 13 + 2 + 1, **FSDP},
+    ("data=4,model=2", False): {("all_reduce", "data"): 20 + 2, ("all_reduce", "model"): TP},
+    ("data=4,model=2", True): {("all_reduce", "data"): 13 + 2 + 1, ("all_reduce", "model"): TP,
+                               ("all_reduce", "data+model"): 1, **FSDP},
+    ("data=2,model=4", False): {("all_reduce", "data"): 20 + 2, ("all_reduce", "model"): TP},
+    ("data=2,model=4", True): {("all_reduce", "data"): 13 + 2 + 1, ("all_reduce", "model"): TP,
+                               ("all_reduce", "data+model"): 1, **FSDP},
     # data=1: nothing to split over 'data', so --fsdp changes nothing.
-    ("data=1,model=8", False): {("all_reduce", ""): 20 + 2, ("all_reduce", "model"): 4 + 1},
-    ("data=1,model=8", True): {("all_reduce", ""): 20 + 2, ("all_reduce", "model"): 4 + 1},
+    ("data=1,model=8", False): {("all_reduce", ""): 20 + 2, ("all_reduce", "model"): TP},
+    ("data=1,model=8", True): {("all_reduce", ""): 20 + 2, ("all_reduce", "model"): TP},
 }
 
 
@@ -291,12 +294,14 @@ def test_collective_inventory_matches_the_code(mesh, fsdp):
 def test_fsdp_with_remat_gathers_block_weights_again_in_the_backward_pass():
     """--fsdp keeps the gathered weights for the backward pass; with --remat block each
     layer's 4 kernels are all-gathered again there (the top-level ones stay kept), and
-    TP's first forward psum is recomputed (the second one's output is not needed)."""
+    TP's first forward psum is recomputed (the second one's output is not needed): in the
+    scan body and again in the last block (the inventory above, plus 2 x 4 gathers and
+    2 x 1 psums)."""
     got = layout("data=2,model=4", True, remat="block")
     inv = stablehlo_inventory(got["stablehlo"], {"data": 2, "model": 4})
-    assert inv["all_gather", "data"] == 7 + 4
-    assert inv["reduce_scatter", "data"] == 7
-    assert inv["all_reduce", "model"] == 4 + 1 + 1
+    assert inv["all_gather", "data"] == 7 + 4 + 2 * 4
+    assert inv["reduce_scatter", "data"] == 7 + 4
+    assert inv["all_reduce", "model"] == TP + 2 * 1
 
 
 _HLO_SIZES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
@@ -372,6 +377,31 @@ def test_measured_bytes_per_device_drop_by_the_sharding_factor(vit_cifar_state, 
             assert full[k] / factor <= measured <= 1.05 * full[k] / factor, (k, device)
             assert f"{measured:,}" in printed
     jax.tree.map(lambda x: x.delete(), placed)
+
+
+def _documented_bytes() -> list[tuple[str, bool, int]]:
+    """docs/parallelism.md's table of vit-cifar's parameter bytes per device: (mesh,
+    fsdp, bytes) of each row."""
+    text = (REPO / "docs" / "parallelism.md").read_text()
+    rows = re.findall(r"^\| (data=[\w=,]+) \| (yes|no) \| ([\d,]+) \|", text, re.MULTILINE)
+    return [(mesh, fsdp == "yes", int(n.replace(",", ""))) for mesh, fsdp, n in rows]
+
+
+def test_the_documented_byte_table_is_exact(vit_cifar_state):
+    """Every row of docs/parallelism.md's bytes-per-device table, to the byte, on every
+    device, and the optimizer state "twice the params plus 8 bytes" (AdamW's two moments,
+    laid out as the params, and its step counts, whole on every device)."""
+    sc, optimizer, state = vit_cifar_state
+    rows = _documented_bytes()
+    assert len(rows) == 6
+    for mesh, fsdp, documented in rows:
+        strategy = ts.ShardMapStrategy(sc, optimizer, mesh, fsdp=fsdp)
+        placed = strategy.put_state(state)
+        for device in strategy.mesh.devices.flat:
+            params = layout_lib.bytes_per_device(placed["params"], device)
+            assert params == documented, (mesh, fsdp, device)
+            assert layout_lib.bytes_per_device(placed["opt_state"], device) == 2 * params + 8
+        jax.tree.map(lambda x: x.delete(), placed)
 
 
 # ------------------------------------------------------------------ bad input

@@ -23,7 +23,7 @@ from vit_pure import PRESETS, Policy, pipeline, step
 from vit_pure.pipeline import schedules, tick
 
 # Many pipelined compiles: ~2.5 minutes on 2 cores. Run with `python -m pytest -m slow`.
-from vit_pure.run import cli
+from vit_pure.run import checkpoint, cli
 
 pytestmark = pytest.mark.slow
 
@@ -202,6 +202,31 @@ def test_params_after_3_adamw_steps_agree(schedule, virtual):
     assert np.isfinite(float(metrics["loss"]))
     assert_adamw_params_agree(strategy.host_state(state)["params"], ref, key_bias_grad, steps,
                               LR, EPS)
+
+
+def test_a_checkpoint_resumes_under_another_schedule(tmp_path):
+    """docs/parallelism.md: checkpoints keep the layers in order "and resume under any
+    schedule". Two steps under 1F1B, written as the loop writes a checkpoint and read
+    back; the third step from it under 1F1B, GPipe and interleaved: the same loss, and the
+    same params after it (float32 sums in another order: to rounding)."""
+    sc = _sc(grad_clip=1.0)
+    first = _strategy(sc, "data=4,pipe=2", 2, schedule="1f1b")
+    state = first.put_state(_host_state(sc))
+    for i in range(2):
+        state, _ = first.train_step(state, *_inputs(first, i))
+    host = first.host_state(state)
+    path = checkpoint.save(tmp_path, 2, host, {})
+    saved = checkpoint.restore(path, jax.eval_shape(lambda: host))
+    assert int(saved["step"]) == 2
+    after = {}
+    for schedule, virtual in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        strategy = _strategy(sc, "data=4,pipe=2", 2, schedule=schedule, virtual=virtual)
+        state, metrics = strategy.train_step(strategy.put_state(saved), *_inputs(strategy, 2))
+        after[schedule] = float(metrics["loss"]), strategy.host_state(state)["params"]
+    loss, params = after.pop("1f1b")
+    for schedule, (other_loss, other_params) in after.items():
+        assert other_loss == pytest.approx(loss, rel=1e-6), schedule
+        assert _max_rel_diff(other_params, params) <= 1e-6, schedule
 
 
 def test_eval_step_equals_unpipelined_eval():

@@ -90,6 +90,18 @@ def test_memory_and_time_from_the_tables(P):
     assert schedules.ring_size(one_f) == P
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("mult", [1, 2, 8])
+@pytest.mark.parametrize("t_b", [2.0, 3.0])
+def test_1f1b_equals_gpipe_with_pairwise_sends(P, mult, t_b):
+    """docs/parallelism.md: with pairwise sends 1F1B's step equals GPipe's (its swaps let
+    neighbours run out of phase); in lockstep it costs more, up to 2 t_B / (t_F + t_B)."""
+    gpipe, one_f = schedules.build("gpipe", P, mult * P), schedules.build("1f1b", P, mult * P)
+    assert schedules.pairwise_time(one_f, 1.0, t_b) == schedules.pairwise_time(gpipe, 1.0, t_b)
+    lockstep = schedules.lockstep_time(one_f, 1.0, t_b) / schedules.lockstep_time(gpipe, 1.0, t_b)
+    assert 1.0 < lockstep <= 2 * t_b / (1.0 + t_b)
+
+
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
                                          ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
                                          ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2),

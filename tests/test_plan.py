@@ -38,10 +38,10 @@ from vit_pure import layout, step
 from vit_pure.config import PRESETS, Execution
 from vit_pure.model import count_params, init_params
 from vit_pure.pipeline import schedules, tick
-from vit_pure.plan import build as plan
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.run import cli, settings
+from vit_pure.run import planning as plan
 from vit_pure.run.settings import RunConfig
 from vit_pure.xla import flops, hlo
 
@@ -72,7 +72,7 @@ def _setup(*flags, accum_steps=1):
 def _shardmap_plan(mesh, *flags, fsdp=False, microbatches=None, accum_steps=1):
     sc, opt = _setup(*flags, accum_steps=accum_steps)
     strategy = ts.ShardMapStrategy(sc, opt, mesh, fsdp=fsdp, microbatches=microbatches)
-    return plan.build_plan(strategy, sc, opt, BATCH, H100, script="train_shardmap.py"), strategy
+    return plan.plan_step(strategy, opt, BATCH, H100, script="train_shardmap.py"), strategy
 
 
 def _from(p, source_text, path):
@@ -84,7 +84,7 @@ def _from(p, source_text, path):
 def dp():
     sc, opt = _setup()
     strategy = train_pmap.PmapStrategy(sc, opt, devices=jax.devices()[:8])
-    return plan.build_plan(strategy, sc, opt, BATCH, H100, script="train_pmap.py")
+    return plan.plan_step(strategy, opt, BATCH, H100, script="train_pmap.py")
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ import pytest
 from conftest import subprocess_env
 from test_plan import BATCH, H100, REPO, _from, _setup, _shardmap_plan
 
-from vit_pure.plan import build as plan
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan.overlap import CRITICAL, OVERLAPPABLE
+from vit_pure.run import planning as plan
 from vit_pure.xla import hlo
 
 MiB, GiB = 2**20, 2**30
@@ -115,9 +115,9 @@ def tp():
 
 def test_the_report_says_when_groups_cross_a_node(tp):
     p, strategy = tp
-    sc, opt = _setup()
+    _, opt = _setup()
     six = ic.with_overrides(H100, devices_per_node=6)
-    p6 = plan.build_plan(strategy, sc, opt, BATCH, six, script="train_shardmap.py")
+    p6 = plan.plan_step(strategy, opt, BATCH, six, script="train_shardmap.py")
     model6, model8 = p6.per_axis()["model"], p.per_axis()["model"]
     assert (model6["groups"], model6["straddling"]) == (2, 1)
     assert (model8["groups"], model8["straddling"]) == (2, 0)
@@ -227,8 +227,8 @@ def test_count_correction_restores_what_the_cpu_compile_merges(fsdp_remat):
     """With remat's barriers expanded (XLA:CPU's default), the compile merges the
     re-gathers; the lowered program's per-line counts bring them back."""
     _, strategy = fsdp_remat
-    sc, opt = _setup("--remat", "block")
-    lowered = strategy.train_step.lower(*plan.abstract_inputs(strategy, sc, opt, BATCH))
+    _, opt = _setup("--remat", "block")
+    lowered = strategy.train_step.lower(*plan.abstract_inputs(strategy, opt, BATCH))
     compiled = lowered.compile({"xla_disable_hlo_passes": collectives.CPU_COMBINER})
     module = hlo.parse_module(compiled.as_text())
     found = collectives.read_collectives(module, dict(strategy.mesh.shape), 8)

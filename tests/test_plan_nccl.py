@@ -1,5 +1,5 @@
 """The cross-node model (vit_pure/plan/nccl.py, fabrics.py) against published nccl-tests
-tables, and the one-collective command (vit_pure/plan/collective.py).
+tables, and the one-collective command (vit_pure/tools/price_collective.py).
 
 The tables, with their sources, are vit_pure/plan/measurements/nccl_all_reduce.json:
 H100, 8 a node, all_reduce_perf out-of-place, algorithm not forced. Nothing is fitted here:
@@ -23,9 +23,10 @@ import pathlib
 
 import pytest
 
-from vit_pure.plan import collective, fabrics, nccl
+from vit_pure.plan import fabrics, nccl
 from vit_pure.plan import interconnect as ic
 from vit_pure.run import cli
+from vit_pure.tools import price_collective as collective
 
 MiB, GiB = 2**20, 2**30
 DATA = pathlib.Path(nccl.__file__).parent / "measurements" / "nccl_all_reduce.json"

@@ -12,20 +12,32 @@ import pytest
 
 import train_pmap
 import train_shardmap
+from vit_pure import weights
 from vit_pure.config import ViTConfig, get_preset
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.model import apply, classify, features, init_params
 from vit_pure.policy import Policy
-from vit_pure.run import probe
+from vit_pure.run import checkpoint, cli, probe
 from vit_pure.step import OptimConfig, StepConfig, init_state, local_features, make_optimizer
 
 CFG = ViTConfig(name="p", image_size=16, patch_size=8, num_classes=4, width=16, depth=2,
                 heads=2, mlp_dim=24)
 
-RUN = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "96",
-       "--synthetic-val", "32", "--synthetic-test", "48", "--batch", "16", "--epochs", "3",
-       "--lr", "1e-2", "--trainable", "head", "--eval-flip", "--eval-every", "1",
-       "--no-progress", "--accum-steps", "1"]
+FLAGS = ["--model", "tiny", "--dataset", "synthetic", "--synthetic-train", "96",
+         "--synthetic-val", "32", "--synthetic-test", "48", "--batch", "16", "--epochs", "3",
+         "--lr", "1e-2", "--trainable", "head", "--eval-flip", "--eval-every", "1",
+         "--no-progress", "--accum-steps", "1"]
+TINY = get_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def RUN(tmp_path_factory):
+    """The probe's flags, its backbone from --init-from: the tiny model's initialisation
+    of seed 0, exported as timm's files (a probe needs pretrained weights)."""
+    folder = tmp_path_factory.mktemp("backbone")
+    weights.save(folder, TINY, jax.tree.map(np.asarray, init_params(jax.random.key(0), TINY)),
+                 "timm")
+    return FLAGS + ["--init-from", str(folder / "model.safetensors")]
 
 
 @pytest.mark.parametrize("pool", ["cls", "mean", "cls+mean"])
@@ -66,14 +78,16 @@ def _backbone(params):
     return {k: v for k, v in params.items() if k != "head"}
 
 
-def test_probe_run_scores_its_head_through_the_evaluation_step(capsys):
-    result = train_shardmap.main(RUN + ["--mesh", "data=4,model=2"])
+def test_probe_run_scores_its_head_through_the_evaluation_step(RUN, capsys):
+    """... and --accum-steps auto measures no training step: the probe never runs one."""
+    result = train_shardmap.main(RUN + ["--mesh", "data=4,model=2", "--accum-steps", "auto"])
     out = capsys.readouterr().out
     assert "compiling the features step" in out and "compiling the training step" not in out
+    assert "--accum-steps auto: K=1; --trainable head trains the head on cached" in out
     assert out.count("(cached features)") == 3  # every epoch, --eval-every 1
     params = result["state"]["params"]
-    # The backbone is the run's initialisation, bit for bit; the head moved.
-    tiny = get_preset("tiny").replace(num_classes=10)
+    # The backbone is the --init-from file's, bit for bit; the head moved.
+    tiny = TINY
     start = init_state(jax.random.key(0), tiny, Policy(), make_optimizer(
         OptimConfig(trainable="head"), 1)[0])["params"]
     for a, b in zip(jax.tree.leaves(_backbone(params)), jax.tree.leaves(_backbone(start))):
@@ -90,7 +104,7 @@ def test_probe_run_scores_its_head_through_the_evaluation_step(capsys):
 
 
 @pytest.mark.slow
-def test_every_layout_fits_the_same_head():
+def test_every_layout_fits_the_same_head(RUN):
     """pmap, shard_map data / TP / FSDP: the same features, the same head, to float32
     rounding. (A pipeline, pipe > 1, has no features step: it runs the per-step probe.)"""
     heads = {}
@@ -105,13 +119,39 @@ def test_every_layout_fits_the_same_head():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_probe_checkpoint_resumes_and_evaluates_to_the_same_figures(tmp_path):
+def test_probe_checkpoint_resumes_and_evaluates_to_the_same_figures(RUN, tmp_path):
     """The probe saves the state with its fitted head at the last step: --resume finds
     nothing left to do, and --eval-only scores the same test accuracy."""
     run = RUN + ["--ckpt-dir", str(tmp_path)]
     first = train_shardmap.main(run)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000018"]
+    # The optimizer state is the head's: one element a frozen leaf, not its moments.
+    saved = checkpoint.load_numpy(tmp_path / "step_00000018")
+    frozen = [k for k in saved if k.startswith("opt_state/") and "/head/" not in k]
+    assert frozen and all(saved[k].size == 1 for k in frozen), frozen
     again = train_shardmap.main(run + ["--resume"])
     assert again["test"] == first["test"]
     evaluated = train_shardmap.main(run + ["--eval-only"])
     assert evaluated["test"]["accuracy"] == first["test"]["accuracy"]
+
+
+def test_trainable_head_without_init_from_is_one_line(capsys):
+    assert cli.main_guard(lambda: train_pmap.main(FLAGS)) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --trainable head trains the head alone on a frozen backbone: give "
+                   "--init-from FILE, its pretrained weights (a random backbone's features "
+                   "are noise)\n")
+
+
+def test_trainable_head_keeps_optimizer_state_for_the_head_only():
+    params = init_params(jax.random.key(0), TINY)
+    for name in ("adamw", "sgd"):
+        optimizer, _ = make_optimizer(OptimConfig(optimizer=name, trainable="head"), 10)
+        state = optimizer.init(params)
+        head = sum(x.size for x in jax.tree.leaves(params["head"]))
+        leaves = {jax.tree_util.keystr(p): x for p, x in
+                  jax.tree_util.tree_leaves_with_path(state) if x.ndim}  # not the counts
+        assert sum(x.size for k, x in leaves.items() if "'head'" in k) == \
+            head * (2 if name == "adamw" else 1), name
+        frozen = [x for k, x in leaves.items() if "'head'" not in k]
+        assert frozen and all(x.size == 1 for x in frozen), name

@@ -26,14 +26,15 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert args.randaugment == cli.RECIPES["cpu-quick"]["randaugment"]
 
 
-# The command that measured --recipe gpu-small-data (vit_pure/run/flags.py RECIPES), less
-# --data-dir and --no-progress: the recipe must stay that run.
+# The command that measured --recipe gpu-small-data (the results table of docs/training.md),
+# less --data-dir and --no-progress: the recipe must stay that run.
 GPU_SMALL_DATA_RUN = ("--model vit-cifar-quick --dtype bf16 --batch 512 --epochs 2400 --lr 4e-3 "
                       "--randaugment 2,9 --mixup 0.8 --cutmix 1.0 --ema 0.999 "
-                      "--mix-off-epochs 240 --accum-steps 1 --eval-every 50 --log-every 500")
+                      "--mix-off-epochs 240 --accum-steps 1 --eval-every 50 --log-every 500 "
+                      "--val-fraction 0 --eval-flip --eval-corners")
 
 
-# The same for --recipe cpu-quick: the flags of the measured run (RECIPES). It read the
+# The same for --recipe cpu-quick: the flags of the measured run. It read the
 # subset folder, which --subset 4000,1000 reads unchanged (tests/test_data.py).
 CPU_QUICK_RUN = ("--model vit-cifar-conv-lsa --dtype auto --batch 128 --epochs 60 --lr 2e-3 "
                  "--warmup-steps 140 --weight-decay 0.05 --label-smoothing 0.1 "
@@ -47,7 +48,7 @@ DINOV2_PROBE_RUN = ("--model vit-s16 --dtype fp32 --image-size 112 --pool cls+me
                     "--trainable head --batch 128 --epochs 40 --lr 3e-3 --warmup-steps 10 "
                     "--weight-decay 0 --grad-clip 0 --label-smoothing 0 --randaugment 0 "
                     "--mixup 0 --cutmix 0 --dropout 0 --drop-path 0 --eval-every 10 "
-                    "--eval-flip --eval-batch 200 --accum-steps 1")
+                    "--eval-flip --eval-batch 200 --val-fraction 0 --accum-steps 1")
 
 
 @pytest.mark.parametrize("recipe_name, run", [("gpu-small-data", GPU_SMALL_DATA_RUN),

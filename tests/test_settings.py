@@ -24,10 +24,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The modules that may read the parsed flags: the scripts' entry (cli parses them, checks
 # refuses bad values, settings turns them into frozen values: RunConfig, PlanConfig and
-# the step's StepConfig) and the stand-alone tools with parsers of their own.
+# the step's StepConfig; entry hands them to the plan or the loop) and the stand-alone
+# tools with parsers of their own.
 ENTRY = {"vit_pure/run/cli.py", "vit_pure/run/checks.py", "vit_pure/run/settings.py",
+         "vit_pure/run/entry.py",
          "vit_pure/tools/plot.py", "vit_pure/tools/params_table.py",
-         "vit_pure/tools/export.py", "vit_pure/plan/collective.py"}
+         "vit_pure/tools/export.py", "vit_pure/tools/price_collective.py"}
 
 
 def _parse(*argv):

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import train_pmap
 import train_shardmap
-from vit_pure import PRESETS, Policy, step
+from vit_pure import PRESETS, Policy, model, step
 
 CFG = PRESETS["tiny"]
 BATCH = 16
@@ -204,6 +204,56 @@ def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
     grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
     for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):
         np.testing.assert_allclose(np.asarray(g), 8 * ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pmap_recipe_is_right_for_data_parallelism_with_check_vma_off(reference_grads):
+    """The same pmean(grad(local loss)) with check_vma=False: nothing tracks that the
+    params are replicated, autodiff sums nothing, and the pmean is the true gradient (the
+    docs' "Turning the check off makes the pmap recipe right for data parallelism")."""
+    sc = _sc()
+    host = _state(sc, optax.sgd(1.0))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def pmap_recipe(params, loss_scale, images, labels, ids, key):
+        grads, _ = step.local_grads(sc, params, loss_scale, images, labels, ids, key)
+        return lax.pmean(grads, "data")
+
+    in_specs = (P(), P(), P("data"), P("data"), P("data"), P())
+    f = jax.jit(jax.shard_map(pmap_recipe, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                              check_vma=False))
+    images, labels, ids = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _batch())
+    grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
+    assert _max_rel_diff(jax.device_get(grads), reference_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_check_vma_off_breaks_tensor_parallelism(check_vma):
+    """The other half of the docs' sentence: a tensor-parallel MLP written with the model's
+    own Megatron operators (`_copy_to_tp` before the column-parallel matmul,
+    `_reduce_from_tp` after the row-parallel one) over 4 devices gives `jax.grad`'s
+    gradients with check_vma=True; with it off, the psum's transpose is another psum: the
+    weights' gradients come out 4 times too large, and the input's is wrong too."""
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    x, w1, w2 = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((5, 6), (6, 12), (12, 3)))
+
+    def loss(x, w1, w2, tp_axis=None):
+        h = jnp.tanh(model._copy_to_tp(x, tp_axis) @ w1)
+        return jnp.sum(model._reduce_from_tp(h @ w2, tp_axis))
+
+    want = jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+    specs = (P(), P(None, "model"), P("model", None))
+    got = jax.jit(jax.shard_map(
+        lambda *a: jax.grad(functools.partial(loss, tp_axis="model"), argnums=(0, 1, 2))(*a),
+        mesh=mesh, in_specs=specs, out_specs=specs, check_vma=check_vma))(x, w1, w2)
+    if check_vma:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        return
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(np.asarray(g), 4 * np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0.1)
 
 
 @pytest.mark.parametrize("script", [train_pmap, train_shardmap])

@@ -13,6 +13,7 @@ import pytest
 import train_pmap
 from vit_pure import weights
 from vit_pure.config import ViTConfig, get_preset
+from vit_pure.data.cifar10 import CIFAR10_CLASSES
 from vit_pure.errors import WeightsError
 from vit_pure.layers.mlp import _gelu
 from vit_pure.model import apply, init_params
@@ -172,13 +173,74 @@ def test_export_of_a_checkpoint_imports_back_unchanged(tmp_path, capsys):
         assert export.main([str(tmp_path / "ckpt"), "--to", fmt, str(tmp_path / fmt)]) == 0
         cfg2, params = weights.load(tmp_path / fmt / "model.safetensors", heads=None)
         assert_same_tree(params, tree)
-        assert cfg2.replace(name="tiny", dropout=0.1, drop_path=0.1, gelu="tanh",
-                            inputs="cifar10", ln_eps=cfg.ln_eps) == cfg
+        assert cfg2.replace(name="tiny", dropout=0.1, drop_path=0.1,
+                            inputs="cifar10", ln_eps=cfg.ln_eps) == cfg, fmt
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] \
         == "gelu_pytorch_tanh"  # the tiny preset's tanh GELU, said to transformers
     assert export.main([str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "e"),
                         "--ema"]) == 2
     assert "no ema" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["timm", "hf"])
+@pytest.mark.parametrize("gelu", ["tanh", "exact"])
+def test_export_then_import_is_the_identity_in_logits(fmt, gelu, tmp_path):
+    """Export the kit's model, import the files with the kit (timm and transformers are
+    not needed): the same model config (the GELU and input scaling included) and the same
+    logits, bit for bit."""
+    cfg = CFG.replace(gelu=gelu, inputs="imagenet")
+    tree = random_tree(cfg)
+    weights.save(tmp_path / fmt, cfg, tree, fmt)
+    cfg2, params = weights.load(tmp_path / fmt / "model.safetensors", heads=cfg.heads)
+    assert cfg2.replace(name=cfg.name) == cfg
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 24, 3)), jnp.float32)
+    want = apply(jax.tree.map(jnp.asarray, tree), x, cfg)
+    got = apply(jax.tree.map(jnp.asarray, params), x, cfg2)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_timm_act_layer_is_read_and_an_unknown_one_refused(tmp_path):
+    timm.write(tmp_path, CFG.replace(gelu="tanh"), random_tree(CFG))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_args"]["act_layer"] == "gelu_tanh"
+    config["model_args"]["act_layer"] = "quick_gelu"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match="act_layer 'quick_gelu' is none of the GELUs"):
+        weights.load(tmp_path / "model.safetensors")
+
+
+def test_hf_export_names_cifar10s_classes(tmp_path):
+    weights.save(tmp_path / "ten", CFG.replace(num_classes=10),
+                 random_tree(CFG.replace(num_classes=10)), "hf")
+    config = json.loads((tmp_path / "ten" / "config.json").read_text())
+    assert list(config["id2label"].values()) == list(CIFAR10_CLASSES)
+    assert config["label2id"]["truck"] == 9 and config["id2label"]["0"] == "airplane"
+    weights.save(tmp_path / "six", CFG, random_tree(CFG), "hf")  # not CIFAR-10's head
+    assert json.loads((tmp_path / "six" / "config.json").read_text())["id2label"]["5"] \
+        == "LABEL_5"
+
+
+def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_path):
+    """Pool cls+mean with a layer scale: a Dinov2ForImageClassification, the layer scale
+    kept as transformers' lambda1, read back by the importer as it was written."""
+    cfg = CFG.replace(pool="cls+mean", layer_scale=1e-5, gelu="exact", inputs="imagenet",
+                      mlp_dim=60)
+    tree = random_tree(cfg)
+    weights.save(tmp_path, cfg, tree, "hf")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == \
+        ("dinov2", ["Dinov2ForImageClassification"])
+    assert config["mlp_ratio"] == 3 and "intermediate_size" not in config
+    w, _ = safetensors.read(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(w["dinov2.encoder.layer.1.layer_scale2.lambda1"],
+                                  tree["blocks"]["ls2"]["gamma"][1])
+    assert w["classifier.weight"].shape == (6, 40) and not w["dinov2.embeddings.mask_token"].any()
+    cfg2, params = weights.load(tmp_path)
+    assert_same_tree(params, tree)
+    assert (cfg2.pool, cfg2.inputs, cfg2.gelu, cfg2.layer_scale is not None) == \
+        ("cls+mean", "imagenet", "exact", True)
+    with pytest.raises(WeightsError, match="MLP is a whole multiple of the width"):
+        hf.write(tmp_path / "x", cfg.replace(mlp_dim=28), tree)  # DINOv2's mlp_ratio: 1.4
 
 
 # ----------------------------------------------------------------- fitting to the model
@@ -275,6 +337,7 @@ def test_bad_weights_file_is_one_line_and_exit_2(kind, message, tmp_path, capsys
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert "error: --init-from" in err, err  # which flag gave the file
 
 
 def test_a_url_is_fetched_into_the_cache_and_offline_is_one_line(tmp_path, monkeypatch):
@@ -288,6 +351,12 @@ def test_a_url_is_fetched_into_the_cache_and_offline_is_one_line(tmp_path, monke
     with pytest.raises(WeightsError) as e:  # nothing listens on port 9 of this machine
         weights.resolve("http://127.0.0.1:9/ViT-B_16.npz", log=lambda line: None)
     assert "cannot fetch http://127.0.0.1:9/ViT-B_16.npz" in one_line(e)
+    # The failed fetch leaves no folder behind; the cache keeps the one that worked.
+    assert [p for p in (tmp_path / "cache").iterdir()] == [local.parent]
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "new" / "cache"))
+    with pytest.raises(WeightsError):
+        weights.resolve("http://127.0.0.1:9/ViT-B_16.npz", log=lambda line: None)
+    assert not (tmp_path / "new").exists()
 
 
 def test_finetune_recipe_needs_init_from_and_sets_sgd(capsys):
@@ -447,18 +516,20 @@ def test_trainable_head_differentiates_and_updates_the_head_alone():
 
 def test_dinov2_recipe_needs_init_from(capsys):
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     r = cli.RECIPES["finetune-dinov2-s14"]
     assert (r["trainable"], r["pool"], r["image_size"]) == ("head", "cls+mean", 112)
 
 
 def test_dinov2_gpu_recipe_needs_init_from_and_fine_tunes_everything(capsys):
+    # (CIFAR-10, since the recipe sets --val-fraction: the refusal comes before any read)
     code = cli.main_guard(lambda: train_pmap.main(["--recipe", "finetune-dinov2-s14-gpu",
-                                                   "--dataset", "synthetic"]))
+                                                   "--data-dir", "/nonexistent"]))
     assert code == 2 and "give --init-from" in capsys.readouterr().err
     args = cli.parse_args(cli.build_parser("test"), ["--recipe", "finetune-dinov2-s14-gpu"])
     optim = settings.RunConfig.from_args(args).schedule.optim
-    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.75)
+    assert (optim.trainable, optim.optimizer, optim.layer_decay) == ("all", "adamw", 0.65)
     assert (args.image_size, args.cfg.pool, args.cfg.drop_path, args.eval_flip) == \
-        (224, "cls+mean", 0.1, True)
+        (252, "cls+mean", 0.1, True)
+    assert (args.val_fraction, args.eval_corners, args.mixup, args.ema) == (0.0, True, 0.8, 0.998)

@@ -3,7 +3,8 @@
 * Hugging Face transformers (torch on the CPU): random `ViTForImageClassification`s of
   several shapes, saved with `save_pretrained`, imported by the kit: the same logits on
   the same images, <= 1e-5 relative in float32; and the kit's export loaded with
-  `from_pretrained` gives the kit's logits.
+  `from_pretrained` gives the kit's logits (a ViT, and a DINOv2 fine-tune as a
+  Dinov2ForImageClassification).
 * timm (where installed; CI does not install it, docs/training.md says how): random
   VisionTransformers (class token or average pooling) saved as safetensors, and
   big_vision-style .npz files in three layouts read by timm's own npz loader: the kit's
@@ -152,6 +153,29 @@ def test_the_shipped_program_has_transformers_gradients(tmp_path):
                           jax.tree.leaves(grads), strict=True):
         assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-5 * scale, \
             jax.tree_util.keystr(path[0])
+
+
+@pytest.mark.parametrize("shape", [(24, 2, 4, 48, 28, 14), (30, 3, 5, 120, 24, 8)],
+                         ids=["p14", "p8"])
+def test_export_of_a_dinov2_fine_tune_loads_in_transformers_with_the_kits_logits(
+        shape, tmp_path):
+    """A DINOv2-shaped model (layer scale, DINOv2's cls+mean head, exact GELU, ImageNet
+    scaling), as a fine-tune from the DINOv2 import has it, exported with `--to hf`: a
+    Dinov2ForImageClassification whose logits are the kit's."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    E, L, H, M, img, p = shape
+    cfg = ViTConfig(name="d", image_size=img, patch_size=p, num_classes=10, width=E, depth=L,
+                    heads=H, mlp_dim=M, pool="cls+mean", layer_scale=1.0, gelu="exact",
+                    ln_eps=1e-6, inputs="imagenet", dropout=0.0, drop_path=0.0)
+    params = kit_params(cfg, seed=2)
+    weights.save(tmp_path, cfg, params, "hf")
+    model = tf.Dinov2ForImageClassification.from_pretrained(tmp_path).eval()
+    assert model.config.model_type == "dinov2" and model.classifier.in_features == 2 * E
+    x = images(img)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).logits.numpy()
+    assert_close(kit_logits(cfg, params, x), ref)
 
 
 # ------------------------------------------------------------------------------- timm

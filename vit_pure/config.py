@@ -23,7 +23,7 @@ INPUT_SCALINGS: dict[str, tuple[tuple[float, float, float], tuple[float, float, 
 }
 # The choices of `Execution`'s knobs (the flags --attention, --dropout-masks, --remat,
 # --last-block).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "pallas", "pallas-interpret")
 DROPOUT_MASKS = ("bernoulli", "threefry16")
 LAST_BLOCKS = ("all", "class-token")
 REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
@@ -91,6 +91,9 @@ class ViTConfig:
     registers: int = 0
 
     def __post_init__(self):
+        # A tuple, also when read back from a JSON record (a list there): the config is a
+        # static argument of jitted functions (model.init_params), so it must hash.
+        object.__setattr__(self, "stem", tuple(self.stem))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"{self.name}: image_size {self.image_size} is not divisible by "
@@ -199,8 +202,10 @@ class Execution:
                    recomputed from), as does a "block-save:NAMES" without "dot";
                    "block-save-dots" keeps its result (the name sits after the psum).
     attention      "einsum" (the reference, in model.py), "xla" or "cudnn"
-                   (vit_pure/layers/attention.py): the same results within the rounding of the
-                   compute dtype.
+                   (vit_pure/layers/attention.py), "pallas" (a Mosaic GPU kernel,
+                   vit_pure/layers/attention_pallas.py; NVIDIA Hopper GPUs) or
+                   "pallas-interpret" (that kernel in JAX's interpreter, on the CPU: a
+                   check, slow): the same results within the rounding of the compute dtype.
     dropout_masks  "bernoulli" or "threefry16" (vit_pure/layers/dropout.py).
     packed_masks   keep each dropout mask for the backward pass packed eight elements to
                    a byte (`dropout.pack`; True) or a byte an element (False): the same

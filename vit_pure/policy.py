@@ -1,25 +1,16 @@
 """The dtype policy: which dtype parameters are stored in, computed in, and returned in.
 
-One frozen dataclass decides every cast in the kit:
-
-    param_dtype    what the optimizer updates and checkpoints hold ("master" weights)
-    compute_dtype  what the model's matmul inputs and activations are
-    output_dtype   what `apply` returns (the logits)
-    matmul_dtype   what every matmul *returns* (the product is always accumulated in
-                   float32 inside the matmul, whatever this says)
-
-String form (`--policy`): ``p=f32,c=bf16,o=f32,m=bf16``; ``fp32`` / ``bf16`` / ``fp16`` mean
-float32 master params computing in that dtype with float32 outputs. ``m`` is a speed choice
-with one right answer per backend (docs/precision.md): the compute dtype on accelerators
-(the GEMM rounds once on the way out; faster and smaller on a GPU), ``m=f32`` on XLA:CPU
-(which upcasts a bf16-output dot entirely; its backward needs the custom VJP in `matmul`).
-Left out, the training scripts pick it per backend (vit_pure/run/backend.py); `Policy.parse`
-alone gives ``m=f32``.
+One frozen dataclass decides every cast in the kit: `param_dtype` (what the optimizer
+updates and checkpoints hold), `compute_dtype` (matmul inputs and activations),
+`output_dtype` (what `apply` returns) and `matmul_dtype` (what every matmul returns; the
+product accumulates in float32 whatever it says). String form (`--policy`, `Policy.parse`):
+``p=f32,c=bf16,o=f32,m=bf16``; ``fp32`` / ``bf16`` / ``fp16`` mean float32 master params
+computing in that dtype with float32 outputs. ``m`` has one right answer per backend
+(docs/precision.md), which the scripts pick (vit_pure/run/backend.py).
 
 Fixed rules, whatever the policy says: only floating leaves are cast; LayerNorm
-statistics, the softmax, the loss and the optimizer run in float32; matmuls take
-compute-dtype inputs and accumulate in float32. Float16 needs a dynamic loss scale
-(`LossScale`, below) against underflowing gradients.
+statistics, the softmax, the loss and the optimizer run in float32. Float16 needs a
+dynamic loss scale (`LossScale`) against underflowing gradients.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """JAX's CUDA plugin on a machine without an NVIDIA GPU: quiet, and off.
 
-`pip install -r requirements-gpu.txt` on a laptop, or on a machine that compiles the GPU
-program without a GPU (deviceless `--plan`), leaves JAX's CUDA plugin where no driver is.
-Its libraries then print "Could not find cuda drivers" (with absl's "All log messages
-before absl::InitializeLog()" line) straight to file descriptor 2 each time one loads:
-when jax is imported and when its backends start; and the plugin's start-up check adds a
-traceback. Here, and only where no NVIDIA GPU is visible (a real GPU is never hidden):
-
-* `JAX_PLATFORMS=cpu` unless it is set, so JAX runs on the CPU without asking the plugin
-  for a GPU (the deviceless plan still compiles for the GPU: it names the plugin itself);
-* `filtered()` catches file descriptor 2 for a block (importing jax, starting the
-  backends) and writes back every line except those two.
+With `requirements-gpu.txt` installed where no driver is (a laptop, a deviceless `--plan`),
+the plugin's libraries print "Could not find cuda drivers" (and absl's "All log messages
+before absl::InitializeLog()") to file descriptor 2 each time one loads, and its start-up
+check adds a traceback. Only where no NVIDIA GPU is visible, this module sets
+`JAX_PLATFORMS=cpu` unless it is set (the deviceless plan still names the plugin itself),
+and `filtered()` drops those two lines from what a block writes to file descriptor 2.
 
 vit_pure/__init__.py imports jax through it, first thing; the training scripts import
 vit_pure before jax, and `cli.start_runtime` starts the backends inside `filtered()`.

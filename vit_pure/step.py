@@ -1,26 +1,21 @@
 """The step math both training scripts share: optimizer, loss, per-device gradients, update.
 
-This module writes no collective: no psum, pmean, all_gather or ppermute appears here.
-The per-device training step is split so that each script writes its collectives between
-the pieces, once:
+This module writes no collective. The step is split so that each script writes its
+collectives between the pieces, once:
 
     grads, metrics = local_grads(sc, params, ...)     # this device's slice of the batch
-    grads   = <all-reduce over 'data'>(grads)         # written in the script
-    metrics = <all-reduce over 'data'>(metrics)       # written in the script
-    norm    = <global gradient norm>                  # a collective under model parallelism
-    state   = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
+    grads, metrics = <all-reduce over 'data'>(...)    # written in the script
+    norm = <global gradient norm>                     # a collective under model parallelism
+    state = apply_gradients(sc, state, grads, norm, optimizer)  # same on every device
 
-What the trace of `local_grads` / `local_eval` may still hold comes from what they are
-handed in `model.Parallel` or call: with its `tp_axis`, the model's two tensor-parallel
-operators (`model._copy_to_tp`, a pcast whose transpose is a psum, and
-`model._reduce_from_tp`, a psum); with its `gather`, the script's FSDP hook (an
-all_gather, a reduce-scatter in the backward pass). `accumulate` is the one gradient
-path: `local_grads` and `pipeline.pipeline_grads` (whose `grads_fn` runs the pipeline
-schedule's ticks, with their ppermutes and psums) both run through it.
+A trace of `local_grads` / `local_eval` may still hold what `model.Parallel` hands it: the
+model's tensor-parallel operators, the script's FSDP hook. `accumulate` is the one
+gradient path: `local_grads` and the pipeline's gradients both run through it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -114,14 +109,28 @@ def scale_by_layer(decay: float) -> optax.GradientTransformation:
 
 
 def frozen_updates(optimizer, trainable: str) -> optax.GradientTransformation:
-    """`optimizer` whose updates outside head/* are zeros (weight decay included), under
-    --trainable head. Its state keeps the params' layout (each leaf's moments, which stay
-    zero): laid out as any optimizer state is."""
+    """`optimizer` on the head's params alone, under --trainable head: the frozen
+    backbone's updates are zeros (weight decay included), and its optimizer state keeps
+    one element per frozen leaf instead of the leaf's copies (AdamW's moments of the head
+    only). The state keeps the params' tree, each frozen leaf's moments a (1, ..., 1)
+    array, so it is laid out as any optimizer state is (`layout.like_param` keeps size-1
+    axes whole)."""
+    def shrunk(tree):
+        if not isinstance(tree, dict):  # optax.tree_map_params' stand-in for the params
+            return tree
+        return {k: v if k == "head" else jax.tree.map(
+                    lambda x: jnp.zeros((1,) * jnp.ndim(x), jnp.result_type(x)), v)
+                for k, v in tree.items()}
+
+    def init(params):
+        return optimizer.init(shrunk(params))
+
     def update(updates, state, params=None):
-        updates, state = optimizer.update(updates, state, params)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, u: u if path[0].key == "head" else jnp.zeros_like(u), updates), state
-    return optax.GradientTransformation(optimizer.init, update)
+        head, state = optimizer.update(shrunk(updates), state,
+                                       None if params is None else shrunk(params))
+        return {k: head[k] if k == "head" else jax.tree.map(jnp.zeros_like, v)
+                for k, v in updates.items()}, state
+    return optax.GradientTransformation(init, update)
 
 
 def trainable_params(params, trainable: str):
@@ -130,6 +139,13 @@ def trainable_params(params, trainable: str):
     if trainable == "all":
         return params
     return {k: v if k == "head" else jax.lax.stop_gradient(v) for k, v in params.items()}
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """The warm-up's length in steps: --warmup-steps (None: 5% of the run, at least 1),
+    less than the run's length."""
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
+    return min(warmup, max(total_steps - 1, 0))
 
 
 def make_optimizer(optim: OptimConfig,
@@ -142,8 +158,7 @@ def make_optimizer(optim: OptimConfig,
     the scripts compute the norm and `apply_gradients` clips."""
     if not 0.0 < optim.layer_decay <= 1.0:
         raise ValueError(f"layer_decay must be in (0, 1], got {optim.layer_decay}")
-    warmup = optim.warmup_steps if optim.warmup_steps is not None else max(1, total_steps // 20)
-    warmup = min(warmup, max(total_steps - 1, 0))
+    warmup = warmup_steps(optim, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=0.0)
@@ -168,7 +183,20 @@ def init_state(key, cfg: ViTConfig, policy: Policy, optimizer, *, ema: bool = Fa
     `params`: start from these (a tree like `init_params(key, cfg)`'s, e.g. imported
     weights, vit_pure/weights/) instead of a fresh initialisation."""
     if params is None:
-        params = init_params(key, cfg)
+        return _fresh_state(key, cfg, policy, optimizer, ema)
+    return _state_around(params, policy, optimizer, ema)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _fresh_state(key, cfg: ViTConfig, policy: Policy, optimizer, ema: bool) -> dict:
+    return _state_around(init_params(key, cfg), policy, optimizer, ema)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _state_around(params, policy: Policy, optimizer, ema: bool) -> dict:
+    """`init_state` around given params, as one program (with the draw, `_fresh_state`):
+    the optimizer's zeros, the casts and the EMA's copy compile together, not each
+    shape's on its own."""
     params = policy.cast_to_param(params)
     state = {
         "params": params,
@@ -407,25 +435,32 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
         grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)
         return loss_scale.unscale(grads), metrics
 
-    K = sc.accum_steps
-    if K == 1:
-        return micro_grads(images, labels, targets, example_ids)
-    if labels.shape[0] % K:
-        raise ValueError(f"accumulation: the per-device batch {labels.shape[0]} does not "
-                         f"divide into {K} micro-batches")
+    batch = (images, labels, targets, example_ids)
+    if sc.accum_steps == 1:
+        return micro_grads(*batch)
+    return sum_micro_batches(micro_grads, params, sc.accum_steps, batch)
+
+
+def sum_micro_batches(micro_grads: Callable, params, K: int, batch: tuple):
+    """`micro_grads(*micro_batch) -> (grads, metrics)` over K equal micro-batches of
+    `batch` (arrays (b, ...)), one after another in a `lax.scan`: (the gradients summed in
+    float32, divided by K and cast to the params' dtypes; the metrics' means)."""
+    b = batch[1].shape[0]
+    if b % K:
+        raise ValueError(f"accumulation: the per-device batch {b} does not divide into {K} "
+                         f"micro-batches")
 
     def micro_batches(x):  # (b, ...) -> (K, b/K, ...): micro-batch k is rows k*b/K...
         return x.reshape(K, x.shape[0] // K, *x.shape[1:])
 
-    def add(total, batch):
-        grads, metrics = micro_grads(*batch)
+    def add(total, micro_batch):
+        grads, metrics = micro_grads(*micro_batch)
         return jax.tree.map(lambda t, g: t + g.astype(F32), total, grads), metrics
 
     # The running sum starts at zero in float32. (zeros_like keeps the params' type under
     # shard_map, e.g. "varying over 'data'", which scan needs the carry to keep.)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)
-    total, metrics = jax.lax.scan(
-        add, zeros, tuple(micro_batches(x) for x in (images, labels, targets, example_ids)))
+    total, metrics = jax.lax.scan(add, zeros, tuple(micro_batches(x) for x in batch))
     # Equal-size micro-batches: the mean over the slice is the mean of the K means.
     grads = jax.tree.map(lambda t, p: (t / K).astype(p.dtype), total, params)
     return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)

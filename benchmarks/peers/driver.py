@@ -1,24 +1,16 @@
-"""Peer benchmark: this kit's training step against Flax NNX and PyTorch, same ViT, one device.
+r"""Peer benchmark: this kit's training step against Flax NNX and PyTorch, same ViT, one device.
 
     python -m benchmarks.peers --batch 4096 --dtype bf16 \
         --kit "as written=" --kit "no-scan=--no-scan" --kit "nodrop=--no-scan --dropout 0"
-    python -m benchmarks.peers --batch 4096 --dtype fp32 --matmul-precision highest --only kit,nnx
-    python -m benchmarks.peers --only kit --kit "as written=" \
-        --kit "cublaslt=XLA_FLAGS=--xla_gpu_enable_cublaslt=true"
+    python -m benchmarks.peers --only kit --kit "cublaslt=XLA_FLAGS=--xla_gpu_enable_cublaslt=true"
     python -m benchmarks.peers --model tiny --batch 16 --steps 2 --warmup 1     # a CPU smoke test
 
 Times, in one run on one device, the same training step (forward, backward, AdamW update
 of a ViT on random CIFAR-shaped uint8 batches, normalised on the device) written several
 ways, and prints one markdown table. The entries (kit, nnx, torch-eager, torch-compile)
 and what is and is not the same for all: `build_jobs`; the columns: `markdown_table`;
-each entry's process and environment: `run_child`.
-
-`--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags; FLAGS are the training
-script's flags, after any NAME=VALUE words, which set environment variables for that row's
-process only. Without --kit: one row, no extra flags.
-
---profile-kit DIR also traces 3 steps of the first kit row with jax.profiler and prints
-benchmarks/profile_breakdown.py's breakdown of it.
+each entry's process and environment: `run_child`; `--kit LABEL=FLAGS` rows: above
+`parse_kit_variant`.
 """
 from __future__ import annotations
 
@@ -50,6 +42,11 @@ CHILD = {"ceiling": "benchmarks.peers.kit", "kit": "benchmarks.peers.kit",
 
 
 # ============================================================================ the parent
+# `--kit LABEL=FLAGS` (repeatable) adds one row per set of extra flags; FLAGS are the
+# training script's flags, after any NAME=VALUE words, which set environment variables for
+# that row's process only. Without --kit: one row, no extra flags. --profile-kit DIR also
+# traces 3 steps of the first kit row with jax.profiler and prints
+# benchmarks/profile_breakdown.py's breakdown of it (`profile_kit`).
 def parse_kit_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     """`LABEL=[NAME=VALUE ...] FLAGS` -> (label, the row's environment variables, the
     training script's flags): harness.parse_kit_row, as a UsageError."""
@@ -74,7 +71,7 @@ def build_jobs(args) -> list[dict]:
 
         kit            this kit's real step, built exactly as `train_shardmap.py --batch B
                        --dtype D --dataset synthetic --accum-steps 1 [FLAGS]` builds it (its
-                       parser, backend.step_config, make_optimizer, ShardMapStrategy on one
+                       parser, settings.step_config, make_optimizer, ShardMapStrategy on one
                        device), timed by benchmarks/bench.py's measure_train_step, which drives the
                        compiled step as the training loop does. So the whole recipe is in:
                        flip + crop and RandAugment on the device, label smoothing, clipping.

@@ -1,21 +1,15 @@
-"""Check and time the attention implementations (--attention) against the einsum path.
-
-On a GPU (the measurement this script exists for; vit-cifar, one device):
+r"""Check and time the attention implementations (--attention) against the einsum path.
 
     python -m benchmarks.probes.attention_check --attention xla,cudnn --batch 4096 --dtype bf16
-
-On a CPU, a smoke check (cuDNN needs an NVIDIA GPU; asking for it here is a one-line error):
-
     python -m benchmarks.probes.attention_check --attention xla --model tiny --batch 32 \
-        --check-batch 16 --steps 3 --warmup 1
+        --check-batch 16 --steps 3 --warmup 1                 # a CPU smoke check
 
-Two parts, one process:
-
-1. Gradients (`check_gradients`): each implementation's gradients against a float32
-   einsum reference, in machine epsilons; it passes "within bf16 rounding" of the einsum path.
-2. Time (`time_steps`): the real training step with each implementation, einsum first.
-
-Exit status 1 if an implementation fails the gradient check.
+The first is the measurement this script exists for (a GPU, vit-cifar, one device; cuDNN
+needs an NVIDIA GPU: asking for it elsewhere is a one-line error). Two parts, one process:
+gradients (`check_gradients`: each implementation's against a float32 einsum reference, in
+machine epsilons; it passes "within bf16 rounding" of the einsum path) and time
+(`time_steps`: the real training step with each implementation, einsum first). Exit
+status 1 if an implementation fails the gradient check.
 """
 from __future__ import annotations
 

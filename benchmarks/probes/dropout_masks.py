@@ -3,25 +3,13 @@
     python -m benchmarks.probes.dropout_masks                            # vit-cifar, batch 128
     python -m benchmarks.probes.dropout_masks --batch 4096 --dtype bf16  # the GPU's headline shape
 
-The model draws each dropout mask from per-example keys (layers.dropout.dropout: fold_in of the
-example id, the layer and the site, then dropout.keep_mask under a vmap), by one of two
-methods (--dropout-masks): "threefry16", four 16-bit uniforms per Threefry hash of the
-key, or "bernoulli", `jax.random.bernoulli` with whatever PRNG implementation the keys
-carry (the training step's keys are JAX's default, threefry2x32). One table row for
-threefry16, then one for bernoulli with each implementation named in --impls:
-
-    per example  does example i get the same mask in a batch of 4 as in a batch of 2?
-                 The kit's rule (1, 2 or 8 devices give the same numbers) needs "yes".
-    shard_map    does one dropout site compile and run inside `jax.shard_map` over two
-                 CPU devices, where the kit's training step runs? (Always checked on two
-                 fake CPU devices, whatever the default backend.)
-    fwd ms       median time of one dropout site as the model runs it, on a
-                 (batch, tokens, width) activation of the --model preset in --dtype, on the
-                 default backend: the keys, the mask and the scaled select
-    fwd+bwd ms   the same with the backward pass (`jax.vjp`): the mask as the gradient
-                 needs it, and the select of the cotangent
-
-Results of one run on a CPU: docs/performance.md, "Dropout masks on a CPU".
+The model draws each dropout mask from per-example keys (layers.dropout.dropout: fold_in of
+the example id, the layer and the site, then dropout.keep_mask under a vmap), by one of two
+methods (--dropout-masks): "threefry16", four 16-bit uniforms per Threefry hash of the key,
+or "bernoulli", `jax.random.bernoulli` with whatever PRNG implementation the keys carry.
+One table row per method and implementation: per-example masks, shard_map, forward and
+backward times (the columns: the comment above IMPLS). Results of one run on a CPU:
+docs/performance.md, "Dropout masks on a CPU".
 """
 from __future__ import annotations
 
@@ -39,6 +27,18 @@ from vit_pure.config import PRESETS, get_preset
 from vit_pure.layers import dropout
 from vit_pure.run import cli
 
+# The table's columns, one row for threefry16, then one for bernoulli with each
+# implementation named in --impls:
+#   per example  does example i get the same mask in a batch of 4 as in a batch of 2?
+#                The kit's rule (1, 2 or 8 devices give the same numbers) needs "yes".
+#   shard_map    does one dropout site compile and run inside `jax.shard_map` over two
+#                CPU devices, where the kit's training step runs? (Always checked on two
+#                fake CPU devices, whatever the default backend.)
+#   fwd ms       median time of one dropout site as the model runs it, on a (batch,
+#                tokens, width) activation of the --model preset in --dtype, on the default
+#                backend: the keys, the mask and the scaled select
+#   fwd+bwd ms   the same with the backward pass (`jax.vjp`): the mask as the gradient
+#                needs it, and the select of the cotangent
 IMPLS = ("threefry2x32", "philox4x32", "rbg")
 
 

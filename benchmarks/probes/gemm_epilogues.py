@@ -1,22 +1,17 @@
-"""Which library runs each matrix product of the compiled training step, with which epilogue.
+r"""Which library runs each matrix product of the compiled training step, with which epilogue.
 
     python -m benchmarks.probes.gemm_epilogues --batch 4096 --dtype bf16
     XLA_FLAGS=--xla_gpu_enable_cublaslt=true \
         python -m benchmarks.probes.gemm_epilogues --batch 4096 --dtype bf16
     python -m benchmarks.probes.gemm_epilogues --model tiny --batch 8     # on a CPU: dot ops only
 
-Compiles (does not run) the kit's training step exactly as `benchmarks.peers` builds a kit
-row (`train_shardmap.py --batch B --dtype D --dataset synthetic --accum-steps 1 [--flags]`
-on one device) and reads XLA's optimized HLO. On a GPU, XLA turns each dot into a cuBLAS
-call (`__cublas$gemm`), a cuBLASLt call (`__cublas$lt$matmul`, which can fuse a bias add
-and a GELU into the GEMM as its "epilogue": BIAS, GELU, BIAS_GELU, their _AUX forms that
-also write the pre-activation for the backward pass, ...), or a fusion XLA generates itself
-(Triton, `__triton_gemm`; cuDNN, `__cudnn$fusion`). The table counts them by target and
-epilogue. The kit's MLP is written so that the pattern is there to match: fc1's product
-in the matmul dtype, its bias added by the product itself (a ones column,
-`layers.linear.dense`), then `jax.nn.gelu`'s tanh form. Whether
-XLA takes it depends on its flags (`--xla_gpu_enable_cublaslt`; docs/performance.md).
-On a CPU there are no such calls; the table counts XLA:CPU's dot instructions.
+Compiles (does not run) the kit's training step as `benchmarks.peers` builds a kit row and
+reads XLA's optimized HLO. On a GPU each dot becomes a cuBLAS call, a cuBLASLt call (which
+can fuse a bias add and a GELU into the GEMM as its "epilogue": BIAS, GELU, BIAS_GELU and
+their _AUX forms) or a fusion XLA generates (Triton, cuDNN); the table counts them by
+target and epilogue. The kit's MLP gives the pattern (fc1's bias added by the product
+itself, a ones column, then `jax.nn.gelu`'s tanh form); whether XLA takes it depends on
+its flags (docs/performance.md). On a CPU the table counts XLA:CPU's dot instructions.
 """
 from __future__ import annotations
 

@@ -4,15 +4,13 @@ benchmarks.bench times for the same compiled step, in one process.
     python -m benchmarks.probes.loop_overhead --model tiny --batch 128 --steps 240 --log-every 20
     python -m benchmarks.probes.loop_overhead --batch 4096 --dtype bf16 --steps 240 --log-every 20
 
-The loop is `train_shardmap.main` with the headline command's shape: synthetic data,
-10 steps per epoch (--synthetic-train 10 x batch) and a validation pass after every epoch
-(the headline's 5000 images per 45000, --eval-every 1; `--eval-every 0` leaves them out).
-Its figure is the median of the `images_per_s` its JSON log records, leaving out the
-first log point (which includes compiling). The step alone is
-`benchmarks.bench.measure_train_step` of the same settings: the median of its timed
-steps. The two alternate `--repeats` times, so that drift on a shared machine falls on
-both; the last line prints both medians and the ratio loop / step. docs/performance.md,
-"The training loop against the step alone", has the figures.
+The loop is `train_shardmap.main` with the headline command's shape (synthetic data, 10
+steps an epoch, a validation pass after each: `--eval-every 0` leaves them out); its figure
+is the median `images_per_s` of its JSON log, the first point (compiling) left out. The
+step alone is `benchmarks.bench.measure_train_step` of the same settings. The two
+alternate `--repeats` times, so drift on a shared machine falls on both; the last line
+prints both medians and the ratio loop / step. The figures: docs/performance.md, "The
+training loop against the step alone".
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """On-device augmentation of a training batch, in pure jax.numpy (inside jit / shard_map):
-random horizontal flip + random resized crop, and mixup / CutMix. RandAugment's ops are
-vit_pure/data/randaugment.py; `step.prepare_images` runs them in order (flip + crop, then
-RandAugment, then mixup / CutMix on the one-hot targets too).
+random horizontal flip + random resized crop, and mixup / CutMix (`mix_batch`).
+RandAugment's ops are vit_pure/data/randaugment.py; `step.prepare_images` runs them in
+order (flip + crop, then RandAugment, then mixup / CutMix on the one-hot targets too).
 
 Per-example randomness comes from ``fold_in(key, example_id)`` with the example's *global*
-position in the global batch, so a batch gives the same augmented images however it is
-split across devices or processes.
+position in the batch, so a batch gives the same augmented images however it is split
+across devices or processes; mixup's pairs never cross a device (`mix_batch`).
 
-mixup / CutMix mix *pairs*: the example at global batch position g is mixed with the one at
-g XOR 1 (positions 2k and 2k+1 are partners), with one lambda (and, for CutMix, one box) per
-call, drawn from the key. Under data parallelism each device holds a contiguous slice of the
-global batch, starting at a multiple of its (even) length, so both partners sit on the same
-device for any number of devices and no data moves: 1, 2 or 8 devices mix the same pairs
-with the same lambda (pass the same key on every device), and the step is the same. A slice
-of odd length cannot be split into pairs: `mix_batch` refuses it.
-
-Sources: mixup, H. Zhang, M. Cisse, Y. N. Dauphin, D. Lopez-Paz, "mixup: Beyond empirical
-risk minimization", 2017, arXiv:1710.09412. CutMix, S. Yun, D. Han, S. J. Oh, S. Chun,
-J. Choe, Y. Yoo, "CutMix: Regularization strategy to train strong classifiers with
-localizable features", 2019, arXiv:1905.04899.
+Sources: mixup, H. Zhang, M. Cisse, Y. N. Dauphin, D. Lopez-Paz, arXiv:1710.09412 (2017).
+CutMix, S. Yun, D. Han, S. J. Oh, S. Chun, J. Choe, Y. Yoo, arXiv:1905.04899 (2019).
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """CIFAR-10 on the host, in numpy (no JAX): read, split, batch.
 
-Read the official python-format folder ``<data-dir>/cifar-10-batches-py/`` once into uint8
-arrays, split it into train / val / test, and cut global batches: shuffled per epoch with
-the last partial batch dropped for training, zero-padded with a mask for evaluation.
-Pickles are read with a restricted unpickler, so a crafted file cannot run code. If the
-folder is missing, vit_pure/data/download.py fetches it (md5-checked, extracted atomically).
-The device side, flip + crop and mixup / CutMix, is vit_pure/data/augment.py; RandAugment is
-vit_pure/data/randaugment.py.
-
-Shapes: images are NHWC, N examples of H=W=32 pixels and C=3 channels.
-
-Usage (one host; vit_pure/run/loop.py is the full loop)::
-
-    splits = load_dataset("cifar10", "data/")            # {'train','val','test'}
-    ids = np.arange(4096, dtype=np.int32)                 # global positions in the batch
-    step = 0
-    for epoch in range(epochs):
-        for x, y in train_batches(splits["train"], 4096, seed=0, epoch=epoch):
-            key = augment.augment_key(0, epoch, step)     # what step.step_key returns
-            # On the device, step.prepare_images scales x to [0, 1], runs augment.augment
-            # with (a key split from) `key` and `ids`, then normalises with CIFAR10_MEAN / STD.
-            state, metrics = strategy.train_step(state, *strategy.put_batch(x, y, ids), key)
-            step += 1
+Reads the official python-format folder ``<data-dir>/cifar-10-batches-py/`` once into
+uint8 NHWC arrays (32 x 32 x 3), splits it into train / val / test (`load_dataset`), and
+cuts global batches: shuffled per epoch with the last partial batch dropped for training
+(`train_batches`), zero-padded with a mask for evaluation. Pickles are read with a
+restricted unpickler, so a crafted file cannot run code. A missing folder is fetched by
+vit_pure/data/download.py (md5-checked, extracted atomically). The device side is
+vit_pure/data/augment.py and randaugment.py; vit_pure/run/loop.py is the loop that feeds
+these batches to a strategy's `train_step`.
 """
 from __future__ import annotations
 

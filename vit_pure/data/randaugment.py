@@ -1,27 +1,16 @@
 """On-device RandAugment, in pure jax.numpy (flip + crop and mixup / CutMix: data/augment.py).
 
 Everything here runs inside jit / vmap / shard_map: no host callbacks, no Python loops over
-images. Images are float32 HWC (one image) or NHWC (a batch) with pixel values in [0, 1],
-not yet normalised (the caller normalises after augmenting).
+images. Images are float32 HWC (one image) or NHWC (a batch) in [0, 1], not yet normalised.
+Every single-image op is ``op(image, magnitude, key=None) -> image``, clipped to [0, 1];
+``magnitude`` in [0, 1], 0 the identity for every op that has one. Signed ops take the sign
+from ``key`` (a fair coin), or with ``key=None`` from ``magnitude`` itself, so
+``rotate(img, -0.5)`` turns 15 degrees clockwise. identity, auto_contrast, equalize and
+invert have no magnitude (as in the paper), so the last three act even at 0.
 
-Single-image ops
-----------------
-Every op has the signature ``op(image, magnitude, key=None) -> image`` with the same shape
-and dtype, values clipped to [0, 1]. ``magnitude`` is a float in [0, 1]; 0 is the identity,
-exactly, for every op that has a magnitude. Ops that move or tint in a direction ("signed")
-take the sign from ``key`` (a fair coin); with ``key=None`` they use the sign of
-``magnitude`` as given, so ``rotate(img, -0.5)`` is a clockwise turn of 15 degrees.
-The ops without a magnitude (identity, auto_contrast, equalize, invert) ignore it, as in the
-paper, so auto_contrast, equalize and invert act even at magnitude 0.
-
-The op table, ranges, warp, colour semantics, sources and cost: `rand_augment`.
-
-Batched functions
------------------
-``rand_augment(key, images, example_ids, ...)`` takes per-example randomness from
-``jax.random.fold_in(key, example_id)``, where ``example_ids`` are the examples' positions in
-the global batch. Any split of the batch across devices (or into chunks) therefore gives the
-same images, as long as each piece passes its own examples' global ids.
+``rand_augment(key, images, example_ids, ...)`` draws per example from
+``fold_in(key, example_id)`` with the examples' global batch positions, so any split of the
+batch gives the same images; the op table, ranges, sources and cost are in its docstring.
 """
 from __future__ import annotations
 
@@ -373,31 +362,41 @@ def rand_augment(key, images, example_ids, *, num_ops=2, magnitude=9, ops=DEFAUL
     if one_warp:  # geometric ops leave the image alone in the switch; the warp does them
         branches = [identity if g else b for b, g in zip(branches, geometric)]
 
-    def warp(index, image, op_key):
-        """The drawn op's warp, or the identity if it is not geometric (then unused)."""
-        affines = [_AFFINE[op](image.shape, m, op_key) if g else (IDENTITY_MATRIX, (0.0, 0.0))
-                   for op, g in zip(ops, geometric)]
-        matrix = jnp.stack([jnp.asarray(a, jnp.float32) for a, _ in affines])[index]
-        offset = jnp.stack([jnp.asarray(o, jnp.float32) for _, o in affines])[index]
-        return affine_warp(image, matrix, offset)
-
     def one_image(image, example_id):
         example_key = jax.random.fold_in(key, example_id)
         for slot in range(num_ops):  # a loop over op slots, not over images
-            choice_key, op_key = jax.random.split(jax.random.fold_in(example_key, slot))
-            index = jax.random.randint(choice_key, (), 0, len(ops))
-            # Under vmap this switch becomes "evaluate all branches, select one".
-            # JAX 0.10.2 pitfall: inside shard_map (check_vma=True), a vmapped switch fails
-            # ("pvary is a invariant->variant collective") if a branch uses a constant array
-            # such as jnp.asarray([0.299, 0.587, 0.114]); the ops here use scalars only.
-            switched = lax.switch(index, branches, image, op_key)
-            if one_warp:
-                is_geometric = jnp.asarray(geometric)[index]
-                switched = jnp.where(is_geometric, warp(index, image, op_key), switched)
-            image = switched
+            slot_key = jax.random.fold_in(example_key, slot)
+            image = _one_slot(image, slot_key, ops, branches, m, one_warp)
         return image
 
     return jax.vmap(one_image)(images, jnp.asarray(example_ids, jnp.int32))
+
+
+def _one_slot(image, slot_key, ops, branches, m, one_warp):
+    """One op slot of one image: an op drawn uniformly from `ops` and applied by
+    `branches` (one per op, at magnitude m). With `one_warp` the geometric branches are
+    the identity, and the drawn op's warp, if geometric, replaces the switch's result."""
+    choice_key, op_key = jax.random.split(slot_key)
+    index = jax.random.randint(choice_key, (), 0, len(ops))
+    # Under vmap this switch becomes "evaluate all branches, select one".
+    # JAX 0.10.2 pitfall: inside shard_map (check_vma=True), a vmapped switch fails
+    # ("pvary is a invariant->variant collective") if a branch uses a constant array
+    # such as jnp.asarray([0.299, 0.587, 0.114]); the ops here use scalars only.
+    switched = lax.switch(index, branches, image, op_key)
+    if one_warp:
+        is_geometric = jnp.asarray([op in _AFFINE for op in ops])[index]
+        switched = jnp.where(is_geometric, _drawn_warp(index, image, op_key, ops, m), switched)
+    return switched
+
+
+def _drawn_warp(index, image, op_key, ops, m):
+    """The warp of op `index` of `ops` at magnitude m, or the identity if it is not
+    geometric (then unused)."""
+    affines = [_AFFINE[op](image.shape, m, op_key) if op in _AFFINE
+               else (IDENTITY_MATRIX, (0.0, 0.0)) for op in ops]
+    matrix = jnp.stack([jnp.asarray(a, jnp.float32) for a, _ in affines])[index]
+    offset = jnp.stack([jnp.asarray(o, jnp.float32) for _, o in affines])[index]
+    return affine_warp(image, matrix, offset)
 
 
 __all__ = [

@@ -1,20 +1,14 @@
 """Self-attention of an encoder block, one call (`self_attention`): the q, k, v
 projection, attention over this device's heads, and the output projection.
 
-Three attention implementations compute the same function of the same parameters
-(tests/test_attention.py), picked by `Execution.attention`:
-
-- "einsum" (the reference, `attention_einsum`): two `policy.einsum` products on
-  (B, H, T, D), with the head transposes that layout needs.
-- "xla" and "cudnn" (`attend_padded`; the scripts pick "cudnn" on NVIDIA GPUs in bf16,
-  vit_pure/run/backend.py) call `jax.nn.dot_product_attention` on (B, Tp, H, D), the
-  token axis padded to a multiple of 8 and the padded keys masked; in the block, q, k
-  and v each come from its own matmul on the padded LayerNorm output, already in the
-  call's layout (`padded_projections`).
-
-With ViTConfig.pool "cls" the last block may compute the class token's row alone
-(`class_token_attention`, Execution.last_block "class-token"): keys and values from every
-token, the query from the class token, the two products as einsums of one query row.
+Four implementations compute the same function of the same parameters
+(tests/test_attention.py, tests/test_attention_pallas.py), picked by `Execution.attention`:
+"einsum", the reference (`attention_einsum`, two products on (B, H, T, D)); "xla" and
+"cudnn" (`attend_padded`, `jax.nn.dot_product_attention` on (B, Tp, H, D) with the tokens
+padded to a multiple of 8 and the padded keys masked: `padded_projections`); "pallas"
+(opt-in: layers/attention_pallas.py, a Mosaic GPU kernel for short sequences;
+"pallas-interpret" runs it in JAX's interpreter on a CPU). With pool "cls" the last block
+may compute the class token's row alone (`class_token_attention`).
 
 The output projection's bias is not added here: with tensor parallelism it is a
 row-parallel matmul whose partial sums `model._block` adds up first.
@@ -28,6 +22,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
+from vit_pure.layers.attention_pallas import attention_pallas
 from vit_pure.layers.linear import dense, dense_with_ones, with_ones
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
@@ -46,11 +41,15 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     if implementation != "einsum" and cfg.lsa:
         raise ValueError(f"{cfg.name}: locality self-attention (lsa) runs on the einsum "
                          f"attention only, not {implementation!r}")
-    if implementation == "einsum":  # (B, T, Hl*D)
+    if implementation in ("einsum", "pallas", "pallas-interpret"):  # (B, T, Hl*D)
         w_qkv, b_qkv = a["qkv"]["kernel"].reshape(E, -1), a["qkv"]["bias"].reshape(-1)
         qkv = dense(h, w_qkv, b_qkv, policy)  # (B*T, 3*Hl*D) in the matmul dtype
         qkv = qkv.reshape(-1, T, qkv.shape[-1]).astype(policy.compute_dtype)
-        ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+        if implementation == "einsum":
+            ctx = attention_einsum(qkv, cfg, policy, a.get("log_scale"))
+        else:  # the kernel reads this unpadded token-major buffer as it is
+            ctx = attention_pallas(qkv, cfg.head_dim,
+                                   interpret=implementation == "pallas-interpret")
     else:  # (B, Tp, Hl*D)
         q, k, v = padded_projections(h, a["qkv"], cfg, policy)
         ctx = attend_padded(q, k, v, T, policy, implementation)

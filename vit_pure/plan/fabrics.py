@@ -1,25 +1,9 @@
-"""The network between GPU nodes: one profile per fabric, each fitted to published
-nccl-tests runs (the runs, with their sources, are in vit_pure/plan/measurements/).
-
-A profile says, per GPU (one NIC each, as on HGX / DGX H100 and the clouds' H100 nodes):
-
-    nic     the NIC's bandwidth reached on large messages (bytes/s)
-    half    the bytes one NIC carries in one call at which half of `nic` is reached;
-    k       how sharply it rises (bandwidth(c) = nic x^k / (1 + x^k), x = c / half):
-            NCCL opens fewer channels and fills its pipeline of fixed-size chunks only on
-            large calls, so a call's bandwidth grows with its size
-    hop     the latency of one step across the network (a ring step, a tree level)
-    base    the latency every call pays (launch, setup, the protocol's round trip)
+"""The network between GPU nodes: one profile per fabric (`Fabric`: a NIC's bandwidth ramp
+and its latencies), each fitted to published nccl-tests runs (the runs, with their
+sources, are in vit_pure/plan/measurements/; how: above `Fabric`).
 
 vit_pure/plan/nccl.py turns these into the time of a ring, a tree or an NVLS call.
 Pure arithmetic: no JAX here.
-
-HOW THEY WERE FITTED. Least squares on log(time) of the nccl.py model against the runs
-marked "fit" in measurements/nccl_all_reduce.json (the published table of each fabric with
-the fewest nodes), each parameter rounded; the runs marked "check" were not used, and
-tests/test_plan_nccl.py holds the model within 30% of every point of both. The 200 Gb/s
-variants have no run of their own: the 400 Gb/s profile at half the NIC bandwidth
-(assumed).
 """
 from __future__ import annotations
 
@@ -29,9 +13,23 @@ GB = 1e9
 MiB = 2**20
 
 
+# A profile says, per GPU (one NIC each, as on HGX / DGX H100 and the clouds' H100 nodes):
+#   nic   the NIC's bandwidth reached on large messages (bytes/s)
+#   half  the bytes one NIC carries in one call at which half of `nic` is reached;
+#   k     how sharply it rises (bandwidth(c) = nic x^k / (1 + x^k), x = c / half): NCCL
+#         opens fewer channels and fills its pipeline of fixed-size chunks only on large
+#         calls, so a call's bandwidth grows with its size
+#   hop   the latency of one step across the network (a ring step, a tree level)
+#   base  the latency every call pays (launch, setup, the protocol's round trip)
+# How they were fitted: least squares on log(time) of the nccl.py model against the runs
+# marked "fit" in measurements/nccl_all_reduce.json (the published table of each fabric with
+# the fewest nodes), each parameter rounded; the runs marked "check" were not used, and
+# tests/test_plan_nccl.py holds the model within 30% of every point of both. The 200 Gb/s
+# variants have no run of their own: the 400 Gb/s profile at half the NIC bandwidth
+# (assumed).
 @dataclasses.dataclass(frozen=True)
 class Fabric:
-    """One cross-node network, per GPU (module docstring)."""
+    """One cross-node network, per GPU (its fields: the comment above)."""
     name: str
     nic: float           # bytes/s per GPU, large messages
     half: float          # bytes per NIC per call at half of `nic`

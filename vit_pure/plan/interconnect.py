@@ -1,25 +1,9 @@
 """What a collective costs on hardware you do not have: cited curves, stated formulas.
 
-Used by vit_pure/plan/build.py (`--plan N`) to turn the collectives of a compiled training step
-into seconds. Pure arithmetic: no JAX here.
-
-THE FORMULAS. V is the collective's buffer per device, in bytes: the whole array an
-all-reduce reduces, the whole (gathered) array of an all-gather, the whole (unscattered)
-array of a reduce-scatter, the array a collective-permute sends. n devices take part.
-
-    all-gather, reduce-scatter (ring)   V (n-1) / (n W)
-    all-reduce (ring: reduce-scatter, then all-gather)   2 V (n-1) / (n W)
-    collective-permute (one hop)        V / W
-    every call, in addition             a latency alpha
-
-W is a bus bandwidth that depends on the message: `Link`. How a group spread over nodes
-runs (HIERARCHICAL): `transfer_seconds`; which group sets the price (PLACEMENT): `placement`.
-
-ACROSS NODES ON GPUS the plan prices collectives as NCCL runs them (ring, tree, NVLS,
-NVLS-tree) over a fabric profile: vit_pure/plan/nccl.py and fabrics.py. The hierarchical
-formula (`transfer_seconds`) is what hardware without a fabric profile (the TPUs) keeps, and what
-nccl.py calls inside one node.
-
+Used by the plan (vit_pure/plan/report.py, nccl.py) to turn the collectives of a compiled
+training step into seconds: the links and hardware table with their sources, the ring
+formulas (stated above `Link`), where a group sits across nodes (`placement`). Pure
+arithmetic: no JAX here.
 """
 from __future__ import annotations
 
@@ -36,6 +20,18 @@ PERMUTE, ALL_TO_ALL = "collective-permute", "all-to-all"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, PERMUTE, ALL_TO_ALL)
 
 
+# THE FORMULAS. V is the collective's buffer per device, in bytes: the whole array an
+# all-reduce reduces, the whole (gathered) array of an all-gather, the whole (unscattered)
+# array of a reduce-scatter, the array a collective-permute sends. n devices take part.
+#     all-gather, reduce-scatter (ring)                     V (n-1) / (n W)
+#     all-reduce (ring: reduce-scatter, then all-gather)    2 V (n-1) / (n W)
+#     collective-permute (one hop)                          V / W
+#     every call, in addition                               a latency alpha
+# W is a bus bandwidth that depends on the message: `Link`. How a group spread over nodes
+# runs (HIERARCHICAL): `transfer_seconds`; which group sets the price (PLACEMENT):
+# `placement`. Across nodes on GPUs the plan prices collectives as NCCL runs them instead
+# (nccl.py, fabrics.py); the hierarchical formula is what hardware without a fabric profile
+# (the TPUs) keeps, and what nccl.py calls inside one node.
 @dataclasses.dataclass(frozen=True)
 class Link:
     """One level of the interconnect: its bus bandwidth as a function of the chunk a device
@@ -43,7 +39,7 @@ class Link:
 
     W is the *bus bandwidth* in the sense of nccl-tests (doc/PERFORMANCE.md): busbw = algbw x
     2(n-1)/n for all-reduce and algbw x (n-1)/n for all-gather and reduce-scatter, with algbw =
-    S / t, so for a measured run t = 2 S (n-1) / (n busbw): the module docstring's formula read
+    S / t, so for a measured run t = 2 S (n-1) / (n busbw): the formula above read
     backwards.
 
     W DEPENDS ON THE MESSAGE. A link reaches its peak only on large messages: nccl-tests curves
@@ -149,13 +145,12 @@ class Hardware:
 # [book]  "How to Scale Your Model" (the JAX scaling book, jax-ml.github.io/scaling-book),
 #         "All About TPUs": ICI 4.5e10 B/s one way per link on v5e, 9e10 on v5p; a ring
 #         along one torus axis uses both directions: 9e10 (v5e) and 1.8e11 (v5p).
-# [MFU]   The kit's own step on one H100 80GB HBM3 (docs/performance.md, "Attention
-#         implementations", 2026-11-23): vit-cifar, batch 4096, bf16, cuDNN attention,
-#         39,358 img/s x 4.264 GFLOP/img = 167.8 TFLOP/s, 0.170 of the 989 peak.
+# [MFU]   The kit's own step on one H100 80GB HBM3, the MFU bench.py reports for vit-cifar,
+#         batch 4096, bf16, cuDNN attention (the measurement: docs/performance.md).
 # Flat links (no curve) and their latencies for A100 and TPUs: assumed, large messages only.
 H100_INSIDE = Link(370 * GB, 19e6, 0.81, 10e-6, all_reduce_peak=480 * GB, min_chunk=2**20)
 H100_ACROSS = Link(24.7 * GB, 11.9e6, 0.81, 123e-6, min_chunk=2**19)
-H100_MFU = (0.170, "vit-cifar, batch 4096, bf16, one H100 (docs/performance.md, 2026-11-23)")
+H100_MFU = (0.170, "vit-cifar, batch 4096, bf16, one H100 (docs/performance.md)")
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", "gpu", 989e12, 80 * 2**30, H100_INSIDE, H100_ACROSS, 8,
                      "H100 datasheet; NVLink curve [NVL]; across nodes the fabric profile "
@@ -233,8 +228,8 @@ def placement(groups: list[list[int]], devices_per_node: int,
 
 def transfer_seconds(kind: str, nbytes: float, where: Placement, hw: Hardware,
                      message: float = 0.0) -> float:
-    """The bandwidth term of one collective of V = nbytes (module docstring), without the
-    latency. `message`: the bytes of the call that carries it (a combined bucket), which
+    """The bandwidth term of one collective of V = nbytes (the formulas above `Link`),
+    without the latency. `message`: the bytes of the call that carries it (a combined bucket), which
     sets the chunk and so the bandwidth; 0: its own V.
 
     HIERARCHICAL. `devices_per_node` devices share a fast domain (NVLink / NVSwitch on GPUs, ICI

@@ -1,21 +1,10 @@
 """A collective's time as NCCL runs it: ring, tree, NVLS or NVLS-tree, the fastest chosen as
 NCCL's tuner chooses, or the one forced (as NCCL_ALGO does).
 
-Used by vit_pure/plan/report.py (`--plan N`) and vit_pure/plan/collective.py (one collective
-on the command line). Pure arithmetic: no JAX here.
-
-A group of n GPUs in m nodes, p of them in a node (p_nic: the fewest in a node, whose NICs
-carry the most; p: the most, whose NVLink stage is the longest). S: the call's bytes per
-GPU (the whole array an all-reduce reduces or an all-gather gathers). Every call is a
-latency plus its bytes over the bandwidth of the link that limits it; NCCL's own tuner has
-this shape (src/graph/tuning.cc: a base latency, a latency per step, a bandwidth per
-algorithm). Across nodes each GPU uses its own NIC, whose bandwidth depends on the bytes
-it carries per network step of the call (vit_pure/plan/fabrics.py's ramp):
-
-    net = p_nic x fabric.bandwidth(c)            a node's NICs together
-    c = S / (p_nic x steps)                      steps: m-1 for a ring, ceil(log2 m) for a tree
-
-The algorithms (ring, tree, NVLS-tree, NVLS, permute), one by one: `call_cost`.
+Used by vit_pure/plan/report.py (`--plan N`) and vit_pure/tools/price_collective.py (one
+collective on the command line). Pure arithmetic: no JAX here. The model (a latency plus
+the bytes over the limiting link, as NCCL's tuner): above `call_cost`; the algorithms one
+by one: `call_cost`.
 
 WHAT IS NOT MODELLED: CollNet / in-network SHARP, PAT (NCCL 2.23's all-gather and
 reduce-scatter for one GPU a node), NCCL's protocol choice (LL, LL128, Simple: folded into
@@ -89,10 +78,19 @@ def candidates(kind: str, where: ic.Placement, hw: ic.Hardware) -> tuple[str, ..
     return (RING,)
 
 
+# A group of n GPUs in m nodes, p of them in a node (p_nic: the fewest in a node, whose NICs
+# carry the most; p: the most, whose NVLink stage is the longest). S: the call's bytes per
+# GPU (the whole array an all-reduce reduces or an all-gather gathers). Every call is a
+# latency plus its bytes over the bandwidth of the link that limits it; NCCL's own tuner has
+# this shape (src/graph/tuning.cc: a base latency, a latency per step, a bandwidth per
+# algorithm). Across nodes each GPU uses its own NIC, whose bandwidth depends on the bytes
+# it carries per network step of the call (vit_pure/plan/fabrics.py's ramp):
+#     net = p_nic x fabric.bandwidth(c)            a node's NICs together
+#     c = S / (p_nic x steps)                      steps: m-1 for a ring, ceil(log2 m) for a tree
 def call_cost(kind: str, size: float, where: ic.Placement, hw: ic.Hardware,
               algorithm: str) -> Cost:
     """One call of `size` bytes per GPU by `algorithm` (one of `candidates`). In the terms
-    of the module docstring (n, m, p, p_nic, S, net, c):
+    of the comment above (n, m, p, p_nic, S, net, c):
 
     so a call of a given size, spread over more steps on more nodes, reaches less of the
     peak. NVLink enters at its peak rates: the fabric's ramp is fitted end to end on

@@ -1,25 +1,9 @@
 """Which collectives can hide behind compute, read from the compiled program's data flow.
 
 A collective can run while the device computes only if the computation around it does not
-wait for it. Two kinds can:
-
-* nothing computed needs its result: no matmul is downstream of it (the data-parallel
-  gradient all-reduce and FSDP's gradient reduce-scatter, which feed only the optimizer's
-  elementwise update; the metrics' scalars);
-* it needs no computed value: no matmul is upstream of it, so it can be issued as early as
-  its inputs exist (FSDP's weight all-gathers, which read only the parameters: a prefetch).
-  Values that pass through remat's optimization barrier count as available: they were
-  saved in the forward pass (FSDP's backward re-gathers under --remat block).
-
-Everything else is on the critical path: a matmul produced its operand and another matmul
-waits for its result (tensor parallelism's activation all-reduces, the pipeline's
-hand-offs). "Matmul" is a dot or convolution, a library GEMM or attention call, or a fusion,
-call or loop that contains one. Inside a loop body (a scan over layers, ticks or
-micro-batches), a result that leaves the body through its loop-carried tuple and is read by
-a matmul of the next iteration counts as needed by a matmul. What is not credited:
-`classify_overlap`.
-
-Pure text analysis of the parsed HLO (vit_pure/xla/hlo.py); nothing runs.
+wait for it: nothing computed needs its result, or it needs no computed value (the rule,
+above `classify_overlap`; what it does not credit: its docstring). Everything else is on
+the critical path. Pure text analysis of the parsed HLO (vit_pure/xla/hlo.py); nothing runs.
 """
 from __future__ import annotations
 
@@ -96,6 +80,20 @@ def _next_iteration_computes(instrs: list[Instr], reached: set[str], users, is_c
     return any(is_compute(n) for r in reads for n in _closure(r, users) | {r})
 
 
+# Two kinds of collective can run while the device computes:
+# * nothing computed needs its result: no matmul is downstream of it (the data-parallel
+#   gradient all-reduce and FSDP's gradient reduce-scatter, which feed only the optimizer's
+#   elementwise update; the metrics' scalars);
+# * it needs no computed value: no matmul is upstream of it, so it can be issued as early as
+#   its inputs exist (FSDP's weight all-gathers, which read only the parameters: a prefetch).
+#   Values that pass through remat's optimization barrier count as available: they were
+#   saved in the forward pass (FSDP's backward re-gathers under --remat block).
+# Everything else is on the critical path: a matmul produced its operand and another matmul
+# waits for its result (tensor parallelism's activation all-reduces, the pipeline's
+# hand-offs). "Matmul" is a dot or convolution, a library GEMM or attention call, or a
+# fusion, call or loop that contains one. Inside a loop body (a scan over layers, ticks or
+# micro-batches), a result that leaves the body through its loop-carried tuple and is read by
+# a matmul of the next iteration counts as needed by a matmul.
 def classify_overlap(module: Module, found: list[Collective]) -> None:
     """Set each collective's `overlap` (CRITICAL / OVERLAPPABLE) and `reason`.
 

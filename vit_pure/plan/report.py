@@ -16,11 +16,10 @@ from vit_pure.plan.collectives import (
     Collective,
 )
 from vit_pure.plan.overlap import CRITICAL
-from vit_pure.run.accum import StepMemory
 from vit_pure.xla import kernels
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Plan:
     script: str
     devices: int
@@ -106,7 +105,9 @@ class Plan:
 
     @property
     def memory_bytes(self) -> int:
-        return StepMemory(1, **self.memory).total
+        # Donated outputs reuse their argument's buffer (alias); the rest is live at once.
+        m = self.memory
+        return m["argument"] + m["output"] - m["alias"] + m["temp"]
 
     # -- verdict
     def verdict(self) -> tuple[str, str]:
@@ -231,26 +232,42 @@ class Plan:
                 for label, eff in self._efficiencies()]
 
     def report(self) -> str:
+        lines = [*self._header_lines(), *self._collective_lines(), *self._axis_lines(),
+                 *self._compute_lines(), self._memory_line(), *self._pipeline_lines(),
+                 *self._step_lines()]
+        if self.gpu_program is not None:
+            lines.append(kernels.report(self.gpu_program))
+            lines.append(kernels.largest_report(self.gpu_program, 5))
+        verdict, rule = self.verdict()
+        lines += [f"verdict: {verdict}", rule]
+        return "\n".join(lines)
+
+    def _header_lines(self) -> list[str]:
+        """What was planned (script, devices, mesh, batch, compile) and for which hardware."""
         hw = self.hardware
-        lines = [f"plan: {self.script} for {self.devices} devices, mesh "
-                 + " x ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1 or k == "data")
-                 + f"; global batch {self.global_batch} ({self.per_device_batch} per data "
-                 f"rank); compiled for {self.devices} "
-                 f"{'GPUs (deviceless)' if self.platform == 'gpu' else 'fake CPU devices'} in "
-                 f"{self.compile_s:.1f} s",
-                 f"hardware {hw.describe()}", f"  sources: {hw.sources}"]
-        lines += [f"  {note}" for note in self.notes]
+        return [f"plan: {self.script} for {self.devices} devices, mesh "
+                + " x ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1 or k == "data")
+                + f"; global batch {self.global_batch} ({self.per_device_batch} per data "
+                f"rank); compiled for {self.devices} "
+                f"{'GPUs (deviceless)' if self.platform == 'gpu' else 'fake CPU devices'} in "
+                f"{self.compile_s:.1f} s",
+                f"hardware {hw.describe()}", f"  sources: {hw.sources}",
+                *(f"  {note}" for note in self.notes)]
+
+    def _collective_lines(self) -> list[str]:
+        """The collectives table, one row per kind, axes, dtype, source and overlap, the
+        costliest first; after the corrections made for the target on a CPU compile."""
         if self.platform == "gpu":
-            lines.append("collectives per device, as XLA:GPU emits them (async, combined; V = "
-                         "bytes per execution; count = executions per optimizer step, loop "
-                         "trip counts included; calls = launches):")
+            lines = ["collectives per device, as XLA:GPU emits them (async, combined; V = "
+                     "bytes per execution; count = executions per optimizer step, loop "
+                     "trip counts included; calls = launches):"]
         else:
-            lines.append("corrections for the target:")
-            lines.append(f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
-                         f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
-                         "collectives) modelled: one call per bucket, priced at its size")
-            lines.append(f"  XLA:CPU's {CPU_BARRIER_EXPANDER} switched off: remat's barriers "
-                         "stay, so recomputed values (and their re-gathers) stay as on a GPU")
+            lines = ["corrections for the target:",
+                     f"  XLA:CPU's {CPU_COMBINER} switched off; XLA:GPU's combining "
+                     f"({GPU_COMBINE_BYTES / 2**20:.0f} MiB buckets of independent "
+                     "collectives) modelled: one call per bucket, priced at its size",
+                     f"  XLA:CPU's {CPU_BARRIER_EXPANDER} switched off: remat's barriers "
+                     "stay, so recomputed values (and their re-gathers) stay as on a GPU"]
             lines += [f"  {c}" for c in self.corrections] or ["  dtypes: none needed"]
             lines.append("collectives per device (V = bytes per execution; count = executions "
                          "per optimizer step, loop trip counts included; calls = XLA:GPU "
@@ -276,41 +293,44 @@ class Plan:
                 f"{overlap:<13}{source}")
         lines.append("  (critical: a matmul makes its input and another waits for it; "
                      "overlappable: no matmul waits for it, or it needs none: a prefetch)")
-        lines.append("per mesh axis (per device per step; each collective priced by its "
-                     "slowest group):")
+        return lines
+
+    def _axis_lines(self) -> list[str]:
+        """Bytes, calls and time per mesh axis, the slowest first, and where its groups lie."""
+        lines = ["per mesh axis (per device per step; each collective priced by its "
+                 "slowest group):"]
         for axis, row in sorted(self.per_axis().items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(f"  {axis:<12} V {row['bytes'] / 1e6:9.1f} MB, sent on the wire "
                          f"{row['wire_bytes'] / 1e6:9.1f} MB, {row['ops']} executions in "
                          f"{row['calls']} calls: {row['seconds'] * 1e3:.3f} ms "
                          f"({row['critical_s'] * 1e3:.3f} critical), NCCL "
-                         f"{'/'.join(row['algorithms'])}; {_placed(row, hw)}")
+                         f"{'/'.join(row['algorithms'])}; {_placed(row, self.hardware)}")
         nodes = max((row["nodes"] for row in self.per_axis().values()), default=1)
-        if nccl.scale_note(nodes) and hw.fabric is not None:
+        if nccl.scale_note(nodes) and self.hardware.fabric is not None:
             lines.append(f"  across {nccl.scale_note(nodes)}")
-        lines += self._compute_lines()
+        return lines
+
+    def _memory_line(self) -> str:
         m = self.memory
-        lines.append(f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "
-                     f"analysis of the {self.platform.upper()} compile: arguments "
-                     f"{_size(m['argument'])} + outputs "
-                     f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
-                     f"{_size(m['temp'])}) of {hw.memory_bytes / 2**30:.0f} GiB; params "
-                     f"{self.params_per_device:,} per device")
-        lines += self._pipeline_lines()
-        lines.append(f"communication {self.comm_s * 1e3:.2f} ms, of it critical-path "
-                     f"{self.critical_s * 1e3:.2f} ms (never hidden) and overlappable "
-                     f"{(self.comm_s - self.critical_s) * 1e3:.2f} ms (hidden up to the compute)")
+        return (f"memory: {self.memory_bytes / 2**30:.2f} GiB per device (XLA's "
+                f"analysis of the {self.platform.upper()} compile: arguments "
+                f"{_size(m['argument'])} + outputs "
+                f"{_size(m['output'])} - aliased {_size(m['alias'])} + temporaries "
+                f"{_size(m['temp'])}) of {self.hardware.memory_bytes / 2**30:.0f} GiB; params "
+                f"{self.params_per_device:,} per device")
+
+    def _step_lines(self) -> list[str]:
+        """The communication, and the predicted step with and without overlap per efficiency."""
+        lines = [f"communication {self.comm_s * 1e3:.2f} ms, of it critical-path "
+                 f"{self.critical_s * 1e3:.2f} ms (never hidden) and overlappable "
+                 f"{(self.comm_s - self.critical_s) * 1e3:.2f} ms (hidden up to the compute)"]
         for label, eff in self._efficiencies():
             step = self.steps(eff)
             lines.append(f"predicted step at efficiency {eff:.3f} ({label}): "
                          f"{step['step_s'] * 1e3:.2f} ms with no overlap (MFU "
                          f"{step['mfu']:.1%}), {step['step_overlap_s'] * 1e3:.2f} ms with "
                          f"overlap by dependency (MFU {step['mfu_overlap']:.1%})")
-        if self.gpu_program is not None:
-            lines.append(kernels.report(self.gpu_program))
-            lines.append(kernels.largest_report(self.gpu_program, 5))
-        verdict, rule = self.verdict()
-        lines += [f"verdict: {verdict}", rule]
-        return "\n".join(lines)
+        return lines
 
 
 def _placed(row: dict, hw: ic.Hardware) -> str:

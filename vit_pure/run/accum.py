@@ -3,23 +3,11 @@
 
 Gradient accumulation itself is `step.accumulate` (a `lax.scan` over K micro-batches of
 each device's slice, one all-reduce per step written by the script). This module decides K
-and builds the script's strategy with it:
-
-    strategy, sc = build_strategy(rc, sc, make_strategy, optimizer,
-                                  image_shape=train.images.shape[1:], log=log)
-
-K reaches the factory as `dataclasses.replace(sc, accum_steps=K)`; the returned `sc`
-carries the chosen K. The batch rules, each a one-line `UsageError`, are checked here
-before anything compiles: `per_device_batch` (the global batch splits over the processes
-and the data-parallel devices) and `check_accum_steps` (each device's slice into K).
-
-`--accum-steps auto` (the default) takes the smallest K whose compiled training step fits
-in device memory by XLA's own estimate (`memory_analysis()`: arguments, outputs and
-temporaries per device), the divisors of the per-device batch tried in increasing order,
-each compile said in the log. Once two are measured the rest are predicted with bytes(K) =
-a + b / K and skipped while clearly over budget; the answer is always a compiled, measured
-K, and jit's cache hands that compile to the loop's first step. The budget: `device_budget`.
-With several processes each measures its own memory, and all take the largest K any chose.
+(`--accum-steps auto`: the search, above `build_strategy`) and builds the script's strategy
+with it: `build_strategy(rc, sc, make_strategy, optimizer, image_shape=..., log=...)`
+returns the strategy and `sc` with the chosen K. The batch rules, each a one-line
+`UsageError`, are checked before anything compiles: `per_device_batch` (the global batch
+over the processes and data-parallel devices) and `check_accum_steps` (each slice into K).
 """
 from __future__ import annotations
 
@@ -215,6 +203,13 @@ def _print(text: str, **_record):
     print(text, flush=True)
 
 
+# `--accum-steps auto` (the default) takes the smallest K whose compiled training step fits
+# in device memory by XLA's own estimate (`memory_analysis()`: arguments, outputs and
+# temporaries per device), the divisors of the per-device batch tried in increasing order,
+# each compile said in the log. Once two are measured the rest are predicted with bytes(K) =
+# a + b / K and skipped while clearly over budget; the answer is always a compiled, measured
+# K, and jit's cache hands that compile to the loop's first step. The budget: `device_budget`.
+# With several processes each measures its own memory, and all take the largest K any chose.
 def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optimizer, *,
                    image_shape: tuple[int, int, int], log: Callable = _print,
                    budget: Budget | None = None):
@@ -235,6 +230,11 @@ def build_strategy(rc: RunConfig, sc: StepConfig, make_strategy: Callable, optim
     strategy.check_batch(rc.schedule.batch, accum_steps=k)
     strategy.check_batch(rc.data.eval_batch, "--eval-batch")
     if requested != "auto":
+        return strategy, strategy.sc
+    if sc.trainable == "head" and strategy.features_step is not None:
+        # The probe (run/probe.py) never runs the training step: nothing to measure.
+        log("--accum-steps auto: K=1; --trainable head trains the head on cached features "
+            "and never runs the full training step, so its memory is not measured")
         return strategy, strategy.sc
 
     per_device = rc.schedule.batch // strategy.batch_divisor

@@ -1,25 +1,15 @@
 """Backend-aware defaults: what the training scripts run when a flag is left to them.
 
-Each setting below has a right answer that depends on the hardware; the measurements
-behind each are in docs/performance.md (the section named after it), and the start-up log
-says what was chosen and why:
-
-  layers           `--scan` not given: an unrolled loop over the blocks on CPU and GPU
-                   (measured faster there); the layer scan elsewhere (faster compiles).
-  matmul output    no `m=` in `--policy`: the compute dtype on accelerators (the GEMM still
-                   accumulates in float32 inside), float32 on CPU (XLA:CPU upcasts a
-                   bf16-output dot to float32 entirely).
-  attention        `--attention` not given: cuDNN's fused attention on an NVIDIA GPU of
-                   compute capability 8.0+ computing in bf16, else the two einsums.
-  dtype            `--dtype auto`: bf16 where it is fast (accelerators; CPUs with
-                   avx512_bf16 or amx_bf16), else fp32 (an AVX2-only CPU emulates bf16).
-  dropout masks    `--dropout-masks` not given: `threefry16` on accelerators (a quarter of
-                   the hashes), `bernoulli` on CPU; kept for the backward pass packed eight
-                   to a byte on accelerators, a byte an element on CPU.
-
-Every other knob's default is `config.Execution`'s. Nothing here is read inside jitted
-code: `resolve` runs once, in the script's main (run/settings.py `step_config`), and its
-result is frozen into the StepConfig.
+Each setting has a right answer that depends on the hardware; the measurements behind each
+are in docs/performance.md (the section named after it), and the start-up log says what
+was chosen and why. Layers (`--scan` not given): unrolled on CPU and GPU, the layer scan
+elsewhere. Matmul output (no `m=` in `--policy`): the compute dtype on accelerators,
+float32 on CPU (XLA:CPU upcasts a bf16-output dot entirely). Attention: cuDNN's fused
+attention on an NVIDIA GPU of compute capability 8.0+ in bf16, else the einsums. `--dtype
+auto`: bf16 where it is fast (accelerators; CPUs with avx512_bf16 or amx_bf16), else fp32.
+Dropout masks: `threefry16`, packed eight to a byte, on accelerators; `bernoulli`, a byte
+an element, on CPU. Every other knob's default, and each of these on a CPU, is
+`config.Execution`'s. `resolve` runs once, in run/settings.py `step_config`.
 """
 from __future__ import annotations
 
@@ -229,6 +219,10 @@ def check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfi
     if cfg.lsa and attention != "einsum":
         raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
                          f"--attention einsum only, not {attention}")
+    if attention == "pallas" and platform != "gpu":
+        raise UsageError(f"--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU; "
+                         f"this run is on {platform}: use --attention pallas-interpret to run "
+                         f"it interpreted (slow), or einsum")
     if attention != "cudnn":
         return
     if platform != "gpu":

@@ -1,24 +1,14 @@
 """Checkpoints: a training state of plain pytrees, saved atomically as ``.npz`` + JSON.
 
-The state is a dict of named pytrees, e.g. ``{"params": ..., "opt_state": ..., "loss_scale":
-..., "step": 1200, "rng": jax.random.key_data(key)}``. ``save`` writes it, ``latest`` finds
-the newest intact checkpoint, ``restore`` rebuilds the pytrees from a template of the same
-structure (the caller places them on devices). Nothing is pickled, so loading a checkpoint
-never runs code from the file; the format, and how to open one with numpy and json alone,
-is docs/checkpoint-format.md.
-
-Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
-``jax.Array`` in full, the loop saves ``strategy.host_state(state)`` and lays a restored
-state out with ``strategy.put_state``. So a checkpoint of ``train_pmap.py`` resumes in
-``train_shardmap.py`` and back, on another device count, mesh or FSDP setting; the price is
-one host holding the whole state while saving (about 1 GB for vit-b16 with AdamW in
-float32). The loop's meta holds the data position, the total step count, the model config,
-the dtype policy and every flag (``resume.Checkpoints``).
-
-One writer per ``ckpt_dir``: in a multi-process job only process 0 calls ``save``, because
-``save`` deletes the temporary directories it finds. Re-saving an existing step renames the
-old directory to ``.trash-*`` and the new one into place; a crash between those two renames
-leaves that step absent (``latest`` then returns the step before it), never half written.
+The state is a dict of named pytrees, e.g. ``{"params": ..., "opt_state": ..., "step":
+1200, "rng": jax.random.key_data(key)}``. ``save`` writes it (whole arrays, one writer per
+directory, atomically: the comment above it), ``latest`` finds the newest intact
+checkpoint, ``restore`` rebuilds the pytrees from a template of the same structure (the
+caller places them on devices), so a checkpoint resumes on any device count, mesh or
+script. Nothing is pickled, so loading never runs code from the file; the format, and how
+to open one with numpy and json alone, is docs/checkpoint-format.md. The loop's meta holds
+the data position, the step count, the model config, the policy and every flag
+(``resume.Checkpoints``).
 """
 
 from __future__ import annotations
@@ -55,6 +45,16 @@ def step_dir_name(step: int) -> str:
 # --------------------------------------------------------------------------- writing
 
 
+# Arrays are stored whole (unsharded), never as per-device shards: ``save`` fetches a sharded
+# ``jax.Array`` in full, the loop saves ``strategy.host_state(state)`` and lays a restored
+# state out with ``strategy.put_state``. So a checkpoint of ``train_pmap.py`` resumes in
+# ``train_shardmap.py`` and back, on another device count, mesh or FSDP setting; the price is
+# one host holding the whole state while saving (about 1 GB for vit-b16 with AdamW in
+# float32). One writer per ``ckpt_dir``: in a multi-process job only process 0 calls
+# ``save``, because ``save`` deletes the temporary directories it finds. Re-saving an
+# existing step renames the old directory to ``.trash-*`` and the new one into place; a
+# crash between those two renames leaves that step absent (``latest`` then returns the step
+# before it), never half written.
 def save(
     ckpt_dir: str | os.PathLike,
     step: int,
@@ -189,6 +189,14 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[pathlib.Path]:
         if match and path.name == step_dir_name(int(match[1])) and path.is_dir():
             found.append((int(match[1]), path))
     return [path for _, path in sorted(found)]
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory, from its name (``step_00001200`` -> 1200)."""
+    match = _STEP_DIR.fullmatch(pathlib.Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path}: not a checkpoint directory (step_NNNNNNNN)")
+    return int(match[1])
 
 
 def latest(

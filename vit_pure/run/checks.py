@@ -8,15 +8,10 @@ import os
 
 from vit_pure.run.accum import SAFETY, mem_available_bytes
 
-# What one device costs in host memory, measured on a 2-core Xeon with avx512_bf16 and
-# 23 GiB (2026-11-26). A fake CPU device that runs a program: one psum under shard_map on
-# N = 1, 256, 1024 devices peaked at 368, 658, 1501 MiB of RSS, 1.11-1.14 MiB a device.
-# A device `--plan N` compiles for and runs nothing on: the tiny model's plan on 8 and
-# 1,024 fake CPU devices peaked at 770 and 852 MiB (0.08 MiB a device); creating fake
-# CPU devices costs 0.10 MiB each at 2,000 and 8,000 (the latter in 52 s) and grows past
-# that (16,000: over 2 GiB, unfinished after 5 minutes). 0.25 MiB covers both with room
-# for that growth; the deviceless GPU plan's devices cost less (8 and 8,192 of them: 900
-# and 948 MiB, the latter in 190 s), and the one bound serves both paths.
+# What one device costs in host memory, as a bound `--cpu-devices N` and `--plan N` are
+# refused against: a fake CPU device that runs a program, and one that `--plan N` only
+# compiles for (fake CPU or deviceless GPU), with room for growth at large N. The
+# measurements behind both: docs/performance.md, "Host memory a device costs".
 RUN_DEVICE_BYTES = int(1.2 * 2**20)
 PLAN_DEVICE_BYTES = 2**18
 
@@ -122,18 +117,31 @@ def check_paths(parser, args) -> None:
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             parser.error(f"{flag} {path}: cannot create or write it ({parent} is not a "
                          f"writable directory)")
-    if args.log_json is not None:
-        parent = os.path.dirname(os.path.abspath(args.log_json))
-        if os.path.isdir(args.log_json):
-            parser.error(f"--log-json {args.log_json}: is a directory, expected a file")
+    for flag, path in (("--log-json", args.log_json),
+                       ("--plan-json", getattr(args, "plan_json", None))):
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            parser.error(f"{flag} {path}: is a directory, expected a file")
         if not os.path.isdir(parent):
-            parser.error(f"--log-json {args.log_json}: directory {parent} does not exist")
+            parser.error(f"{flag} {path}: directory {parent} does not exist")
     if (args.dataset == "cifar10" and os.path.exists(args.data_dir)
             and not os.path.isdir(args.data_dir)):
         parser.error(f"--data-dir {args.data_dir}: exists and is not a directory")
     init_from = getattr(args, "init_from", None)  # a URL is fetched later (vit_pure/weights/)
     if init_from and "://" not in init_from and not os.path.exists(os.path.expanduser(init_from)):
         parser.error(f"--init-from {init_from}: no such file or folder")
+
+
+def check_model_flags(parser, args) -> None:
+    """Flags that only make sense together: an explicit --last-block class-token needs the
+    class-token pool (with another pool it would be ignored). Call after args.cfg holds
+    --pool. (--trainable head without --init-from: settings.pretrained_weights.)"""
+    if args.last_block == "class-token" and args.cfg.pool != "cls":
+        parser.error(f"--last-block class-token: the head of --pool {args.cfg.pool} reads "
+                     f"every token, so every row of the last block is needed (drop the flag "
+                     f"or give --last-block all)")
 
 
 def check_checkpoint_flags(parser, args) -> None:

@@ -19,6 +19,7 @@ from vit_pure.run import distributed
 from vit_pure.run.checks import (
     check_checkpoint_flags,
     check_device_counts,
+    check_model_flags,
     check_numbers,
     check_paths,
     check_process_flags,
@@ -48,7 +49,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     check_synthetic_flags(parser, args)
     check_split_and_views(parser, args)
     try:
-        if (args.policy or args.dtype) != "auto":  # checked here; built by backend.step_config
+        if (args.policy or args.dtype) != "auto":  # checked here; built by settings.step_config
             Policy.parse(args.policy or args.dtype, args.matmul_precision)
     except ValueError as e:
         parser.error(f"--policy: {e}")
@@ -61,6 +62,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             args.cfg = args.cfg.replace(**{name: rate})
     if args.pool is not None:
         args.cfg = args.cfg.replace(pool=args.pool)
+    check_model_flags(parser, args)
     check_process_flags(parser, args)
     check_paths(parser, args)
     return args
@@ -69,10 +71,12 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 def start_runtime(args: argparse.Namespace) -> None:
     """The flags' side effects on the JAX runtime, in the order they must happen, before
     anything touches a device (the scripts' main() calls this right after parse_args):
-    --cpu-devices (fake CPU devices), then joining a multi-process job (jax.distributed),
-    then starting JAX's backends (vit_pure/quiet.py: where JAX's CUDA plugin has no GPU,
-    the lines it prints then are left out).
+    the random bits the program needs (`pin_randomness`), --cpu-devices (fake CPU
+    devices), then joining a multi-process job (jax.distributed), then starting JAX's
+    backends (vit_pure/quiet.py: where JAX's CUDA plugin has no GPU, the lines it prints
+    then are left out).
     """
+    pin_randomness()
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -87,6 +91,24 @@ def start_runtime(args: argparse.Namespace) -> None:
                              f"--process-id outside SLURM / Open MPI / Cloud TPU)") from None
     with quiet.filtered():  # the backends start now, without the CUDA plugin's noise
         jax.devices()
+
+
+def pin_randomness() -> None:
+    """Set `jax_threefry_partitionable`, which a user may have turned off
+    (JAX_THREEFRY_PARTITIONABLE=0), to what the kit's programs need: on, JAX's default.
+
+    With it on, the bits `jax.random` draws for each element of an array depend on the
+    element's index alone, so an example's dropout mask over the class token's row is the
+    first row of its mask over every row: the last block on the class token alone
+    (Execution.last_block "class-token") then computes the whole block's loss and
+    gradients, under either mask kind (tests/test_randomness.py). Off, `bernoulli`'s masks
+    of the two programs differ, and so do their losses. One line says when it was off.
+    """
+    if not jax.config.jax_threefry_partitionable:
+        print("note: jax_threefry_partitionable was off (JAX_THREEFRY_PARTITIONABLE=0?); "
+              "turned on: the kit's dropout masks need it (vit_pure/run/cli.py "
+              "pin_randomness)", file=sys.stderr, flush=True)
+        jax.config.update("jax_threefry_partitionable", True)
 
 
 def use_cpu_devices(n: int) -> None:

@@ -1,23 +1,16 @@
 """Several processes, one program: JAX's multi-process ("multi-controller") runtime.
 
-Every process (one per host, usually) runs the same script with the same flags, plus
-where it is in the job (`--coordinator 10.0.0.1:1234 --num-processes 2 --process-id I`;
-docs/multihost.md). `initialize` connects them (`cli.start_runtime` calls it); after it
-`jax.devices()` lists every process's devices and a jitted program over a mesh of all of
-them runs on every process at once, the scripts' collectives crossing hosts (NCCL on
-GPUs, ICI/DCN on TPUs, gloo on CPUs). Nothing else changes in the step; the host side
-does, all of it here or in vit_pure/run/loop.py:
-
-* Data: every process computes the same global batch order and takes its own rows
-  (`local_rows`); the strategy joins the shares into one global array (`global_batch`).
-* State: every process holds the same host copy and places the blocks its devices hold;
-  reading it back (checkpoints) gathers the others' blocks (`to_host`).
-* Control flow: any decision that changes the sequence of steps (a SIGTERM reaching the
-  processes at different times) is agreed first (`agree_max`); process 0 alone logs and
-  writes checkpoints; a `barrier` keeps the processes together at the end.
-* Failures: `Watch` (below) makes every process exit in one line, with EXIT_PEER_FAILED,
-  within seconds of another process's error or death, instead of waiting in a
-  collective until JAX's timeouts abort it (docs/multihost.md says what a scheduler sees).
+Every process (one per host, usually) runs the same script with the same flags, plus where
+it is in the job (`--coordinator HOST:PORT --num-processes N --process-id I`;
+docs/multihost.md). `initialize` connects them; after it a jitted program over a mesh of
+every process's devices runs on all of them at once, the scripts' collectives crossing
+hosts. The step does not change; the host side does, here or in vit_pure/run/loop.py:
+data (each process takes its own rows of one global batch order: `local_rows`,
+`global_batch`); state (each places the blocks its devices hold; `to_host` gathers them
+back); control flow (a decision that changes the steps is agreed first: `agree_max`;
+process 0 alone logs and writes checkpoints; `barrier`); failures (`Watch` makes every
+process exit in one line, with EXIT_PEER_FAILED, within seconds of another's error or
+death, instead of waiting in a collective until JAX's timeouts abort it).
 """
 from __future__ import annotations
 

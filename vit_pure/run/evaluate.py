@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import weakref
 
 import jax
 import numpy as np
@@ -13,31 +14,64 @@ import numpy as np
 from vit_pure.config import ViTConfig
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import UsageError
-from vit_pure.policy import Policy
+from vit_pure.policy import LossScale, Policy
 from vit_pure.run import checkpoint, distributed
-from vit_pure.run.monitor import Logger
+from vit_pure.run.monitor import Heartbeat, Logger, compiling
 from vit_pure.run.settings import RunConfig
 from vit_pure.run.strategy import Strategy
 from vit_pure.step import StepConfig, init_state, make_optimizer
 
 
-def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int) -> dict:
-    """Mean loss and accuracy over a (non-empty) split, each image counted once."""
+def evaluate(strategy: Strategy, state, split: data_lib.Split, batch: int,
+             log: Logger | None = None, what: str = "") -> dict:
+    """Mean loss and accuracy over a (non-empty) split, each image counted once.
+
+    With `log`: the evaluation step's first compile for this batch is said before and
+    after (`compiling`), then the pass itself ("WHAT: evaluating N images ..."), and a
+    long pass says how far it is at least once a minute (`Heartbeat`: evaluation has no
+    progress bar)."""
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
     previous = None
-    for images, labels, mask in data_lib.eval_batches(split, batch):
+    beat = Heartbeat(log, f"{what}: evaluating", len(split), "images")
+    for i, (images, labels, mask) in enumerate(data_lib.eval_batches(split, batch)):
         # Each process feeds its own rows of the batch (all of them with one process).
-        local = distributed.local_rows(images, labels, mask)
-        sums = strategy.eval_step(state, *strategy.put_batch(*local))
+        local = strategy.put_batch(*distributed.local_rows(images, labels, mask))
+        if i == 0 and log is not None:
+            _compile_eval_step(strategy, state, local, batch, log)
+            log(f"{what}: evaluating {len(split):,} images ...")
+        sums = strategy.eval_step(state, *local)
         if previous is not None:  # one batch in flight while the host fetches the last
             for k, v in strategy.metrics_to_host(previous).items():
                 totals[k] += v
         previous = sums
+        beat.update(min((i + 1) * batch, len(split)))
     for k, v in strategy.metrics_to_host(previous).items():
         totals[k] += v
     count = max(totals["count"], 1.0)
     return {"loss": totals["loss"] / count, "accuracy": totals["correct"] / count,
             "count": int(totals["count"])}
+
+
+# The batch shapes each strategy's evaluation step has been compiled for (by
+# `_compile_eval_step`), so that only a first compile is announced.
+_EVAL_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compile_eval_step(strategy: Strategy, state, batch_arrays: tuple, batch: int,
+                       log: Logger) -> None:
+    """The evaluation step compiled before its first batch, said before and after (the
+    call then finds it in jit's cache), once per strategy and batch shape."""
+    step = strategy.eval_step
+    shapes = tuple(a.shape for a in batch_arrays)
+    try:
+        done = _EVAL_COMPILED.setdefault(strategy, set())
+    except TypeError:  # a strategy that cannot be a weak key: each pass says it compiles
+        done = set()
+    if shapes in done or not hasattr(step, "lower"):
+        return
+    with compiling(log, f"the evaluation step for {strategy.sc.cfg.name}, batch {batch}"):
+        step.lower(state, *batch_arrays).compile()
+    done.add(shapes)
 
 
 def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: int,
@@ -67,7 +101,7 @@ def evaluate_split(strategy: Strategy, state, splits: dict, name: str, batch: in
            }.get((sc.eval_flip, sc.eval_corners), "")
 
     def run(state, label: str, **fields) -> dict:
-        res = evaluate(strategy, state, splits[name], batch)
+        res = evaluate(strategy, state, splits[name], batch, log, f"{prefix}{name}{label}")
         log(f"{prefix}{name}{label}: loss {res['loss']:.4f}  accuracy {res['accuracy']:.4f} "
             f"({res['count']} images{how})",
             **fields, **views, **record, **res)
@@ -105,15 +139,19 @@ def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logge
     meta = checkpoint.read_meta(path)
     sc = saved_step_config(meta, sc)
     optimizer, _ = make_optimizer(rc.schedule.optim, 1)
-    # A full state for the strategy's placement; only the params are read back.
-    host_state = init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer)
+    # A full state for the strategy's placement, its shapes only (no random draw): the
+    # params are read back, the optimizer's state is zeros the evaluation never reads.
+    template = jax.eval_shape(
+        lambda: init_state(jax.random.key(0), sc.cfg, sc.policy, optimizer))
+    host_state = {**jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template),
+                  "loss_scale": LossScale.create(dynamic=sc.policy.needs_loss_scaling)}
     # A run trained with --ema is evaluated with its EMA weights, as its final test was.
     name = "ema" if meta.get("config", {}).get("ema") else "params"
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
-        p.shape, np.float32 if name == "ema" else p.dtype), host_state["params"])
+        p.shape, np.float32 if name == "ema" else p.dtype), template["params"])
     host_state["params"] = jax.tree.map(lambda w, p: w.astype(p.dtype),
                                         checkpoint.restore(path, {name: shapes})[name],
-                                        host_state["params"])
+                                        template["params"])
     strategy = make_strategy(sc, optimizer)
     eval_batch = rc.data.eval_batch
     strategy.check_batch(eval_batch, "--eval-batch")
@@ -130,8 +168,14 @@ def evaluate_checkpoint(rc: RunConfig, sc: StepConfig, make_strategy, log: Logge
 def saved_step_config(meta: dict, sc: StepConfig) -> StepConfig:
     """`sc` with the model and dtype policy a checkpoint was trained with (its meta), no
     accumulation (evaluation does not accumulate) and no EMA in the state (an --ema run's
-    EMA is evaluated in place of the params, see `evaluate_checkpoint`)."""
-    cfg = ViTConfig(**meta["model_config"]) if "model_config" in meta else sc.cfg
+    EMA is evaluated in place of the params, see `evaluate_checkpoint`). A model field the
+    checkpoint predates takes ViTConfig's default; one this kit does not know is left out
+    (as --resume does: run/resume.py `compare`)."""
+    cfg = sc.cfg
+    if "model_config" in meta:  # fields of another kit version: those this kit knows
+        known = {f.name for f in dataclasses.fields(ViTConfig)}
+        cfg = ViTConfig(**{k: tuple(v) if isinstance(v, list) else v  # JSON's lists: stem
+                           for k, v in meta["model_config"].items() if k in known})
     saved = meta.get("config", {})  # the flags; older checkpoints record no "policy"
     text = meta.get("policy") or saved.get("policy") or saved.get("dtype", "fp32")
     policy = Policy.parse(text, meta.get("matmul_precision",

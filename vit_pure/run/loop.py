@@ -31,6 +31,7 @@ from vit_pure.model import count_params
 from vit_pure.run import accum, distributed, probe
 from vit_pure.run.evaluate import evaluate_checkpoint, evaluate_split
 from vit_pure.run.monitor import (
+    Heartbeat,
     Logger,
     LossWatch,
     NoBar,
@@ -139,6 +140,9 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
     del host_state
     first_step, memory_step = step, None
     metrics, bar = None, NoBar()
+    # --no-progress: a line at least once a minute between the log points.
+    beat = Heartbeat(None if rc.logging.progress else log, "training", plan.total_steps,
+                     "steps")
     # Each step's inputs, placed on the devices two steps ahead of the step that runs.
     inputs = _device_inputs(rc.data, strategy, train, plan, step, depth=2)
     mixing = MixSchedule(rc.schedule, sc, plan, lambda sc: make_strategy(sc, optimizer), log)
@@ -171,6 +175,7 @@ def _run(rc: RunConfig, sc: StepConfig, make_strategy, log: Logger, is_main: boo
         step += 1
         losses.add(step, metrics)
         bar.update(1)
+        beat.update(step)
         if step == first_step + 1:  # the first step, waited for: its time, compile apart
             _log_first_step(log, speed, metrics, step)
             log_memory(log, step)  # after it ran: the peak includes compiling
@@ -404,7 +409,7 @@ def _start_state(data: DataSettings, sc: StepConfig, optimizer, ckpts: Checkpoin
     """(host state, step): from the checkpoint, or at step 0 from `init_params` (imported
     weights) or a fresh initialisation."""
     if resume_from is None:
-        if log is not None:  # one small compile per weight shape: seconds on a CPU
+        if log is not None:  # one compile (model.init_params, step.init_state)
             log(f"initialising the {sc.cfg.name} state"
                 + (" around the --init-from weights" if init_params is not None else ""))
         host_state = init_state(jax.random.key(data.seed), sc.cfg, sc.policy, optimizer,
@@ -547,8 +552,10 @@ def _stopped(strategy: Strategy, state, step: int, reason: str, ckpts: Checkpoin
     if ckpts.dir is not None:
         path = (ckpts.last if ckpts.saved_step == step
                 else ckpts.save(strategy, state, step, reason, last))
-        log(f"stopped by {reason} after step {step}; checkpoint {path}; "
-            "run the same command with --resume to continue",
+        again = ("the same command with --resume and without --stop-after (or with a later "
+                 "step)" if reason == "--stop-after" else "the same command with --resume")
+        log(f"stopped by {reason} after step {step}; checkpoint {path}; run {again} to "
+            f"continue",
             event="stopped", step=step, reason=reason, checkpoint=str(path))
     elif reason == "--stop-after":
         log(f"stopped by --stop-after after step {step}; no --ckpt-dir, nothing saved",

@@ -2,20 +2,13 @@
 
 A frozen backbone's output for an image never changes, so a probe need not run it in every
 step. `extract` runs it once over a split, through the strategy's `features_step` (the
-scripts' evaluation forward pass, stopped before the head: model.features), for each image
-and its left-right mirror, and keeps the head's inputs on the host: (N, 2, F) float32.
-`fit_head` then trains the head alone on them, for the run's steps, with the run's
-optimizer, schedule, clipping and label smoothing; each example of a step is one of its
-image's two views, drawn at random (the training augmentation's flip; its crop, RandAugment,
-mixing and the backbone's dropout do not apply to cached features). A step costs a
-(batch, F) x (F, K) product instead of a forward pass of the backbone: on a 2-core CPU the
-DINOv2-S/14 probe's features take minutes once, and its thousand head steps seconds.
-
-`run` is what the loop calls: features of the training split (and of validation, logged
-every --eval-every epochs), the head fitted, and the state with the fitted head put back in
-place, at the run's last step; the loop's final evaluation then scores it through the
-strategy's own evaluation step, the backbone included. Nothing here emits a collective: the
-features step is the script's, and every process fits the same head on the same rows.
+evaluation forward pass stopped before the head), for each image and its mirror, and keeps
+the head's inputs on the host: (N, 2, F) float32. `fit_head` trains the head alone on
+them with the run's optimizer, schedule, clipping and label smoothing. `run` is what the
+loop calls: features, the head fitted, and the state with it put back in place at the
+run's last step, which the loop's final evaluation then scores with the backbone. Nothing
+here emits a collective: the features step is the script's, and every process fits the
+same head on the same rows.
 """
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ import numpy as np
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.model import classify
 from vit_pure.run import distributed
-from vit_pure.run.monitor import Logger, compiling, progress_bar
+from vit_pure.run.monitor import Heartbeat, Logger, compiling, progress_bar
 from vit_pure.run.strategy import Strategy
 from vit_pure.step import (
     OptimConfig,
@@ -44,16 +37,19 @@ F32 = jnp.float32
 
 
 def extract(strategy: Strategy, state, split: data_lib.Split, batch: int,
-            progress: bool) -> np.ndarray:
+            progress: bool, log: Logger | None = None) -> np.ndarray:
     """The head's inputs of every image of `split` and of its mirror: (N, 2, F) float32,
-    on every process, in the split's order."""
+    on every process, in the split's order. A bar shows the progress; without one (and
+    with `log`), a line at least once a minute."""
     rows = []
     bar = progress_bar(-(-len(split) // batch), "features", progress)
+    beat = Heartbeat(None if progress else log, "features", len(split), "images")
     for images, _, mask in data_lib.eval_batches(split, batch):
         local = distributed.local_rows(images)
         out = strategy.batch_to_host(strategy.features_step(state, *strategy.put_batch(*local)))
         rows.append(out[mask.astype(bool)])  # the padding of the last batch left out
         bar.update(1)
+        beat.update(sum(len(r) for r in rows))
     bar.close()
     return np.concatenate(rows)
 
@@ -85,6 +81,10 @@ def accuracy(head, feats: np.ndarray, labels: np.ndarray, sc: StepConfig) -> flo
     return float(np.mean(np.asarray(jnp.argmax(logits, -1)) == labels))
 
 
+# Each example of a head step is one of its image's two views (the image and its left-right
+# mirror), drawn at random: the training augmentation's flip; its crop, RandAugment, mixing
+# and the backbone's dropout do not apply to cached features. A step costs a (batch, F) x
+# (F, K) product instead of a forward pass of the backbone.
 def fit_head(sc: StepConfig, optim: OptimConfig, host_state: dict, feats: np.ndarray,
              labels: np.ndarray, *, batch: int, steps_per_epoch: int, total_steps: int,
              start: int, seed: int, log: Logger, progress: bool, eval_every: int = 0,
@@ -144,10 +144,10 @@ def run(strategy: Strategy, host_state: dict, state, splits: dict, *, sc: StepCo
     with compiling(log, f"the features step for {sc.cfg.name}, batch {eval_batch}"):
         strategy.features_step.lower(
             state, *strategy.put_batch(*distributed.local_rows(images))).compile()
-    feats = extract(strategy, state, train, eval_batch, progress)
+    feats = extract(strategy, state, train, eval_batch, progress, log)
     cached_val = None
     if eval_every and len(val):
-        cached_val = (extract(strategy, state, val, eval_batch, progress), val.labels)
+        cached_val = (extract(strategy, state, val, eval_batch, progress, log), val.labels)
     log(f"features of {len(feats)} training images"
         f"{f' and {len(val)} validation images' if cached_val else ''} (each with its "
         f"mirror): {feats.shape[-1]} each, in {time.perf_counter() - started:.0f} s",

@@ -1,16 +1,14 @@
 """Resuming a run: which checkpoint belongs to it, and writing its checkpoints.
 
-The files themselves are vit_pure/run/checkpoint.py's plain format; this is the policy on top,
-used by the training loop (vit_pure/run/loop.py):
-
-* A run is a function of (seed, epoch, step) -- the batch order, each step's random key,
-  the learning rate -- so the state plus the step number is all there is to restore.
-* The state is saved *unsharded* (`strategy.host_state`), so any script and any device
-  count or mesh layout can resume it (`strategy.put_state` lays it out again).
-* `--resume` continues from the newest intact checkpoint in `--ckpt-dir`, but only one of
-  the same run: every flag that fixes the trajectory must match (`trajectory`), while
-  those that only say where and how it runs may differ (`RESUMABLE_ACROSS`).
-* A state with a NaN / inf is never saved.
+The files are vit_pure/run/checkpoint.py's plain format; this is the policy on top, used by
+the training loop. A run is a function of (seed, epoch, step), so the state plus the step
+is all there is to restore. The state is saved unsharded (`strategy.host_state`), so any
+script, device count or mesh resumes it. `--resume` continues from the newest intact
+checkpoint of the same run: every flag that fixes the trajectory must match
+(`trajectory`), those that say only where and how it runs may differ (`RESUMABLE_ACROSS`).
+A checkpoint of an older kit resumes (`compare`): a flag or model field it predates is
+taken at its default, said in one line; one this kit no longer knows is named and
+ignored. A state with a NaN / inf is never saved.
 """
 from __future__ import annotations
 
@@ -24,12 +22,14 @@ from typing import Callable
 import jax
 import numpy as np
 
+from vit_pure.config import ViTConfig
 from vit_pure.data import cifar10 as data_lib
 from vit_pure.errors import UsageError
-from vit_pure.run import checkpoint
+from vit_pure.run import backend, checkpoint
 from vit_pure.run.checks import flag_name
+from vit_pure.run.flags import build_parser
 from vit_pure.run.settings import RunConfig
-from vit_pure.step import StepConfig
+from vit_pure.step import OptimConfig, StepConfig, warmup_steps
 
 # Flags that may differ between a checkpoint and the run that resumes it: *where and how*
 # the same computation runs (devices, mesh layout, FSDP, accumulation, scan / remat, the
@@ -46,14 +46,16 @@ RESUMABLE_ACROSS = frozenset({
     "ckpt_dir", "ckpt_every", "ckpt_keep", "resume", "stop_after",
     "profile", "profile_steps", "profile_range",
     "coordinator", "num_processes", "process_id", "distributed",
-    # The communication plan's flags (vit_pure/plan/build.py): `--plan N` trains nothing.
+    "init_timeout", "heartbeat_timeout", "shutdown_timeout",
+    # The communication plan's flags (vit_pure/run/planning.py): `--plan N` trains nothing.
     "plan", "plan_json", "hardware", "gpus_per_node", "efficiency", "peak_tflops",
-    "intra_gbps", "inter_gbps", "latency_us",
+    "intra_gbps", "inter_gbps", "latency_us", "fabric", "algo",
     # Compared through what they determine (see `trajectory`):
     "epochs", "steps",                                 # -> total steps
     "dtype", "policy", "matmul_precision",             # -> dtype policy
-    "data_dir", "subset", "synthetic_train", "synthetic_val", "synthetic_test",
-    "synthetic_sizes",                                 # -> training set
+    "pool", "image_size", "dropout", "drop_path",      # -> model config
+    "data_dir", "subset", "val_fraction", "synthetic_train", "synthetic_val",
+    "synthetic_test", "synthetic_sizes",               # -> training set
 })
 
 
@@ -76,10 +78,51 @@ def move_aside(path: pathlib.Path) -> pathlib.Path:
         aside = path.with_name(f"corrupt-{path.name}.{n}")
 
 
+def _json(value):
+    """`value` as a checkpoint's JSON meta holds it (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def flag_defaults() -> dict:
+    """Every flag's default, by display name ("--layer-decay": 1.0), as JSON holds it: what
+    a checkpoint that predates a flag is taken to have run with."""
+    actions = build_parser("")._actions
+    return _json({flag_name(a.dest): a.default for a in actions if a.dest != "help"
+                  and isinstance(a.default, (str, int, float, bool, type(None), list, tuple))})
+
+
+# The model's fields, by name, and the defaults that a checkpoint written before a field
+# existed is taken to have (a field without a default has none to take).
+MODEL_DEFAULTS = _json({f.name: f.default for f in dataclasses.fields(ViTConfig)
+                        if f.default is not dataclasses.MISSING})
+
+
+def resolved_flags(sc: StepConfig, optim: OptimConfig, total_steps: int,
+                   given: dict) -> dict:
+    """The flags whose "not given" (None) the run resolves, at the value the run uses, by
+    display name; `given` is the command line's values (RunConfig.flags). The trajectory
+    records these, not the text given: a run that gives the value a None resolves to is
+    the same run."""
+    resolved = {"--warmup-steps": warmup_steps(optim, total_steps),
+                "--dropout-masks": sc.execution.dropout_masks}
+    return {k: v for k, v in resolved.items() if k[2:].replace("-", "_") in given}
+
+
+def none_means(optim: OptimConfig, total_steps: int, platform: str) -> dict:
+    """What a None that a checkpoint recorded for a resolved flag (an older kit recorded
+    the text given) means for this run: its value when not given, by display name."""
+    masks = backend.resolve("fp32", "default", None, platform, flags=frozenset()).dropout_masks
+    return {"--warmup-steps": warmup_steps(dataclasses.replace(optim, warmup_steps=None),
+                                           total_steps),
+            "--dropout-masks": masks}
+
+
 def trajectory(rc: RunConfig, sc: StepConfig, train: data_lib.Split, total_steps: int) -> dict:
     """What a checkpoint must share with this run to continue it, by display name."""
+    given = dict(rc.flags)
     flags = {flag_name(k): v for k, v in rc.flags
              if k not in RESUMABLE_ACROSS}
+    flags.update(resolved_flags(sc, rc.schedule.optim, total_steps, given))
     labels = np.ascontiguousarray(train.labels)
     derived = {
         "model config": dataclasses.asdict(sc.cfg),
@@ -104,6 +147,7 @@ class Checkpoints:
         self.dir = None if ckpt_dir is None else pathlib.Path(ckpt_dir)
         self.rc, self.sc, self.log, self.is_main = rc, sc, log, is_main
         self.trajectory = trajectory(rc, sc, train, total_steps)
+        self.none_means = none_means(rc.schedule.optim, total_steps, jax.default_backend())
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         # The run's randomness is key(seed) folded with (epoch, step) at each step
         # (step.step_key), so this base key is the RNG state; stored, and compared on
@@ -148,9 +192,16 @@ class Checkpoints:
             self.log(f"--resume: no checkpoint in {self.dir} yet; starting from step 0")
             return None
         saved = checkpoint.read_meta(path).get("trajectory", {})
-        difference = first_difference(saved, self.trajectory)
+        difference, notes = compare(saved, self.trajectory, defaults=flag_defaults(),
+                                    none_means=self.none_means)
         if difference is not None:
             raise UsageError(f"cannot resume from {path}: {difference}")
+        for note in notes:  # an older kit's checkpoint: what was assumed, what ignored
+            self.log(f"--resume: {note}", event="resume_note", note=note)
+        stop_after, step = self.rc.schedule.stop_after, checkpoint.step_of(path)
+        if stop_after is not None and stop_after <= step:  # it would stop at once, again
+            raise UsageError(f"--stop-after {stop_after}: {path} is at step {step} already; "
+                             f"drop --stop-after (or give a later step) to continue the run")
         # Corrupt checkpoints newer than the one resumed would shadow the ones this run
         # writes (retention counts them); move them aside, kept for inspection.
         for newer in existing[existing.index(path) + 1:]:
@@ -216,26 +267,98 @@ class Checkpoints:
 
 def first_difference(saved: dict, current: dict,
                      names: tuple[str, str] = ("checkpoint", "this run")) -> str | None:
-    """None if a checkpoint's trajectory `saved` may be continued by a run with trajectory
-    `current`, else one line naming the first difference, the two sides called `names`.
-    A flag the checkpoint records that is now in RESUMABLE_ACROSS is not compared."""
-    for name in [*current,
-                 *(k for k in saved if k not in current and k not in _RESUMABLE_FLAGS)]:
-        if saved.get(name, "<absent>") != current.get(name, "<absent>"):
-            return _difference(name, saved, current, names)
+    """None if a trajectory `saved` may be continued by a run with trajectory `current`
+    (both of this kit: two processes of one job), else one line naming the first
+    difference, the two sides called `names`."""
+    return compare(saved, current, names=names)[0]
+
+
+def compare(saved: dict, current: dict, *, defaults: dict | None = None,
+            none_means: dict | None = None,
+            names: tuple[str, str] = ("checkpoint", "this run")) -> tuple[str | None, list]:
+    """(None, notes) if a checkpoint's trajectory `saved` may be continued by a run with
+    trajectory `current`, else (one line naming the first difference, []).
+
+    Field by field, so that a checkpoint of an older kit resumes:
+    * a flag that `saved` lacks (it predates the flag) is taken at its default
+      (`defaults`, by display name), a model field it lacks at ViTConfig's; a note says so;
+    * a None that `saved` records for a flag the run resolves means what `none_means` says
+      (an older kit recorded "not given", this one the value used);
+    * a flag `saved` records that this kit neither compares nor knows is named in a note
+      and ignored (one now in RESUMABLE_ACROSS is not compared, without a note);
+    * every other field must be equal.
+    """
+    defaults, none_means = defaults or {}, none_means or {}
+    notes = []
+    for name, now in current.items():
+        predates = name not in saved
+        if predates and name not in defaults:
+            return _difference(name, _ABSENT, _shown(now, name, none_means), names), []
+        recorded = defaults[name] if predates else saved[name]
+        was = none_means[name] if recorded is None and name in none_means else recorded
+        if isinstance(was, dict) and isinstance(now, dict):
+            difference = _compare_fields(name, was, now, names, notes)
+            if difference is not None:
+                return difference, []
+        elif was != now:
+            shown = _shown(recorded, name, none_means)
+            difference = _difference(name, f"predates it: taken as {shown}" if predates
+                                     else shown, _shown(now, name, none_means), names)
+            if name in none_means and was is not None:  # e.g. another backend's default
+                difference += f"; give {name} {was} to continue it"
+            return difference, []
+        if predates:
+            notes.append(f"checkpoint predates {name}: taken as "
+                         f"{_shown(recorded, name, none_means)}")
+    for name, was in saved.items():
+        if name not in current and name not in _RESUMABLE_FLAGS:
+            notes.append(f"checkpoint records {name} {_shown(was, name)}, which this kit "
+                         f"does not know: ignored")
+    return None, notes
+
+
+_ABSENT = "absent"  # how a side that does not hold a field is shown
+
+
+def _compare_fields(name: str, was: dict, now: dict, names: tuple[str, str],
+                    notes: list) -> str | None:
+    """A nested field (the model config): the checkpoint's fields one by one, a field it
+    predates at its default (MODEL_DEFAULTS), one this kit does not know named and
+    ignored. None if they agree, else one line."""
+    for k, value in now.items():
+        if k not in was:
+            if k not in MODEL_DEFAULTS or MODEL_DEFAULTS[k] != value:
+                saved = (f"predates it: taken as {_shown(MODEL_DEFAULTS[k])}"
+                         if k in MODEL_DEFAULTS else _ABSENT)
+                return (f"{name} differs in {k} ({names[0]} {saved}, "
+                        f"{names[1]} {_shown(value)})")
+            notes.append(f"checkpoint predates the {name}'s {k}: taken as {_shown(value)}")
+        elif was[k] != value:
+            return (f"{name} differs in {k} ({names[0]} {_shown(was[k])}, "
+                    f"{names[1]} {_shown(value)})")
+    for k in was:
+        if k not in now:
+            notes.append(f"checkpoint records the {name}'s {k} {_shown(was[k])}, which this "
+                         f"kit does not know: ignored")
     return None
 
 
-def _difference(name: str, saved: dict, current: dict, names: tuple[str, str]) -> str:
-    """One line naming what differs, e.g. "--lr differs (checkpoint 0.001, this run 0.002)"."""
-    a, b = saved.get(name, "<absent>"), current.get(name, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return (f"{name} differs in {k} ({names[0]} {a.get(k)!r}, "
-                        f"{names[1]} {b.get(k)!r})")
+def _shown(value, name: str | None = None, none_means: dict | None = None) -> str:
+    """A value in a line: repr, but never a bare None: a flag's None is "not given", with
+    what that means for this run where it resolves (`none_means`); a model field's None
+    is its "none"."""
+    if value is None:
+        if name is not None and none_means and name in none_means:
+            return f"not given ({none_means[name]!r})"
+        return "not given" if name is not None else "none"
+    return repr(value)
+
+
+def _difference(name: str, a: str, b: str, names: tuple[str, str]) -> str:
+    """One line naming what differs, e.g. "--lr differs (checkpoint 0.001, this run 0.002)",
+    from the two sides as shown."""
     hint = "; --epochs / --steps must give the same total" if name == "total steps" else ""
-    return f"{name} differs ({names[0]} {a!r}, {names[1]} {b!r}{hint})"
+    return f"{name} differs ({names[0]} {a}, {names[1]} {b}{hint})"
 
 
 def _first_non_finite(host_state) -> str | None:

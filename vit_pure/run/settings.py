@@ -20,7 +20,7 @@ import jax
 from vit_pure import weights
 from vit_pure.config import Execution
 from vit_pure.data.cifar10 import NUM_CLASSES
-from vit_pure.errors import UsageError
+from vit_pure.errors import UsageError, WeightsError
 from vit_pure.run import backend
 from vit_pure.step import OptimConfig, StepConfig
 
@@ -129,7 +129,7 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """What `--plan N` (vit_pure/plan/build.py) takes from the flags: the target, its
+    """What `--plan N` (vit_pure/run/planning.py) takes from the flags: the target, its
     overrides, and the step's batch and accumulation. `from_args` builds it."""
     plan: int                       # devices to plan for
     hardware: str                   # --hardware, as given
@@ -219,15 +219,22 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
             raise UsageError(f"--recipe {args.recipe} fine-tunes pretrained weights: give "
                              "--init-from FILE (docs/training.md, \"Fine-tuning a pretrained "
                              "ViT\")")
+        if args.trainable == "head" and fit and not getattr(args, "eval_only", False):
+            raise UsageError("--trainable head trains the head alone on a frozen backbone: "
+                             "give --init-from FILE, its pretrained weights (a random "
+                             "backbone's features are noise)")
         if args.image_size is not None:
             try:
                 args.cfg = cfg.replace(image_size=args.image_size)
             except ValueError as e:
                 raise UsageError(f"--image-size: {e}") from None
         return None
-    path = weights.resolve(args.init_from)
-    params, found = weights.load_found(path, heads=cfg.heads)
-    src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    try:  # the readers' errors name the file; the line says which flag gave it
+        path = weights.resolve(args.init_from)
+        params, found = weights.load_found(path, heads=cfg.heads)
+        src = weights.config_of(params, found, f"{found.format}:{path.name}")
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     try:
         args.cfg = cfg.replace(
             image_size=args.image_size or src.image_size, num_classes=NUM_CLASSES,
@@ -237,7 +244,10 @@ def pretrained_weights(args: argparse.Namespace, *, fit: bool = True) -> dict | 
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     if not fit:
         return None
-    params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    try:
+        params, notes = weights.fit(params, src, args.cfg, str(path), found.resample)
+    except WeightsError as e:
+        raise WeightsError(f"--init-from: {e}") from None
     if getattr(args, "process_id", None) in (None, 0):
         c = args.cfg
         print(f"--init-from: {path} ({found.format}): {c.depth} layers, width {c.width}, "

@@ -5,22 +5,12 @@
     python -m vit_pure.tools.export CKPT --to timm DIR   # model.safetensors, config.json
 
 CKPT is one checkpoint (ckpt_dir/step_00001200) or a --ckpt-dir, whose newest intact
-checkpoint is taken. The model is the one the checkpoint records (its model config); the
-weights are its params in float32, or with --ema its EMA of them (what a run with --ema
-evaluates). Then, with transformers installed:
-
-    ViTForImageClassification.from_pretrained(DIR)
-
-and with timm, config = json.load(open(DIR + "/config.json")), then
-
-    timm.create_model(config["architecture"], pretrained=True,
-                      pretrained_cfg_overlay=dict(config["pretrained_cfg"],
-                                                  file=DIR + "/model.safetensors"),
-                      **config["model_args"])
-
-(the pretrained_cfg's class count keeps the head; model_args give the shapes).
-Hugging Face's ViT reads the class token: models with --pool mean or gap, a convolutional
-stem or locality self-attention export only to timm (pools) or not at all (stem, lsa).
+checkpoint is taken; the model is the one it records, the weights its params in float32
+(or with --ema their EMA). Then `ViTForImageClassification.from_pretrained(DIR)`, or with
+timm: `timm.create_model(config["architecture"], pretrained=True, pretrained_cfg_overlay=
+dict(config["pretrained_cfg"], file=DIR + "/model.safetensors"), **config["model_args"])`
+with config = DIR/config.json. A --pool cls+mean model (a DINOv2 fine-tune) exports to hf
+as a Dinov2ForImageClassification; --pool mean or gap only to timm; a stem or lsa, not at all.
 """
 from __future__ import annotations
 

@@ -5,14 +5,10 @@ safetensors, ONNX graphs exported from either, read into the kit's tree and writ
     params, notes = fit(params, cfg, target_cfg, path)   # resample pos_embed, new head
     save("out/", cfg, params, "hf")                      # or "timm"
 
-`load` finds the format from the file: a zip archive is a big_vision-style .npz
-(bigvision.py); a safetensors file is Hugging Face's when a transformers ViT config.json
-lies beside it (hf.py), else timm's (timm.py); a folder is read as Hugging Face's; a
-`.onnx` file through the names of either (onnx_graph.py, with the `onnx` package). The
-tree is `model.init_params`'s, on the host: the training scripts lay it out on their
-devices as they lay out a checkpoint (`strategy.put_state`), so it trains under every
-layout. These modules read the files with numpy alone (safetensors.py; `onnx` for a
-graph); torch, timm and transformers are never imported.
+`load` finds the format from the file (`detect`). The tree is `model.init_params`'s, on
+the host: the scripts lay it out on their devices as they lay out a checkpoint, so it
+trains under every layout. The files are read with numpy alone (safetensors.py; `onnx`
+for a graph); torch, timm and transformers are never imported.
 """
 from __future__ import annotations
 

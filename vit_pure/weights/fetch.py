@@ -39,12 +39,21 @@ def local_path(url: str, log=print) -> pathlib.Path:
     target = folder / name
     if target.is_file():
         return target
+    created = [d for d in (folder, *folder.parents) if not d.exists()]  # innermost first
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise WeightsError(f"cannot create the weights cache {folder}: {e.strerror or e}") from None
     log(f"fetching {url} into {folder}")
-    _download(url, target, required=True)
+    try:
+        _download(url, target, required=True)
+    except WeightsError:
+        for d in created:  # no empty cache folder left behind by a failed fetch
+            try:
+                d.rmdir()
+            except OSError:  # not empty (another fetch wrote there meanwhile): kept
+                break
+        raise
     if name.endswith(".safetensors"):
         for sidecar in SIDECARS:
             _download(urllib.parse.urljoin(url, sidecar), folder / sidecar, required=False)

@@ -1,27 +1,11 @@
 """Hugging Face transformers' ViT: ``model.safetensors`` + ``config.json`` (+ the optional
 ``preprocessor_config.json``) in one folder, as `save_pretrained` writes them.
 
-Key names as the Hub's checkpoints have them (transformers 4; transformers 5 reads them
-and writes the names in brackets, which are read too)::
-
-    vit.embeddings.cls_token (1, 1, E)     vit.embeddings.position_embeddings (1, T, E)
-    vit.embeddings.patch_embeddings.projection.{weight (E, C, p, p), bias}
-    vit.encoder.layer.{i}.  (vit.layers.{i}.)
-        layernorm_before / layernorm_after .{weight,bias}
-        attention.attention.{query,key,value}.{weight (E, E), bias}   (attention.{q,k,v}_proj)
-        attention.output.dense.{weight,bias}                          (attention.o_proj)
-        intermediate.dense.{weight (M, E), bias}                      (mlp.fc1)
-        output.dense.{weight (E, M), bias}                            (mlp.fc2)
-    vit.layernorm.{weight,bias}            classifier.{weight (K, E), bias}
-
-A `ViTModel` has no "vit." prefix and no classifier (its pooler is left out). DINOv2
-("dinov2." or none) names norm1 / norm2 for layernorm_before / after, mlp.fc1 / fc2, adds
-layer_scale{1,2}.lambda1 (LayerScale), embeddings.register_tokens (with registers) and a
-classifier on the class token and the mean patch token (2E, pool "cls+mean"). config.json
-gives the head count, `hidden_act` ("gelu" exact, "gelu_pytorch_tanh" / "gelu_new" tanh),
-`layer_norm_eps` (1e-12 by default); preprocessor_config.json's image_mean / std the input
-scaling (without it, [-1, 1] for a ViT, ImageNet's for DINOv2). The writer folds a layer
-scale into the output projection and fc2 (exact): ViTForImageClassification has none.
+`read` / `state_dict_tree` map the Hub's key names (transformers 4 and 5, ViT and DINOv2;
+the table: the comment above `GELUS`) into the kit's tree, with the head count, GELU,
+LayerNorm epsilon and input scaling from the JSON files; `write` writes a kit model as
+`ViTForImageClassification` (pool cls) or `Dinov2ForImageClassification` (pool cls+mean)
+reads it.
 """
 from __future__ import annotations
 
@@ -33,11 +17,33 @@ import re
 import numpy as np
 
 from vit_pure.config import INPUT_SCALINGS, ViTConfig
+from vit_pure.data.cifar10 import CIFAR10_CLASSES
 from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
 from vit_pure.weights.timm import scaling_name
 from vit_pure.weights.tree import Arrays, Found, rows_to_hwio
 
+# Key names as the Hub's checkpoints have them (transformers 4; transformers 5 reads them
+# and writes the names in brackets, which are read too):
+#
+#     vit.embeddings.cls_token (1, 1, E)     vit.embeddings.position_embeddings (1, T, E)
+#     vit.embeddings.patch_embeddings.projection.{weight (E, C, p, p), bias}
+#     vit.encoder.layer.{i}.  (vit.layers.{i}.)
+#         layernorm_before / layernorm_after .{weight,bias}
+#         attention.attention.{query,key,value}.{weight (E, E), bias}   (attention.{q,k,v}_proj)
+#         attention.output.dense.{weight,bias}                          (attention.o_proj)
+#         intermediate.dense.{weight (M, E), bias}                      (mlp.fc1)
+#         output.dense.{weight (E, M), bias}                            (mlp.fc2)
+#     vit.layernorm.{weight,bias}            classifier.{weight (K, E), bias}
+#
+# A `ViTModel` has no "vit." prefix and no classifier (its pooler is left out). DINOv2
+# ("dinov2." or none) names norm1 / norm2 for layernorm_before / after, mlp.fc1 / fc2, adds
+# layer_scale{1,2}.lambda1 (LayerScale), embeddings.register_tokens (with registers) and a
+# classifier on the class token and the mean patch token (2E, pool "cls+mean"). config.json
+# gives the head count, `hidden_act` ("gelu" exact, "gelu_pytorch_tanh" / "gelu_new" tanh),
+# `layer_norm_eps` (1e-12 by default); preprocessor_config.json's image_mean / std the input
+# scaling (without it, [-1, 1] for a ViT, ImageNet's for DINOv2). The writer folds a layer
+# scale into the output projection and fc2 (exact): ViTForImageClassification has none.
 GELUS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
          "gelu_fast": "tanh"}
 # transformers 5's names -> transformers 4's (the Hub's), which the reader takes.
@@ -177,60 +183,31 @@ def state_dict_tree(w: Arrays, config: dict, config_path, inputs: str,
                          resample="hf-antialias" if "reg_tokens" in params else "hf")
 
 
+# The writer's names of each model: (the prefix, ln1, ln2, fc1, fc2).
+_VIT_NAMES = ("vit.", "layernorm_before", "layernorm_after", "intermediate.dense",
+              "output.dense")
+_DINOV2_NAMES = ("dinov2.", "norm1", "norm2", "mlp.fc1", "mlp.fc2")
+
+
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
-    """model.safetensors, config.json and preprocessor_config.json of a
-    `ViTForImageClassification` equal to the kit's model `cfg`, in `directory`."""
-    if cfg.pool != "cls" or cfg.stem or cfg.lsa or cfg.registers:
+    """model.safetensors, config.json and preprocessor_config.json, in `directory`, of a
+    transformers model equal to the kit's model `cfg`: a `ViTForImageClassification` (pool
+    cls) or a `Dinov2ForImageClassification` (pool cls+mean: DINOv2's head on the class
+    token and the mean patch token; its layer scale kept, ones without one)."""
+    if cfg.pool not in ("cls", "cls+mean") or cfg.stem or cfg.lsa or cfg.registers:
         raise WeightsError(f"{cfg.name}: transformers' ViTForImageClassification reads the "
-                           f"class token and has no convolutional stem, locality "
-                           f"self-attention or registers; this model has pool {cfg.pool!r}"
+                           f"class token, Dinov2ForImageClassification the class token and "
+                           f"the mean patch token (cls+mean), and neither has a "
+                           f"convolutional stem, locality self-attention or registers; this "
+                           f"model has pool {cfg.pool!r}"
                            f"{', a stem' if cfg.stem else ''}{', lsa' if cfg.lsa else ''}"
                            f"{', registers' if cfg.registers else ''}")
-    E, H, D, L = cfg.width, cfg.heads, cfg.head_dim, cfg.depth
-    b = params["blocks"]
-    w = {"vit.embeddings.patch_embeddings.projection.weight": rows_to_hwio(
-            np.asarray(params["patch_embed"]["kernel"]), cfg.patch_size,
-            cfg.channels).transpose(3, 2, 0, 1),
-         "vit.embeddings.patch_embeddings.projection.bias": params["patch_embed"]["bias"],
-         "vit.embeddings.cls_token": np.asarray(params["cls_token"]).reshape(1, 1, E),
-         "vit.embeddings.position_embeddings": np.asarray(params["pos_embed"])[None],
-         "vit.layernorm.weight": params["final_ln"]["scale"],
-         "vit.layernorm.bias": params["final_ln"]["bias"],
-         "classifier.weight": np.asarray(params["head"]["kernel"]).T,
-         "classifier.bias": params["head"]["bias"]}
-    for i in range(L):
-        p = f"vit.encoder.layer.{i}."
-        w[p + "layernorm_before.weight"] = b["ln1"]["scale"][i]
-        w[p + "layernorm_before.bias"] = b["ln1"]["bias"][i]
-        w[p + "layernorm_after.weight"] = b["ln2"]["scale"][i]
-        w[p + "layernorm_after.bias"] = b["ln2"]["bias"][i]
-        for j, x in enumerate(("query", "key", "value")):
-            w[p + f"attention.attention.{x}.weight"] = np.asarray(
-                b["attn"]["qkv"]["kernel"][i][:, j]).reshape(E, H * D).T
-            w[p + f"attention.attention.{x}.bias"] = np.asarray(
-                b["attn"]["qkv"]["bias"][i][j]).reshape(-1)
-        # gamma * (x W + b) = x (W gamma) + b gamma: the layer scale folded in.
-        g1, g2 = ((np.asarray(b[ls]["gamma"][i]) for ls in ("ls1", "ls2"))
-                  if cfg.layer_scale is not None else (1.0, 1.0))
-        w[p + "attention.output.dense.weight"] = (np.asarray(
-            b["attn"]["out"]["kernel"][i]).reshape(H * D, E) * g1).T
-        w[p + "attention.output.dense.bias"] = np.asarray(b["attn"]["out"]["bias"][i]) * g1
-        w[p + "intermediate.dense.weight"] = np.asarray(b["mlp"]["fc1"]["kernel"][i]).T
-        w[p + "intermediate.dense.bias"] = b["mlp"]["fc1"]["bias"][i]
-        w[p + "output.dense.weight"] = (np.asarray(b["mlp"]["fc2"]["kernel"][i]) * g2).T
-        w[p + "output.dense.bias"] = np.asarray(b["mlp"]["fc2"]["bias"][i]) * g2
-    config = {
-        "architectures": ["ViTForImageClassification"], "model_type": "vit",
-        "hidden_size": E, "num_hidden_layers": L, "num_attention_heads": H,
-        "intermediate_size": cfg.mlp_dim,
-        "hidden_act": "gelu" if cfg.gelu == "exact" else "gelu_pytorch_tanh",
-        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-        "initializer_range": 0.02, "layer_norm_eps": cfg.ln_eps,
-        "image_size": cfg.image_size, "patch_size": cfg.patch_size,
-        "num_channels": cfg.channels, "qkv_bias": True,
-        "id2label": {str(k): f"LABEL_{k}" for k in range(cfg.num_classes)},
-        "label2id": {f"LABEL_{k}": k for k in range(cfg.num_classes)},
-    }
+    dinov2 = cfg.pool == "cls+mean"
+    if dinov2 and cfg.mlp_dim % cfg.width:
+        raise WeightsError(f"{cfg.name}: Dinov2ForImageClassification's MLP is a whole multiple "
+                           f"of the width (mlp_ratio), but this model's is {cfg.mlp_dim} for "
+                           f"width {cfg.width}")
+    w = _state_dict(cfg, params, dinov2)
     mean, std = INPUT_SCALINGS[cfg.inputs]
     preprocessor = {"image_processor_type": "ViTImageProcessor", "do_resize": True,
                     "size": {"height": cfg.image_size, "width": cfg.image_size},
@@ -239,8 +216,77 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     safetensors.write(directory / "model.safetensors", w, {"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(_config(cfg, dinov2), indent=2) + "\n")
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2)
                                                         + "\n")
     return [directory / n for n in ("model.safetensors", "config.json",
                                     "preprocessor_config.json")]
+
+
+def _state_dict(cfg: ViTConfig, params: dict, dinov2: bool) -> dict:
+    """The transformers state dict (transformers 4's names, the Hub's) of the kit's params."""
+    E, H, D, L = cfg.width, cfg.heads, cfg.head_dim, cfg.depth
+    top, ln1, ln2, fc1, fc2 = _DINOV2_NAMES if dinov2 else _VIT_NAMES
+    b = params["blocks"]
+    w = {f"{top}embeddings.patch_embeddings.projection.weight": rows_to_hwio(
+            np.asarray(params["patch_embed"]["kernel"]), cfg.patch_size,
+            cfg.channels).transpose(3, 2, 0, 1),
+         f"{top}embeddings.patch_embeddings.projection.bias": params["patch_embed"]["bias"],
+         f"{top}embeddings.cls_token": np.asarray(params["cls_token"]).reshape(1, 1, E),
+         f"{top}embeddings.position_embeddings": np.asarray(params["pos_embed"])[None],
+         f"{top}layernorm.weight": params["final_ln"]["scale"],
+         f"{top}layernorm.bias": params["final_ln"]["bias"],
+         "classifier.weight": np.asarray(params["head"]["kernel"]).T,
+         "classifier.bias": params["head"]["bias"]}
+    if dinov2:  # masked-image pretraining's token: unused by classification, but expected
+        w[f"{top}embeddings.mask_token"] = np.zeros((1, E), np.float32)
+    for i in range(L):
+        p = f"{top}encoder.layer.{i}."
+        w[p + f"{ln1}.weight"], w[p + f"{ln1}.bias"] = b["ln1"]["scale"][i], b["ln1"]["bias"][i]
+        w[p + f"{ln2}.weight"], w[p + f"{ln2}.bias"] = b["ln2"]["scale"][i], b["ln2"]["bias"][i]
+        for j, x in enumerate(("query", "key", "value")):
+            w[p + f"attention.attention.{x}.weight"] = np.asarray(
+                b["attn"]["qkv"]["kernel"][i][:, j]).reshape(E, H * D).T
+            w[p + f"attention.attention.{x}.bias"] = np.asarray(
+                b["attn"]["qkv"]["bias"][i][j]).reshape(-1)
+        gammas = [np.asarray(b[ls]["gamma"][i]) if cfg.layer_scale is not None
+                  else np.ones(E, np.float32) for ls in ("ls1", "ls2")]
+        if dinov2:  # DINOv2 has LayerScale: kept as it is
+            w[p + "layer_scale1.lambda1"], w[p + "layer_scale2.lambda1"] = gammas
+            g1 = g2 = 1.0
+        else:  # gamma * (x W + b) = x (W gamma) + b gamma: the layer scale folded in
+            g1, g2 = gammas
+        w[p + "attention.output.dense.weight"] = (np.asarray(
+            b["attn"]["out"]["kernel"][i]).reshape(H * D, E) * g1).T
+        w[p + "attention.output.dense.bias"] = np.asarray(b["attn"]["out"]["bias"][i]) * g1
+        w[p + f"{fc1}.weight"] = np.asarray(b["mlp"]["fc1"]["kernel"][i]).T
+        w[p + f"{fc1}.bias"] = b["mlp"]["fc1"]["bias"][i]
+        w[p + f"{fc2}.weight"] = (np.asarray(b["mlp"]["fc2"]["kernel"][i]) * g2).T
+        w[p + f"{fc2}.bias"] = np.asarray(b["mlp"]["fc2"]["bias"][i]) * g2
+    return w
+
+
+def _config(cfg: ViTConfig, dinov2: bool) -> dict:
+    """config.json of the transformers model."""
+    E = cfg.width
+    # The class names: CIFAR-10's for a 10-class head (what the kit trains), else numbered.
+    names = (CIFAR10_CLASSES if cfg.num_classes == len(CIFAR10_CLASSES)
+             else tuple(f"LABEL_{k}" for k in range(cfg.num_classes)))
+    config = {
+        "architectures": ["Dinov2ForImageClassification" if dinov2
+                          else "ViTForImageClassification"],
+        "model_type": "dinov2" if dinov2 else "vit",
+        "hidden_size": E, "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.heads,
+        "hidden_act": "gelu" if cfg.gelu == "exact" else "gelu_pytorch_tanh",
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02, "layer_norm_eps": cfg.ln_eps,
+        "image_size": cfg.image_size, "patch_size": cfg.patch_size,
+        "num_channels": cfg.channels, "qkv_bias": True,
+        "id2label": {str(k): name for k, name in enumerate(names)},
+        "label2id": {name: k for k, name in enumerate(names)},
+    }
+    if not dinov2:
+        return {**config, "intermediate_size": cfg.mlp_dim}
+    # DINOv2 sizes its MLP as hidden_size * mlp_ratio, an integer in transformers 5.
+    return {**config, "mlp_ratio": cfg.mlp_dim // E, "layerscale_value": cfg.layer_scale or 1.0,
+            "drop_path_rate": 0.0, "use_swiglu_ffn": False}

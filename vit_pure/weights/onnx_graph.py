@@ -1,21 +1,10 @@
 """ONNX graphs of ViTs exported from torch (timm or transformers), read with `onnx`.
 
-torch.onnx.export names each initializer after its parameter ("encoder.layer.0.norm1.
-weight"), except those it rewrites: a Linear's weight becomes a MatMul's right operand,
-transposed and unnamed ("onnx::MatMul_1966"), named back here from the node that reads it
-("/encoder/layer.0/mlp/fc1/MatMul": encoder.layer.0.mlp.fc1.weight); a position
-embedding the graph slices (DINOv2's, resized in the graph) becomes its class row (1, 1,
-E) and patch rows (1, N, E), both read by nodes of the embeddings module. The state dict
-so rebuilt goes through hf.py's or timm.py's mapping, whichever names it has.
-
-The ViT may sit under a prefix, as the backbone of a larger model: the prefix is where
-the patch embedding's weight is; initializers outside it (a decoder, say) are left out,
-with a note naming them. The graph does not hold the head count (the caller's, else
-width / 64, noted) nor the input scaling (ImageNet's mean / std assumed, noted: DINOv2's
-and most torch ViTs'); the GELU is a Gelu node's or spelled out (Erf: exact; Tanh), the
-LayerNorm epsilon a LayerNormalization's or the constant added to the variance. The
-exporter merges identical tensors into one initializer (a model straight from its
-initialisation): such a graph is refused, naming the first weight it lacks.
+torch.onnx.export names each initializer after its parameter, except those it rewrites (a
+Linear's weight, a sliced position embedding), which `state_dict` names back from the
+nodes that read them; the state dict so rebuilt goes through hf.py's or timm.py's mapping,
+whichever names it has (`read`). How names, prefixes and what the graph lacks are
+handled: the comment above `_ANCHORS`.
 """
 from __future__ import annotations
 
@@ -30,6 +19,22 @@ from vit_pure.errors import WeightsError
 from vit_pure.weights import hf, timm
 from vit_pure.weights.tree import Arrays, Found
 
+# torch.onnx.export names each initializer after its parameter ("encoder.layer.0.norm1.
+# weight"), except those it rewrites: a Linear's weight becomes a MatMul's right operand,
+# transposed and unnamed ("onnx::MatMul_1966"), named back here from the node that reads it
+# ("/encoder/layer.0/mlp/fc1/MatMul": encoder.layer.0.mlp.fc1.weight); a position
+# embedding the graph slices (DINOv2's, resized in the graph) becomes its class row (1, 1,
+# E) and patch rows (1, N, E), both read by nodes of the embeddings module. The state dict
+# so rebuilt goes through hf.py's or timm.py's mapping, whichever names it has.
+#
+# The ViT may sit under a prefix, as the backbone of a larger model: the prefix is where
+# the patch embedding's weight is; initializers outside it (a decoder, say) are left out,
+# with a note naming them. The graph does not hold the head count (the caller's, else
+# width / 64, noted) nor the input scaling (ImageNet's mean / std assumed, noted: DINOv2's
+# and most torch ViTs'); the GELU is a Gelu node's or spelled out (Erf: exact; Tanh), the
+# LayerNorm epsilon a LayerNormalization's or the constant added to the variance. The
+# exporter merges identical tensors into one initializer (a model straight from its
+# initialisation): such a graph is refused, naming the first weight it lacks.
 # The patch embedding's weight names the library and the prefix of the model.
 _ANCHORS = {"hf": "embeddings.patch_embeddings.projection.weight",
             "timm": "patch_embed.proj.weight"}

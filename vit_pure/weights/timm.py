@@ -1,22 +1,9 @@
 """timm's VisionTransformer weights: a ``model.safetensors`` of its state dict (PyTorch
 layouts), optionally with timm's Hub ``config.json`` beside it.
 
-    patch_embed.proj.weight (E, C, p, p)  patch_embed.proj.bias (E,)   a convolution, OIHW
-    cls_token (1, 1, E)                   pos_embed (1, T, E)          (class row included)
-    blocks.{i}.norm1.{weight,bias}        blocks.{i}.norm2.{weight,bias}
-    blocks.{i}.attn.qkv.weight (3E, E)    blocks.{i}.attn.qkv.bias (3E,)   rows (q|k|v, H, D)
-    blocks.{i}.attn.proj.weight (E, E)    blocks.{i}.attn.proj.bias (E,)
-    blocks.{i}.mlp.fc1.weight (M, E) ...  blocks.{i}.mlp.fc2.weight (E, M) ...
-    norm.{weight,bias}                    the final LayerNorm (class-token pooling), or
-    fc_norm.{weight,bias}                 after average pooling (global_pool "avg")
-    head.weight (K, E)                    head.bias (K,)
-
-A torch Linear's weight is (out, in): the kit's kernels are its transpose. The head count
-is not in the weights: it comes from config.json's model_args or architecture name, else
-from the caller (`--model`), else width / 64 (every ViT of the ViT and DeiT papers
-has 64-wide heads but ViT-H's 80). timm's ViTs use the exact GELU and LayerNorm epsilon
-1e-6; the input scaling is config.json's pretrained_cfg mean / std when there is one, else
-[-1, 1] (the default of timm's `vit_*` models, which come from the AugReg release).
+`read` / `state_dict_tree` map timm's key names (the table, and where the head count and
+the input scaling come from: the comment above `NAME_HEADS`) into the kit's tree; `write`
+writes a kit model as `timm.create_model` reads it.
 """
 from __future__ import annotations
 
@@ -32,7 +19,26 @@ from vit_pure.errors import WeightsError
 from vit_pure.weights import safetensors
 from vit_pure.weights.tree import Arrays, Found, pos_rows, rows_to_hwio
 
+#     patch_embed.proj.weight (E, C, p, p)  patch_embed.proj.bias (E,)   a convolution, OIHW
+#     cls_token (1, 1, E)                   pos_embed (1, T, E)          (class row included)
+#     blocks.{i}.norm1.{weight,bias}        blocks.{i}.norm2.{weight,bias}
+#     blocks.{i}.attn.qkv.weight (3E, E)    blocks.{i}.attn.qkv.bias (3E,)   rows (q|k|v, H, D)
+#     blocks.{i}.attn.proj.weight (E, E)    blocks.{i}.attn.proj.bias (E,)
+#     blocks.{i}.mlp.fc1.weight (M, E) ...  blocks.{i}.mlp.fc2.weight (E, M) ...
+#     norm.{weight,bias}                    the final LayerNorm (class-token pooling), or
+#     fc_norm.{weight,bias}                 after average pooling (global_pool "avg")
+#     head.weight (K, E)                    head.bias (K,)
+#
+# A torch Linear's weight is (out, in): the kit's kernels are its transpose. The head count
+# is not in the weights: it comes from config.json's model_args or architecture name, else
+# from the caller (`--model`), else width / 64 (every ViT of the ViT and DeiT papers
+# has 64-wide heads but ViT-H's 80). timm's ViTs use LayerNorm epsilon 1e-6 and the exact
+# GELU unless config.json's model_args name another `act_layer`; the input scaling is
+# config.json's pretrained_cfg mean / std when there is one, else
+# [-1, 1] (the default of timm's `vit_*` models, which come from the AugReg release).
 # timm model name stems -> heads (their widths' ViT variants).
+# timm's act_layer names -> the kit's ViTConfig.gelu (timm's ViT default: "gelu").
+ACT_LAYERS = {"gelu": "exact", "gelu_tanh": "tanh"}
 NAME_HEADS = {"vit_tiny": 3, "vit_small": 6, "vit_medium": 8, "vit_base": 12, "vit_large": 16,
               "vit_huge": 16, "deit_tiny": 3, "deit_small": 6, "deit_base": 12}
 
@@ -73,24 +79,7 @@ def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
     path, get = w.where, w.get
     conv = get("patch_embed.proj.weight")  # (E, C, p, p)
     width, channels, patch = conv.shape[0], conv.shape[1], conv.shape[2]
-    depth = 0
-    while f"blocks.{depth}.norm1.weight" in w:
-        depth += 1
-    notes = []
-    # The file's own word first (then a --model of another head count fails to fit).
-    heads = hub.get("model_args", {}).get("num_heads") or next(
-        (h for stem, h in NAME_HEADS.items() if hub.get("architecture", "").startswith(stem)),
-        None) or heads
-    if not heads:
-        heads = max(1, width // 64)
-        notes.append(f"head count not in the file: assumed width / 64 = {heads}")
-    if width % heads:
-        raise WeightsError(f"{path}: width {width} does not split into {heads} heads")
-    d = width // heads
-
-    def stack(fmt, fn=lambda a: a):
-        return np.stack([fn(get(fmt.format(i))) for i in range(depth)])
-
+    heads, notes = _heads(hub, heads, width, path)
     class_token = "cls_token" in w
     avg = "fc_norm.weight" in w
     if not avg and not class_token:
@@ -102,33 +91,12 @@ def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
                         "bias": get("patch_embed.proj.bias")},
         **({"cls_token": get("cls_token").reshape(-1)} if class_token else {}),
         "pos_embed": get("pos_embed").reshape(-1, width),
-        "blocks": {
-            "ln1": {"scale": stack("blocks.{}.norm1.weight"),
-                    "bias": stack("blocks.{}.norm1.bias")},
-            "attn": {
-                "qkv": {"kernel": stack("blocks.{}.attn.qkv.weight",
-                                        lambda a: a.T.reshape(width, 3, heads, d)),
-                        "bias": stack("blocks.{}.attn.qkv.bias",
-                                      lambda a: a.reshape(3, heads, d))},
-                "out": {"kernel": stack("blocks.{}.attn.proj.weight",
-                                        lambda a: a.T.reshape(heads, d, width)),
-                        "bias": stack("blocks.{}.attn.proj.bias")},
-            },
-            "ln2": {"scale": stack("blocks.{}.norm2.weight"),
-                    "bias": stack("blocks.{}.norm2.bias")},
-            "mlp": {"fc1": {"kernel": stack("blocks.{}.mlp.fc1.weight", np.transpose),
-                            "bias": stack("blocks.{}.mlp.fc1.bias")},
-                    "fc2": {"kernel": stack("blocks.{}.mlp.fc2.weight", np.transpose),
-                            "bias": stack("blocks.{}.mlp.fc2.bias")}},
-        },
+        "blocks": _blocks(w, width, heads),
         "final_ln": {"scale": get(f"{norm}.weight"), "bias": get(f"{norm}.bias")},
     }
     if "head.weight" in w and get("head.weight").size:
         params["head"] = {"kernel": get("head.weight").T, "bias": get("head.bias")}
     w.skip("head.weight", "head.bias")
-    if "blocks.0.ls1.gamma" in w:  # LayerScale (timm's init_values)
-        for ls in ("ls1", "ls2"):
-            params["blocks"][ls] = {"gamma": stack(f"blocks.{{}}.{ls}.gamma")}
     if "reg_token" in w:  # register tokens, after the class token
         reg = get("reg_token").reshape(-1, width)
         pos, n = params["pos_embed"], int(class_token)
@@ -147,9 +115,60 @@ def state_dict_tree(w: Arrays, heads: int | None, hub: dict,
     if "mean" in pretrained and "std" in pretrained:
         inputs = scaling_name(pretrained["mean"], pretrained["std"], hub_path)
     pool = ("mean" if class_token else "gap") if avg else "cls"
+    act = hub.get("model_args", {}).get("act_layer", "gelu")
+    if act not in ACT_LAYERS:
+        raise WeightsError(f"{hub_path}: act_layer {act!r} is none of the GELUs the kit has "
+                           f"({', '.join(ACT_LAYERS)})")
     return params, Found(format="timm", patch_size=patch, channels=channels, heads=heads,
-                         pool=pool, gelu="exact", ln_eps=1e-6, inputs=inputs,
+                         pool=pool, gelu=ACT_LAYERS[act], ln_eps=1e-6, inputs=inputs,
                          notes=tuple(notes), resample="timm")
+
+
+def _heads(hub: dict, heads: int | None, width: int, path) -> tuple[int, list[str]]:
+    """The head count: the file's own word first (then a --model of another head count
+    fails to fit), else the caller's, else width / 64 (said in the note returned)."""
+    notes = []
+    heads = hub.get("model_args", {}).get("num_heads") or next(
+        (h for stem, h in NAME_HEADS.items() if hub.get("architecture", "").startswith(stem)),
+        None) or heads
+    if not heads:
+        heads = max(1, width // 64)
+        notes.append(f"head count not in the file: assumed width / 64 = {heads}")
+    if width % heads:
+        raise WeightsError(f"{path}: width {width} does not split into {heads} heads")
+    return heads, notes
+
+
+def _blocks(w: Arrays, width: int, heads: int) -> dict:
+    """The encoder blocks of a timm state dict, stacked along the kit's layer axis."""
+    get, d = w.get, width // heads
+    depth = 0
+    while f"blocks.{depth}.norm1.weight" in w:
+        depth += 1
+
+    def stack(fmt, fn=lambda a: a):
+        return np.stack([fn(get(fmt.format(i))) for i in range(depth)])
+
+    blocks = {
+        "ln1": {"scale": stack("blocks.{}.norm1.weight"), "bias": stack("blocks.{}.norm1.bias")},
+        "attn": {
+            "qkv": {"kernel": stack("blocks.{}.attn.qkv.weight",
+                                    lambda a: a.T.reshape(width, 3, heads, d)),
+                    "bias": stack("blocks.{}.attn.qkv.bias", lambda a: a.reshape(3, heads, d))},
+            "out": {"kernel": stack("blocks.{}.attn.proj.weight",
+                                    lambda a: a.T.reshape(heads, d, width)),
+                    "bias": stack("blocks.{}.attn.proj.bias")},
+        },
+        "ln2": {"scale": stack("blocks.{}.norm2.weight"), "bias": stack("blocks.{}.norm2.bias")},
+        "mlp": {"fc1": {"kernel": stack("blocks.{}.mlp.fc1.weight", np.transpose),
+                        "bias": stack("blocks.{}.mlp.fc1.bias")},
+                "fc2": {"kernel": stack("blocks.{}.mlp.fc2.weight", np.transpose),
+                        "bias": stack("blocks.{}.mlp.fc2.bias")}},
+    }
+    if "blocks.0.ls1.gamma" in w:  # LayerScale (timm's init_values)
+        for ls in ("ls1", "ls2"):
+            blocks[ls] = {"gamma": stack(f"blocks.{{}}.{ls}.gamma")}
+    return blocks
 
 
 def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
@@ -206,7 +225,7 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                        "mlp_ratio": cfg.mlp_dim / E, "class_token": cfg.class_token,
                        "global_pool": "token" if cfg.pool == "cls" else "avg",
                        "fc_norm": cfg.pool != "cls", "num_classes": cfg.num_classes,
-                       "act_layer": "gelu" if cfg.gelu == "exact" else "gelu_tanh",
+                       "act_layer": next(k for k, v in ACT_LAYERS.items() if v == cfg.gelu),
                        **({"init_values": cfg.layer_scale} if cfg.layer_scale else {}),
                        **({"reg_tokens": cfg.registers} if cfg.registers else {})},
         "pretrained_cfg": {"input_size": [cfg.channels, cfg.image_size, cfg.image_size],

@@ -66,6 +66,7 @@ class Module:
     runs: dict[str, int]          # computation -> executions per step (trip counts)
     unknown_trips: int            # while loops without a known trip count (counted once)
     frames: dict[int, tuple[str, int, str, int]]  # frame -> (file, line, function, parent)
+    name: str = ""                # the HloModule line's name (a trace's `hlo_module`)
 
 
 _INSTR = re.compile(r"^\s+(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
@@ -146,6 +147,7 @@ def shape_bytes(shape: str) -> int:
 
 def parse_module(text: str) -> Module:
     computations, entry, current = {}, None, None
+    named = re.match(r"HloModule\s+([\w.\-]+)", text)
     frames_text = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
     table = None
     for line in text.splitlines():
@@ -178,7 +180,8 @@ def parse_module(text: str) -> Module:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     runs, unknown = _executions(computations, entry)
-    return Module(computations, entry, runs, unknown, _frames(frames_text))
+    return Module(computations, entry, runs, unknown, _frames(frames_text),
+                  named.group(1) if named else "")
 
 
 def _executions(computations, entry) -> tuple[dict[str, int], int]:

@@ -1,24 +1,13 @@
 """The kernels of a program compiled for a GPU (XLA:GPU's HLO text) and the HBM traffic
 each one makes, by class, with the step's bandwidth / compute floor and predicted time.
 
-A kernel is an instruction of a computation that runs on its own (the entry, a while
-body), not inside a fusion: a fusion, a library call (cuBLAS GEMM, cuDNN attention), a
-copy or transpose, a collective. Its traffic is what it reads and writes: operand bytes
-plus output bytes (a cuBLAS call's scratch workspace left out). That is a floor, not a
-prediction: a kernel re-reading an operand, or caches serving it, changes the real figure.
-
-The floor of the step: each kernel takes at least max(bytes / bandwidth, GEMM FLOPs /
-peak), plus a launch (3 us, an assumption), summed over the kernels in order. The
-predicted step (`predicted_s`) prices each kernel at fitted efficiencies instead:
-max(bytes / (bandwidth x e_mem), FLOPs / (peak x e_class)), e_class that of the GEMMs or
-cuDNN's attention (its FLOPs counted from q's shape), plus its integer work (`int_ops`:
-each integer add, multiply, bitwise or shift instruction inside it, times its elements;
-mostly dropout's random bits) at the GPU's INT32 rate, plus a launch (`Rates`, `RATES`).
-
-`traffic` also lists the kernels that move the most bytes per step, alike kernels (one per
-layer, say) together: class, output shape as laid out, the JAX operation they came from.
-`gemms` lists the program's distinct GEMMs, operands as laid out in memory: what
-benchmarks.gpu_check times one by one.
+A kernel is an instruction that runs on its own (in the entry or a while body, not inside
+a fusion): a fusion, a library call (cuBLAS GEMM, cuDNN attention), a copy, a collective.
+Its traffic is operand plus output bytes (a cuBLAS workspace left out): a floor. The
+step's floor: per kernel max(bytes / bandwidth, FLOPs / the fastest GEMM rate measured)
+plus a launch. The predicted step (`predicted_s`) prices each kernel at efficiencies
+fitted class by class to a profile (`Rates`, `CLASSES`; benchmarks/fit_step.py --profile).
+`traffic` lists the kernels that move the most bytes; `gemms` the distinct GEMMs.
 """
 from __future__ import annotations
 
@@ -29,9 +18,18 @@ import re
 
 from vit_pure.xla.hlo import Instr, Module, arrays, shape_bytes, tuple_element
 
-CLASSES = ("gemm", "attention", "norms/reductions", "elementwise", "transposes/copies",
-           "collectives", "other")
+CLASSES = ("gemm", "attention", "rng", "norms/reductions", "elementwise",
+           "transposes/copies", "collectives", "other")
+GEMM_SHAPES = ("wide", "narrow", "ragged")  # `gemm_shape_class`
+ATTENTION_PASSES = ("forward", "backward")
 LAUNCH_S = 3e-6
+# A kernel doing this many integer operations per byte it moves hashes random bits
+# (Threefry: ~250 for a u8 dropout mask); indexing and masks elsewhere do under 25.
+RNG_INT_OPS_PER_BYTE = 32
+# cuDNN's flash attention computes whole tiles of the score matrix (its fprop and bprop
+# kernels on sm90: 64 or 128 query rows by 128 keys): at short sequences the padding is
+# most of the work.
+ATTENTION_TILE = 128
 LARGEST = 12  # groups of alike kernels listed by `traffic`
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                 "all-to-all")
@@ -59,33 +57,65 @@ class Kernel:
     shape: str = ""  # its output, physical layout (XLA:GPU's shapes are major to minor)
     op: str = ""     # the JAX operation it came from: its op_name's last two parts
     int_ops: int = 0  # integer arithmetic (`int_ops`), per execution
-    attention_flops: int = 0  # cuDNN attention's matmul FLOPs, per execution
+    attention_flops: int = 0  # cuDNN attention's matmul FLOPs as its tiles run, per execution
+    variant: str = ""  # a GEMM's shape class (GEMM_SHAPES); attention's pass (forward, backward)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """What `predicted_s` prices a kernel at, besides the GPU's bandwidth and peak: the
-    fraction of each reached (memory; XLA's GEMMs; cuDNN's attention), INT32 operations a
-    second and a launch's cost."""
+    fraction of each reached, INT32 operations a second and a launch's cost.
+
+    e_mem, e_gemm and e_attention hold for every class, GEMM shape class and attention
+    pass that the `*_by_*` pairs (name, fraction) do not name: a class's memory-bound
+    kernels at their share of HBM, GEMMs by shape class at their share of the peak,
+    cuDNN's forward and backward attention at theirs (of its tiles' FLOPs)."""
     e_mem: float
     e_gemm: float
     e_attention: float
     int_per_s: float
     launch_s: float = LAUNCH_S
+    e_mem_by_class: tuple[tuple[str, float], ...] = ()
+    e_gemm_by_shape: tuple[tuple[str, float], ...] = ()
+    e_attention_by_pass: tuple[tuple[str, float], ...] = ()
+
+    def mem(self, kind: str) -> float:
+        """The share of HBM bandwidth a kernel of class `kind` reaches."""
+        return dict(self.e_mem_by_class).get(kind, self.e_mem)
+
+    def compute(self, kind: str, variant: str) -> float:
+        """The share of the peak a GEMM (by shape class) or an attention pass reaches."""
+        if kind == "attention":
+            return dict(self.e_attention_by_pass).get(variant, self.e_attention)
+        return dict(self.e_gemm_by_shape).get(variant, self.e_gemm)
+
+    def fastest_gemm(self) -> float:
+        """The highest share of the peak any GEMM class reaches: the measured ceiling."""
+        return max([self.e_gemm, *dict(self.e_gemm_by_shape).values()])
 
 
-# The H100 SXM: 64 INT32 operations per SM a clock, 132 SMs at 1.98 GHz; e_mem, e_gemm and
-# e_attention fitted to the four steps measured on one H100 on 2026-11-23, their
-# programs compiled again deviceless from the kit measured (benchmarks/fit_step.py on
-# benchmarks/data/h100-2026-11-23.json: each row within 5.1%, left out within 9.5%;
-# docs/notes/2026-11-26-predicted-step.md). e_mem sits at the grid's bound (1.0): the
-# operand count misses what the L2 serves.
-H100_RATES = Rates(e_mem=1.00, e_gemm=0.40, e_attention=0.12, int_per_s=64 * 132 * 1.98e9)
+# The H100 SXM, fitted class by class (benchmarks/fit_step.py --profile) to a profile of
+# the shipped program's steps on one H100 joined to that GPU's own program (the run's
+# files, the figures and their command: docs/performance.md). The GEMM shape classes at
+# their measured share of the 989 TFLOP/s datasheet peak; cuDNN's passes at theirs of
+# its tiles' FLOPs; the memory-bound classes at their measured share of 3.35 TB/s; the
+# random-bit hashes on their measured INT32 rate; a launch the idle time per kernel.
+H100_RATES = Rates(
+    e_mem=0.78, e_gemm=0.73, e_attention=0.167, int_per_s=21.1e12, launch_s=0.62e-6,
+    e_mem_by_class=(("norms/reductions", 0.78), ("elementwise", 0.82),
+                    ("transposes/copies", 0.55), ("gemm", 1.0), ("attention", 1.0)),
+    e_gemm_by_shape=(("wide", 0.73), ("narrow", 0.54), ("ragged", 0.52)),
+    e_attention_by_pass=(("forward", 0.167), ("backward", 0.114)))
 # The H200 is the same die (132 SMs at 1.98 GHz) with faster, larger memory: the H100's
 # fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile).
-# On the H200's own program (2026-11-27) at its 4.8 TB/s it predicts 73.9 ms, 73.4 measured.
 H200_RATES = H100_RATES
 RATES = {"h100": H100_RATES, "h200": H200_RATES}  # --hardware name -> its rates
+
+
+def launches_kernel(instr: Instr) -> bool:
+    """Whether an instruction of a computation that runs (not a fused one) is a kernel:
+    not a parameter, tuple, bitcast, control flow or an async operation's `-done`."""
+    return instr.opcode not in _NOT_KERNELS and not instr.opcode.endswith("-done")
 
 
 def classify(instr: Instr) -> str:
@@ -125,28 +155,75 @@ def _gemm_flops(instr: Instr, shapes: dict[str, str]) -> int:
     return 2 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
+def _gemm_mnk(instr: Instr, shapes: dict[str, str]) -> tuple[int, int, int] | None:
+    """A GEMM's (M, N, K): the lhs's and rhs's free sizes and the contracted size, batch
+    dimensions left out; None where the operands or dimensions cannot be read."""
+    operands = [arrays(s) for s in instr.operand_shapes(shapes)[:2]]
+    if len(operands) < 2 or not all(operands):
+        return None
+    (_, lhs), (_, rhs) = operands[0][0], operands[1][0]
+    lc, rc = _dims(instr.attrs, "lhs_contracting"), _dims(instr.attrs, "rhs_contracting")
+    lb, rb = _dims(instr.attrs, "lhs_batch"), _dims(instr.attrs, "rhs_batch")
+    if not lc or max(lc + lb, default=0) >= len(lhs) or max(rc + rb, default=0) >= len(rhs):
+        return None
+    m = math.prod(d for i, d in enumerate(lhs) if i not in lc + lb)
+    n = math.prod(d for i, d in enumerate(rhs) if i not in rc + rb)
+    return m, n, math.prod(lhs[i] for i in lc)
+
+
+def gemm_shape_class(mnk: tuple[int, int, int] | None) -> str:
+    """A GEMM's shape class, what its efficiency depends on (the H100 profile in
+    docs/performance.md):
+
+        ragged   a size not a multiple of 64 (the ones column's K = 392, a 10-class head):
+                 the tiles run part empty
+        narrow   the two smaller sizes both <= 384 (q, k, v and out projections, their
+                 weight gradients): too little work per byte read to reach the peak
+        wide     the rest (the MLP's GEMMs: K or N of 1536)
+    """
+    if mnk is None:
+        return "ragged"
+    if any(d % 64 for d in mnk):
+        return "ragged"
+    return "narrow" if sorted(mnk)[1] <= 384 else "wide"
+
+
+def _fusion_gemm_class(module: Module, instr: Instr) -> str:
+    """The shape class of the first dot inside a GEMM fusion."""
+    for comp in instr.callees:
+        body = module.computations.get(comp, [])
+        shapes = {i.name: i.shape for i in body}
+        for i in body:
+            if i.opcode == "dot":
+                return gemm_shape_class(_gemm_mnk(i, shapes))
+    return "ragged"
+
+
 def _attention_flops(instr: Instr, shapes: dict[str, str], kind: str) -> int:
-    """cuDNN's fused attention: q (B, T, H, D) as its first operand; the forward runs two
-    products (4 B H T^2 D FLOPs), the backward five (the scores again, dV, dP, dQ, dK)."""
+    """cuDNN's fused attention as its kernels run it: q (B, T, H, D) as its first operand,
+    each (batch, head) pair's T x T scores computed in whole ATTENTION_TILE x
+    ATTENTION_TILE tiles (T rounded up); the forward runs two products (4 B H T'^2 D
+    FLOPs), the backward five (the scores again, dV, dP, dQ, dK)."""
     if kind != "attention" or not instr.operands:
         return 0
     q = arrays(instr.operand_shapes(shapes)[0])
     if not q or len(q[0][1]) != 4:
         return 0
     b, t, h, d = q[0][1]
-    return (10 if "Backward" in instr.attrs else 4) * b * h * t * t * d
+    tiled = -(-t // ATTENTION_TILE) * ATTENTION_TILE
+    return (10 if "Backward" in instr.attrs else 4) * b * h * tiled * tiled * d
 
 
 def _results(instr: Instr) -> str:
     """What a kernel writes: its shape, less a library call's scratch workspace (the s8
-    array a cuBLAS call's tuple ends with; cuDNN's u8 one is kept: its attention backward
-    writes its dQ accumulator there, in f32)."""
+    array a cuBLAS call's tuple ends with, the u8 one of cuDNN's attention: the backward's
+    f32 dQ accumulator lives there, its cost is in the pass's fitted efficiency)."""
     if instr.opcode == "custom-call" and instr.shape.startswith("("):
         parts, k = [], 0
         while (part := tuple_element(instr.shape, k)):
             parts.append(part)
             k += 1
-        if len(parts) > 1 and parts[-1].startswith("s8["):
+        if len(parts) > 1 and parts[-1].startswith(("s8[", "u8[")):
             parts = parts[:-1]
         return ", ".join(parts)
     return instr.shape
@@ -209,22 +286,30 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             continue
         shapes = {i.name: i.shape for i in instrs}
         for instr in instrs:
-            if instr.opcode in _NOT_KERNELS or instr.opcode.endswith("-done"):
+            if not launches_kernel(instr):
                 continue
             kind = classify(instr)
+            ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
             outputs = _results(instr)
             nbytes = shape_bytes(outputs) + sum(shape_bytes(s)
                                                 for s in instr.operand_shapes(shapes))
             nbytes -= _untouched_bytes(module, instr)
-            flops = 0
+            if kind not in ("gemm", "attention") and ints >= RNG_INT_OPS_PER_BYTE * nbytes > 0:
+                kind = "rng"
+            flops, variant = 0, ""
             if kind == "gemm":
-                flops = (_gemm_flops(instr, shapes) if instr.opcode in ("custom-call", "dot") else
+                library = instr.opcode in ("custom-call", "dot")
+                flops = (_gemm_flops(instr, shapes) if library else
                          sum(dot_flops_of(c) for c in instr.callees) if dot_flops_of else 0)
+                variant = (gemm_shape_class(_gemm_mnk(instr, shapes)) if library
+                           else _fusion_gemm_class(module, instr))
+            elif kind == "attention":
+                variant = "backward" if "Backward" in instr.attrs else "forward"
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
-            ints = sum(int_ops(module, c) for c in instr.callees) if kind != "gemm" else 0
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
                               "/".join(op.split("/")[-2:]), ints,
-                              attention_flops=_attention_flops(instr, shapes, kind)))
+                              attention_flops=_attention_flops(instr, shapes, kind),
+                              variant=variant))
     return out
 
 
@@ -320,13 +405,15 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float,
     by = collections.OrderedDict((k, {"kernels": 0, "bytes": 0, "flops": 0, "int_ops": 0})
                                  for k in CLASSES)
     floor = 0.0
+    ceiling = peak_flops * rates.fastest_gemm()
     for k in found:
         row = by[k.kind]
         row["kernels"] += k.runs
         row["bytes"] += k.bytes * k.runs
         row["flops"] += k.flops * k.runs
         row["int_ops"] += k.int_ops * k.runs
-        floor += k.runs * (max(k.bytes / bandwidth, k.flops / peak_flops) + LAUNCH_S)
+        floor += k.runs * (max(k.bytes / bandwidth, (k.flops + k.attention_flops) / ceiling)
+                           + rates.launch_s)
     total = sum(r["bytes"] for r in by.values())
     alike = collections.OrderedDict()  # (class, shape, op) -> the group, first seen first
     for k in found:
@@ -341,23 +428,35 @@ def traffic(found: list[Kernel], bandwidth: float, peak_flops: float,
             "flops": sum(r["flops"] for r in by.values()),
             "int_ops": sum(r["int_ops"] for r in by.values()), "floor_s": floor,
             "predicted_s": predicted_s(found, bandwidth, peak_flops, rates),
+            "predicted_s_by_class": predicted_by_class(found, bandwidth, peak_flops, rates),
             "bandwidth_floor_s": total / bandwidth, "bandwidth": bandwidth,
-            "peak_flops": peak_flops, "launch_s": LAUNCH_S}
+            "peak_flops": peak_flops, "ceiling_flops": ceiling, "launch_s": rates.launch_s}
+
+
+def kernel_s(k: Kernel, bandwidth: float, peak_flops: float, rates: Rates) -> float:
+    """One execution of a kernel, predicted: max(bytes / (bandwidth x e_mem of its
+    class), FLOPs / (peak x e of its shape class or pass)), plus its integer operations at
+    `rates.int_per_s` and a launch (module docstring)."""
+    flops = k.flops + k.attention_flops
+    compute = flops / (peak_flops * rates.compute(k.kind, k.variant)) if flops else 0.0
+    return (max(k.bytes / (bandwidth * rates.mem(k.kind)), compute)
+            + k.int_ops / rates.int_per_s + rates.launch_s)
 
 
 def predicted_s(found: list[Kernel], bandwidth: float, peak_flops: float,
                 rates: Rates = H100_RATES) -> float:
-    """The step's predicted time: per kernel max(bytes / (bandwidth x e_mem), FLOPs /
-    (peak x e_class)), plus its integer operations at `rates.int_per_s` and a launch,
-    summed over the kernels in order (module docstring)."""
-    total = 0.0
+    """The step's predicted time: each kernel's `kernel_s` times its runs, summed over the
+    kernels in order."""
+    return sum(k.runs * kernel_s(k, bandwidth, peak_flops, rates) for k in found)
+
+
+def predicted_by_class(found: list[Kernel], bandwidth: float, peak_flops: float,
+                       rates: Rates = H100_RATES) -> dict[str, float]:
+    """`predicted_s` split by class (seconds per step), the classes with kernels only."""
+    by: dict[str, float] = {}
     for k in found:
-        e = rates.e_gemm if k.kind == "gemm" else rates.e_attention
-        flops = k.flops + k.attention_flops
-        compute = flops / (peak_flops * e) if flops else 0.0
-        total += k.runs * (max(k.bytes / (bandwidth * rates.e_mem), compute)
-                           + k.int_ops / rates.int_per_s + rates.launch_s)
-    return total
+        by[k.kind] = by.get(k.kind, 0.0) + k.runs * kernel_s(k, bandwidth, peak_flops, rates)
+    return {c: by[c] for c in CLASSES if c in by}
 
 
 def report(t: dict) -> str:

@@ -1,21 +1,16 @@
 r"""Price one collective as the plan does, to hold the model against your own cluster's
 nccl-tests before trusting a plan:
 
-    python -m vit_pure.plan.collective --op all-reduce --size 32MiB --nodes 8 \
-        --gpus-per-node 8 --hardware h100 [--fabric NAME] [--inter-gbps G] \
-        [--latency-us US] [--algo auto|ring|tree|nvls|nvlstree] [--json]
-    python -m vit_pure.plan.collective --published
+    python -m vit_pure.tools.price_collective --op all-reduce --size 32MiB --nodes 8 \
+        --gpus-per-node 8 --hardware h100 [--fabric NAME] [--algo auto|ring|tree|nvls|nvlstree]
+    python -m vit_pure.tools.price_collective --published
 
-
-It prints the predicted time of one call, its bus bandwidth (nccl-tests' busbw, so it reads
-against all_reduce_perf's column) and the algorithm chosen, then each algorithm NCCL has for
-the call; with --json one line {"seconds": ..., "busbw_gbps": ..., "algorithm": ...}.
---size is the buffer per GPU as nccl-tests counts it (all_reduce_perf's "size"; for
-all_gather_perf, the gathered output), in bytes or with K/KiB, M/MiB, G/GiB (powers of 2,
-as nccl-tests' -b/-e) or KB, MB, GB (powers of 10). The formulas: vit_pure/plan/nccl.py;
-the fabrics and their sources: vit_pure/plan/fabrics.py. --published prints the model
-against every published run the fabrics were fitted to or checked on
-(vit_pure/plan/measurements/nccl_all_reduce.json), as a markdown table.
+It prints one call's predicted time, its bus bandwidth (nccl-tests' busbw, to read against
+all_reduce_perf's column) and the algorithm chosen, then each algorithm NCCL has for it
+(--json: one line). --size is the buffer per GPU as nccl-tests counts it, in bytes or with
+K/KiB, M/MiB, G/GiB (powers of 2) or KB, MB, GB (powers of 10). The formulas:
+vit_pure/plan/nccl.py; the fabrics: vit_pure/plan/fabrics.py. --published prints the model
+against every published run the fabrics were fitted to or checked on, as a markdown table.
 """
 from __future__ import annotations
 
