@@ -32,7 +32,7 @@ from vit_pure.pipeline.split import Split
 from vit_pure.run import backend
 
 CHILD_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-GIB = 2.0 ** 30
+MIB = 2.0 ** 20
 
 
 # ============================================================================= the child
@@ -71,7 +71,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
     (pipeline/split.py: the pull-back with the weight matmuls' weights held constant), each
     compiled with its forward and the forward's FLOPs taken off; W zb-h1's weight side
     compiled alone, from the activations and output cotangents F and I keep for it, as
-    pipeline/ticks.py runs them. Fake CPU devices share this machine's cores, so no step
+    pipeline/tick.py runs them. Fake CPU devices share this machine's cores, so no step
     time is measured here.
     """
     cfg = PRESETS[cfg_name]
@@ -96,7 +96,7 @@ def stage_costs(cfg_name: str, stages: int, micro: int, dtype: str,
         y, pull = jax.vjp(f, p, x)
         return pull(jnp.ones_like(y))
 
-    # I and W as pipeline/ticks.py runs them (split.py): I is F's pull-back with the
+    # I and W as pipeline/tick.py runs them (split.py): I is F's pull-back with the
     # weight matmuls' weights held constant; W compiled alone, from I's kept arrays.
     split = Split(f, blocks, x)
 
@@ -125,9 +125,10 @@ def modelled(name: str, P: int, M: int, V: int, c: dict) -> tuple:
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table. Columns, per device:
 
-        peak GiB    XLA's memory analysis of the compiled step: arguments + outputs -
-                    aliased + temporaries
-        temp GiB    the temporaries alone: the activations (and the residual ring) live here
+        peak MiB    XLA's memory analysis of the compiled step: arguments + outputs -
+                    aliased + temporaries; beside it, the share of GPipe's at the same K
+        temp MiB    the temporaries alone: the activations (and the residual ring) live
+                    here; beside it, the share of GPipe's
         compile s   the plan's lower + compile of the step
         p2p         the compiled program's collective-permutes over 'pipe': executions per
                     step and MiB per step (loop trip counts included)
@@ -140,8 +141,10 @@ def table(rows: list[dict]) -> str:
         pairwise    the same where a send waits only for its two stages
                     (`schedules.pairwise_time`, as NCCL's send / recv), over GPipe's
     """
-    head = ["P", "K", "schedule", "peak GiB", "temp GiB", "compile s", "p2p (count, MiB)",
-            "data", "held", "bubble", "step / GPipe", "pairwise"]
+    head = ["P", "K", "schedule", "peak MiB", "of GPipe", "temp MiB", "of GPipe", "compile s",
+            "p2p (count, MiB)", "data", "held", "bubble", "step / GPipe", "pairwise"]
+    gpipe = {(r["stages"], r["microbatches"]): r["memory"] for r in rows
+             if r["schedule"] == "gpipe" and "memory" in r}
     out = []
     for r in rows:
         fixed = [r["stages"], r["microbatches"], r["label"]]
@@ -149,12 +152,15 @@ def table(rows: list[dict]) -> str:
             out.append(fixed + [f"failed: {r['error'][:80]}"])
             continue
         m = r["memory"]
-        out.append(fixed + [f"{m['total'] / GIB:.2f}", f"{m['temp'] / GIB:.2f}",
-                            f"{r['compile_s']:.1f}",
+        base = gpipe.get((r["stages"], r["microbatches"]))
+        share = [f"{m[k] / base[k]:.3f}" if base else "" for k in ("total", "temp")]
+        out.append(fixed + [f"{m['total'] / MIB:.1f}", share[0], f"{m['temp'] / MIB:.1f}",
+                            share[1], f"{r['compile_s']:.1f}",
                             f"{r['p2p_count']}, {r['p2p_bytes'] / 2**20:.0f}",
                             r["data"], r["held"], f"{r['bubble']:.3f}", f"{r['relative']:.3f}",
                             f"{r['pairwise']:.3f}"])
-    return harness.markdown_table(head, out, numeric=(0, 1, 3, 4, 5, 7, 8, 9, 10, 11))
+    return harness.markdown_table(head, out,
+                                  numeric=(0, 1, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13))
 
 
 def build_parser() -> argparse.ArgumentParser:

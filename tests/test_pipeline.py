@@ -20,7 +20,7 @@ from conftest import assert_adamw_params_agree, grads_step, key_bias
 
 import train_shardmap
 from vit_pure import PRESETS, Policy, pipeline, step
-from vit_pure.pipeline import program
+from vit_pure.pipeline import schedules, tick
 
 # Many pipelined compiles: ~2.5 minutes on 2 cores. Run with `python -m pytest -m slow`.
 from vit_pure.run import checkpoint, cli
@@ -114,12 +114,15 @@ def test_loss_and_grads_equal_single_device_reference(mesh, k, fsdp, reference):
               *grads["blocks"]["mlp"]["fc1"]["kernel"]):
         assert np.abs(g).max() > 1e-5
 
-    # The compiled step's collectives. The schedule's collective-permutes: one per tick
-    # but the last (K + S - 2) forward, as many transposed ones backward. All-gathers only
-    # from FSDP, one per sharded weight per step (each stage gathers its own layers once,
-    # before the tick loop): never one of another stage's params.
+    # The compiled step's collectives. The schedule's collective-permutes: GPipe's table
+    # runs as scans of ticks that send the same ways (forward, then back), one send
+    # written in each scan's body that sends. All-gathers only from FSDP, one per sharded
+    # weight per step (each stage gathers its own layers once, before the ticks): never
+    # one of another stage's params.
     stages = strategy.stages
-    assert counts["collective-permute"] == 2 * (k + stages - 2)
+    plan = tick.static_plan(schedules.build("gpipe", stages, k))
+    assert counts["collective-permute"] == sum(len(x) for g in plan.segments for x in g.sends)
+    assert plan.sends() == 2 * (k + stages - 2)  # each run once a tick: K + S - 2 each way
     specs = strategy.param_specs
     sharded = lambda tree: sum(  # noqa: E731  (weights split over 'data', i.e. FSDP)
         "data" in train_shardmap.mesh_axes(s) for s in jax.tree.leaves(tree, is_leaf=_is_spec))
@@ -137,8 +140,8 @@ def _is_spec(x):
 def test_dropout_follows_the_global_layer_index(reference, monkeypatch):
     """A pipeline that restarts the layer count on each stage (layer_offset = 0) draws
     other dropout masks, and the comparison above notices: that test can fail."""
-    real_encoder = program.encoder
-    monkeypatch.setattr(program, "encoder", lambda *a, layer_offset, **kw: real_encoder(
+    real_encoder = tick.encoder
+    monkeypatch.setattr(tick, "encoder", lambda *a, layer_offset, **kw: real_encoder(
         *a, layer_offset=0, **kw))
     sc = _sc()
     grads, _, _ = _grads(_strategy(sc, "data=4,pipe=2", 1), sc)

@@ -1,5 +1,6 @@
-"""The pipeline schedules' tables are sound, and the table-driven program (1f1b,
-interleaved, zb-h1: `--pipeline-schedule`) equals the single-device reference.
+"""The pipeline schedules' tables are sound, and the tick program that runs them
+(`--pipeline-schedule`; GPipe's in tests/test_pipeline.py) equals the single-device
+reference.
 
 The tables (vit_pure/pipeline/schedules.py) are checked as data: every micro-batch runs
 forward and backward once through every virtual stage, in dependency order, each send
@@ -23,11 +24,13 @@ from conftest import grads_step
 from test_layout_matrix import tolerances
 
 import train_shardmap
+from benchmarks import pipeline_schedules as bench
 from vit_pure import PRESETS, Policy, step
 from vit_pure.config import Execution
 from vit_pure.errors import UsageError
-from vit_pure.pipeline import schedules, split, ticks
+from vit_pure.pipeline import ring, schedules, tick
 from vit_pure.pipeline.schedules import IDLE
+from vit_pure.run import cli
 
 CFG = PRESETS["tiny"]
 BATCH = 16
@@ -69,10 +72,10 @@ def test_memory_and_time_from_the_tables(P):
     zb, inter = schedules.build("zb-h1", P, M), schedules.build("interleaved", P, M, 2)
     assert list(schedules.in_flight(gpipe)) == [M] * P
     # 1F1B: stage s holds P - s (PipeDream-Flush's promise), one F or B a tick, so
-    # 2(M + P - 1) ticks; zb-h1 runs F and I in one tick and holds no more than 2P - 1.
+    # 2(M + P - 1) ticks; zb-h1, built on 1F1B's table, holds no more than 1F1B (P).
     assert list(schedules.in_flight(one_f)) == [P - s for s in range(P)]
     assert one_f.ticks == 2 * (M + P - 1)
-    assert schedules.in_flight(zb).max() == 2 * P - 1
+    assert schedules.in_flight(zb).max() == P
     # GPipe's bubble is the textbook (P-1)/(M+P-1), whatever F and B cost.
     for t_f, t_b in ((1.0, 2.0), (1.0, 3.0)):
         assert schedules.bubble(gpipe, t_f, t_b) == pytest.approx((P - 1) / (M + P - 1))
@@ -101,40 +104,62 @@ def test_1f1b_equals_gpipe_with_pairwise_sends(P, mult, t_b):
 
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 32, 1), ("1f1b", 4, 4, 1),
                                          ("zb-h1", 4, 32, 1), ("zb-h1", 2, 4, 1),
-                                         ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2)])
+                                         ("interleaved", 4, 32, 3), ("interleaved", 2, 4, 2),
+                                         ("gpipe", 4, 8, 1)])
 def test_the_ring_keeps_each_residual_set_until_read(name, P, M, V):
     """The program's ring as the table drives it: every F writes its slot (an idle tick
     writes back what the slot holds); every B and W must then find its own micro-batch's
-    residuals at (i V + v) mod ring, a ring of as many slots as the most sets held."""
+    residuals at the slot the plan names, in a ring of exactly as many slots as the most
+    sets a stage holds (interleaved once needed 23 slots for 15 sets: a modulo rule)."""
     s = schedules.build(name, P, M, V)
-    plan = ticks.static_plan(s)
-    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
+    plan = tick.static_plan(s)
+    assert plan.ring == schedules.in_flight(s).max()
     for st in range(P):
         held = {}
         for t in range(s.ticks):
             f = s.fwd[t, st]
             if f != IDLE:
-                held[int(plan.writes[t, st])] = (f, s.fwd_chunk[t, st])
-            for mb, ch in ((s.bwd[t, st], s.bwd_chunk[t, st]), (s.wgt[t, st], s.wgt_chunk[t, st])):
+                held[int(plan.slots[t, 0, st])] = (f, s.fwd_chunk[t, st])
+            for mb, ch, k in ((s.bwd[t, st], s.bwd_chunk[t, st], 1),
+                              (s.wgt[t, st], s.wgt_chunk[t, st], 2)):
                 if mb != IDLE:
-                    assert held.get((mb * V + ch) % plan.ring) == (mb, ch), (name, st, t)
+                    assert held.get(int(plan.slots[t, k, st])) == (mb, ch), (name, st, t)
 
 
 @pytest.mark.parametrize("P,M", [(4, 32), (4, 4), (2, 4), (8, 16)])
 def test_zb_h1_keeps_each_output_cotangent_until_w(P, M):
     """The program's ring of the weight matmuls' output cotangents: I writes micro-batch i's
-    into slot i mod `kept_size` (an idle I the extra slot), W reads it later; no I may
-    overwrite one that a W still has to read."""
+    into the slot the plan names, W reads it later; no I may overwrite one that a W still
+    has to read, and the ring is as large as the most cotangent sets waiting at once."""
     s = schedules.build("zb-h1", P, M)
-    held = schedules.kept_size(s)
-    assert held <= schedules.ring_size(s)
+    plan = tick.static_plan(s)
+    assert plan.kept <= plan.ring
+    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
+    assert plan.kept == int((waiting + (s.wgt != IDLE)).max())
     for st in range(P):
         slots = {}
         for t in range(s.ticks):
             i, w = s.bwd[t, st], s.wgt[t, st]
-            slots[held if i == IDLE else int(i) % held] = i
+            if i != IDLE:
+                slots[int(plan.slots[t, 3, st])] = i
             if w != IDLE:
-                assert slots.get(int(w) % held) == w, (P, M, st, t)
+                assert slots.get(int(plan.slots[t, 4, st])) == w, (P, M, st, t)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_zb_h1_is_1f1b_with_its_weight_gradients_in_the_bubbles(P):
+    """zb-h1 runs 1F1B's F and B ticks (B as I) and puts the W's where their stage idles:
+    at K = P its bubble is below 1F1B's at the same memory, and it runs as 1F1B's one scan
+    of swaps (plus a scan of its last W's, which send nothing): compile flat in K."""
+    for M in (P, 4 * P):
+        zb, one_f = schedules.build("zb-h1", P, M), schedules.build("1f1b", P, M)
+        T = one_f.ticks
+        np.testing.assert_array_equal(zb.fwd[:T], one_f.fwd)
+        np.testing.assert_array_equal(zb.bwd[:T], one_f.bwd)
+        assert (zb.fwd[T:] == IDLE).all() and (zb.bwd[T:] == IDLE).all()
+        assert schedules.bubble(zb) < schedules.bubble(one_f)
+        assert schedules.in_flight(zb).max() == schedules.in_flight(one_f).max()
+        assert [g.period for g in schedules.segments(zb)] in ([2], [2, 1])
 
 
 def test_picture_reads_the_table():
@@ -145,18 +170,20 @@ def test_picture_reads_the_table():
 
 # ------------------------------------------------------ the program's phases, alone
 @pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
-                                         ("zb-h1", 2, 4, 1), ("zb-h1", 4, 32, 1),
-                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 32, 2)])
+                                         ("1f1b", 3, 24, 1), ("zb-h1", 2, 4, 1),
+                                         ("zb-h1", 4, 32, 1), ("interleaved", 2, 4, 2),
+                                         ("interleaved", 4, 32, 2), ("gpipe", 2, 1, 1),
+                                         ("gpipe", 2, 8, 1), ("gpipe", 4, 32, 1)])
 def test_static_plan(name, P, M, V):
     """The numbers the program reads off the table: a ring as large as the stages' most
     residual sets, the writes inside it, zb-h1's cotangent ring, the scans and sends."""
     s = schedules.build(name, P, M, V)
-    plan = ticks.static_plan(s)
+    plan = tick.static_plan(s)
     assert plan.rows.shape == (s.ticks, 6, P)
-    assert plan.ring == schedules.in_flight(s).max() or name == "interleaved"
-    assert plan.writes.shape == (s.ticks, P) and 0 <= plan.writes.min()
-    assert plan.writes.max() < plan.ring
-    assert (plan.kept > 1) == (name == "zb-h1")
+    assert plan.ring == schedules.in_flight(s).max()
+    assert plan.slots.shape == (s.ticks, 5, P) and 0 <= plan.slots.min()
+    assert plan.slots[:, :3].max() < plan.ring and plan.slots[:, 3:].max() < plan.kept
+    assert name == "zb-h1" or plan.kept == 1
     # The scans cover the ticks in order; every send a segment makes is a pair of
     # neighbours, round the ring with virtual stages (the last stage feeds stage 0).
     assert [g.start for g in plan.segments] == [0] + [g.stop for g in plan.segments[:-1]]
@@ -164,20 +191,25 @@ def test_static_plan(name, P, M, V):
     neighbours = {(a, (a + 1) % P) for a in range(P if V > 1 else P - 1)}
     for g in plan.segments:
         assert (g.stop - g.start) % g.period == 0 and len(g.sends) == g.period
-        for tick in g.sends:
-            for what, pairs in tick:
+        for sends in g.sends:
+            for what, pairs in sends:
                 assert {(a, b) if what == "f" else (b, a) for a, b in pairs} <= neighbours \
                     or what == "fb"
     # Only useful sends: at K = 4P at most 1.2 times the sends that carry data
-    # (1F1B: one swap a tick; the others: each way only while something goes that way).
+    # (1F1B: one swap a tick; the others: each way only while something goes that way);
+    # GPipe's exactly: K + P - 2 each way. At most four scans at any K: the compiled
+    # program does not grow with the micro-batches.
     if M >= 4 * P:
         assert plan.sends() <= 1.2 * schedules.messages(s)
+    if name == "gpipe":
+        assert plan.sends() == 2 * (M + P - 2)
+    assert len(plan.segments) <= 4
 
 
 def test_1f1b_swaps_once_a_tick():
     """1F1B's stage pairs only swap: one scan of two ticks a step, each with one send of
     whichever each stage made (pairs (0,1), (2,3) at even ticks, (1,2) at odd ones)."""
-    plan = ticks.static_plan(schedules.build("1f1b", 4, 32))
+    plan = tick.static_plan(schedules.build("1f1b", 4, 32))
     (g,) = plan.segments
     assert (g.period, g.phases) == (2, "FB")
     assert g.sends == ((("fb", ((0, 1), (1, 0), (2, 3), (3, 2))),),
@@ -202,7 +234,7 @@ def test_residual_layout_keeps_what_depends_on_the_input():
         return (out, out, out), pull, [x * 2]
 
     zero, x0 = jnp.int32(0), jnp.ones((2, 2))
-    layout = ticks.residual_layout(pulled, zero, x0)
+    layout = ring.residual_layout(pulled, zero, x0)
     assert True in layout.fixed and False in layout.fixed
     assert any(i is not None for i in layout.impls)  # the key, kept as bits
     assert all(not jnp.issubdtype(e.dtype, jax.dtypes.prng_key) for e in layout.entries)
@@ -238,9 +270,9 @@ def test_residual_layout_keeps_one_copy_of_a_reshaped_residual():
         return (out, out, out), pull, []
 
     zero, x0 = jnp.int32(0), jnp.ones((2, 3))
-    same = split.same_data(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
+    same = ring.same_data(lambda mb, x: jax.tree.leaves(pulled(zero, mb, x)[1]), zero, x0)
     assert same == [None, 0, None]  # x; x reshaped; cos(x), another value
-    layout = ticks.residual_layout(pulled, zero, x0)
+    layout = ring.residual_layout(pulled, zero, x0)
     assert [e.shape for e in layout.entries] == [(2, 3), (2, 3)]  # x and cos(x) alone
     x = jnp.array([[0.5, -1.0, 2.0], [0.25, 3.0, -0.5]])
     _, pull, _ = pulled(zero, jnp.int32(2), x)
@@ -261,6 +293,45 @@ def test_the_docs_draw_what_the_program_runs():
         P, V = int(P), int(V or 1)
         log = schedules.describe(P * V * 2, P, int(M), name, V).splitlines()
         assert drawn.splitlines() == log[-P:], name
+
+
+def _memory_table():
+    """docs/parallelism.md's pipeline memory table: (its commands, its rows as (K, label))."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    section = text[text.index("### The schedules' memory"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")].replace("\\\n", " ")
+    commands = [line.split() for line in block.splitlines() if line.strip()]
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\w[\w-]*(?: V=\d)?) \|", section, re.M)
+    return commands, [(int(p), int(k), label) for p, k, label in rows]
+
+
+def test_the_docs_memory_table_commands_still_run():
+    """Each row of the docs' memory table comes from its command, and the command still
+    parses, down to the training script's flags of every row (the cheap form of running
+    it: the rows themselves are minutes of compiling each)."""
+    commands, rows = _memory_table()
+    assert commands and rows
+    made = set()
+    for argv in commands:
+        assert argv[:3] == ["python", "-m", "benchmarks.pipeline_schedules"], argv
+        args = bench.build_parser().parse_args(argv[3:])
+        if args.from_json:
+            for pattern in args.from_json:
+                assert list(pathlib.Path(__file__).parents[1].glob(pattern)), pattern
+            continue
+        for P in args.stages:
+            for mult in args.mult:
+                for name in args.schedules:
+                    V = args.virtual if name == "interleaved" else 1
+                    job = {"model": args.model, "batch": args.batch, "dtype": args.dtype,
+                           "image_size": args.image_size, "remat": args.remat,
+                           "hardware": args.hardware, "stages": P,
+                           "microbatches": mult * P, "schedule": name, "virtual": V}
+                    cli.parse_args(train_shardmap.build_parser(), bench.row_argv(job))
+                    schedules.build(name, P, mult * P, V)
+                    made.add((P, mult * P, name + (f" V={V}" if V > 1 else "")))
+    assert set(rows) <= made
 
 
 @pytest.mark.parametrize("name,P,M,V,message", [
@@ -462,17 +533,23 @@ def test_evaluation_equals_the_unpipelined_one(mesh, k, sc, schedule, v):
     assert float(got["correct"]) == float(want["correct"])
 
 
-def test_evaluation_compiles_the_same_program_at_any_k():
-    """The forward ticks are one scan: the lowered evaluation step has as many matmuls at
-    K = 8 as at K = 2 (GPipe's unrolled training loop grows with K)."""
+@pytest.mark.parametrize("what", ["train", "eval"])
+def test_gpipe_compiles_the_same_program_at_any_k(what):
+    """GPipe runs from its table through the ticks' scans, as every schedule does: the
+    lowered training and evaluation steps have as many matmuls at K = 8 as at K = 2 (the
+    program no longer grows with K, as an unrolled loop of ticks did)."""
     def dots(k):
         strategy = train_shardmap.ShardMapStrategy(_sc("fp32", 1), OPT, "data=1,pipe=2",
                                                    microbatches=k, devices=jax.devices()[:2])
-        host = jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT))
-        images, labels, _ = _batch(0)
-        args = (strategy.put_state(host), *strategy.put_batch(images, labels,
-                                                              np.ones(BATCH, np.float32)))
-        return strategy.eval_step.lower(*args).as_text().count("dot_general")
+        state = strategy.put_state(
+            jax.device_get(step.init_state(jax.random.key(0), CFG, Policy(), OPT)))
+        images, labels, ids = _batch(0)
+        if what == "eval":
+            args = (state, *strategy.put_batch(images, labels, np.ones(BATCH, np.float32)))
+            return strategy.eval_step.lower(*args).as_text().count("dot_general")
+        args = (state, *strategy.put_batch(images, labels, ids),
+                strategy.put_replicated(step.step_key(0, 0, 0)))
+        return strategy.train_step.lower(*args).as_text().count("dot_general")
     assert dots(8) == dots(2) > 0
 
 

@@ -37,7 +37,7 @@ from benchmarks import bench
 from vit_pure import layout, step
 from vit_pure.config import PRESETS, Execution
 from vit_pure.model import count_params, init_params
-from vit_pure.pipeline import schedules
+from vit_pure.pipeline import schedules, tick
 from vit_pure.plan import collectives, targets
 from vit_pure.plan import interconnect as ic
 from vit_pure.run import cli, settings
@@ -195,10 +195,11 @@ def test_pipeline_one_permute_per_tick_each_way(pipe):
     m = BATCH // 2 // K  # examples per micro-batch
     permutes = [c for c in p.collectives if c.kind == "collective-permute"]
     assert {(c.axes, c.dtype, c.nbytes) for c in permutes} == {("pipe", "bf16", 2 * m * T * E)}
-    # K + S - 1 ticks, a send after each but the last: forward, and back in the backward pass.
-    assert sum(c.count for c in permutes) == 2 * (K + S - 2)
+    # GPipe's table: a send after each forward tick but the last, as many backward.
+    assert sum(c.count for c in permutes) == 2 * (K + S - 2) == \
+        tick.static_plan(schedules.build("gpipe", S, K)).sends()
     assert {c.source.split(" ")[0] for c in permutes} == {
-        _line("vit_pure/pipeline/program.py", "received = lax.ppermute(y, pipe_axis")}
+        _line("vit_pure/pipeline/tick.py", "new = lax.ppermute(out, pipe_axis")}
 
 
 def test_pipeline_schedule_in_the_plan(pipe):

@@ -366,7 +366,7 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     saved = remat_saved_names(execution.remat)
     # `blocks` may also be a list of per-layer params (no layer axis): the pipeline's
     # table-driven schedules pass its layers so, to find the weights among a pull-back's
-    # residuals (pipeline/ticks.py).
+    # residuals (pipeline/ring.py).
     layered = isinstance(blocks, (list, tuple))
     num_layers = len(blocks) if layered else jax.tree.leaves(blocks)[0].shape[0]
 
@@ -435,7 +435,7 @@ def head(params, x, cfg: ViTConfig, policy: Policy):
 def dropout_keys(cfg: ViTConfig, train: bool, rng, example_ids, batch_size: int):
     """The per-example keys (B,) of a forward pass's dropout and stochastic depth, or None
     when it draws nothing (evaluation, or both rates 0). Used by `apply` and by
-    `pipeline.pipelined_logits`. example_ids default to 0..B-1."""
+    the pipeline's `program.table_grads`. example_ids default to 0..B-1."""
     if not train or (cfg.dropout == 0 and cfg.drop_path == 0):
         return None
     if rng is None:

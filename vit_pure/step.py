@@ -382,8 +382,8 @@ def accumulate(sc: StepConfig, micro_metrics: Callable, params, loss_scale: Loss
 
     `micro_metrics(p, images, labels, targets, example_ids, drop_key) -> {"loss", ...}`
     is the forward pass and loss of one micro-batch; its "loss" is differentiated (scaled
-    by `loss_scale`, the gradients unscaled after). It may hold collectives of its own
-    (the pipeline's schedule); this function adds none.
+    by `loss_scale`, the gradients unscaled after). It and `grads_fn` may hold
+    collectives of their own (the pipeline's schedule); this function adds none.
 
     Gradient accumulation (`sc.accum_steps` = K > 1): the slice of b examples is cut into
     K micro-batches of b/K, run one after another in a `lax.scan`; their gradients are

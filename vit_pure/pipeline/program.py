@@ -1,17 +1,12 @@
-"""Pipeline parallelism for the ViT inside `jax.shard_map`: GPipe, and the entry to the
-table-driven schedules (tables pipeline/schedules.py, program pipeline/ticks.py).
+"""The pipeline's entry points inside `jax.shard_map`: a training step's gradients and an
+evaluation's sums, each one run of the schedule's table through `tick.run_ticks`.
 
-The stacked blocks are split into S contiguous stages over 'pipe' (interleaved's V chunks
-in `schedules.block_order`); embedding, final norm and head are replicated over it; each
-device's batch slice is cut into K micro-batches. GPipe is a loop of K + S - 1 ticks,
-every stage running what it holds and one `lax.ppermute` handing each output on;
-`jax.grad` of the loop runs it in reverse: bubble (S - 1) / (K + S - 1). Dropout draws
-from each example's global id and the global layer index (`layer_offset`).
-
-Collectives written here: GPipe's `lax.ppermute` over 'pipe' once per tick; `lax.psum`
-over 'pipe' of the loss and metrics and of the pipe-replicated parameters' gradients
-(`pipeline_grads`). The table schedules' sends are in `ticks.exchange`; 'data' (and FSDP)
-stays in the script.
+The encoder's stacked blocks are split over the 'pipe' mesh axis (stage s stores layers
+s L/P .. (s+1) L/P - 1, or with interleaved's V chunks those of `schedules.block_order`);
+the embedding (run on stage 0) and the final norm and head (last stage) are replicated
+over it. Each device's slice of the batch is cut into M micro-batches. Collectives written
+here: the psums over 'pipe' of the metrics and of the pipe-replicated parameters'
+gradients; the sends are `tick.exchange`'s; FSDP's gathers are the script's hook.
 """
 from __future__ import annotations
 
@@ -22,19 +17,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vit_pure.config import Execution, ViTConfig
+from vit_pure.config import ViTConfig
 from vit_pure.errors import UsageError
-from vit_pure.model import (
-    Parallel,
-    compute_blocks,
-    compute_params,
-    dropout_keys,
-    embed,
-    encoder,
-    head,
-)
+from vit_pure.model import Parallel, compute_blocks, compute_params, dropout_keys, head
 from vit_pure.pipeline import schedules
-from vit_pure.pipeline.ticks import eval_logits, micro, schedule_grads
+from vit_pure.pipeline.ring import residual_layout
+from vit_pure.pipeline.tick import (
+    Program,
+    SplitBackward,
+    Stage,
+    WholeBackward,
+    micro,
+    run_ticks,
+    static_plan,
+)
 from vit_pure.step import StepConfig, accumulate, eval_sums, train_metrics
 
 
@@ -56,8 +52,8 @@ def check_pipeline(cfg: ViTConfig, stages: int, microbatches: int,
 
 def step_config(sc: StepConfig) -> StepConfig:
     """What a pipeline runs of `sc`: the last block on every row. Each stage runs one
-    program for whichever blocks it holds (`pipelined_encoder`), so no stage's last layer is
-    statically the model's, and the class token's row cannot be split off there."""
+    program for whichever chunk it holds, so no stage's last layer is statically the
+    model's, and the class token's row cannot be split off there."""
     return dataclasses.replace(sc, execution=sc.execution.replace(last_block="all"))
 
 
@@ -66,153 +62,148 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-# ------------------------------------------------------------------------- the schedule
-def pipelined_encoder(blocks, x_micro, cfg: ViTConfig, policy, ex_keys_micro, *,
-                      par: Parallel, execution: Execution = Execution()):
-    """GPipe over this stage's blocks (L/S layers, leading axis), over `par.pipe_axis`.
+# ------------------------------------------------------------------- the parameters
+def prepare_params(params, policy, par: Parallel, virtual: int):
+    """(top, chunks, pull_params): the non-block parameters in the compute dtype, this
+    stage's blocks as (V, L/(PV), ...) chunks, and the pull-back of that preparation
+    (after the ticks it takes the gradients back to params' layout: the FSDP
+    reduce-scatters). The stage's blocks are its chunks already, in order (the layout's
+    `schedules.block_order`), so nothing moves over 'pipe'; FSDP gathers each layer once
+    per step, not once per tick."""
+    per = jax.tree.leaves(params["blocks"])[0].shape[0]
+    if per % virtual:
+        raise ValueError(f"pipeline: {per} layers per stage do not split into {virtual} chunks")
 
-    x_micro (K, m, T, E): the embedded micro-batches (only stage 0's copy is read).
-    ex_keys_micro (K, m) per-example dropout keys, or None.
-    Returns (K, m, T, E): the encoder's outputs, valid on the last stage only (the other
-    stages return their own last outputs, which the caller masks).
-    """
-    K, pipe_axis = x_micro.shape[0], par.pipe_axis
-    S = lax.axis_size(pipe_axis)
-    stage = lax.axis_index(pipe_axis)
-    per_stage = jax.tree.leaves(blocks)[0].shape[0]
-    if per_stage * S != cfg.depth:
-        raise ValueError(f"pipeline: this stage holds {per_stage} of {cfg.depth} layers over "
-                         f"{S} stages; split the blocks' layer axis over {pipe_axis!r}")
-    # Activations move one stage down the line per tick; the last stage sends nothing
-    # and stage 0 receives nothing (ppermute fills it with zeros).
-    shift = [(s, s + 1) for s in range(S - 1)]
+    def prepare(p):
+        top = compute_params({k: v for k, v in p.items() if k != "blocks"}, policy, par)
+        blocks = compute_blocks(p["blocks"], policy, par)
+        return top, jax.tree.map(lambda a: a.reshape(virtual, per // virtual, *a.shape[1:]),
+                                 blocks)
 
-    received = jnp.zeros_like(x_micro[0])  # what this stage got from stage - 1
-    outputs = []
-    for t in range(K + S - 1):
-        # Stage 0 starts micro-batch t (after the last one it repeats it: idle work);
-        # every other stage continues the micro-batch the previous stage just finished.
-        x = jnp.where(stage == 0, x_micro[min(t, K - 1)], received)
-        # This stage holds micro-batch t - stage; its examples' keys seed the dropout
-        # (clipped at the ends, where the stage is idle and its result is masked).
-        keys = None if ex_keys_micro is None else \
-            ex_keys_micro[jnp.clip(t - stage, 0, K - 1)]
-        y = encoder(blocks, x, cfg, policy, keys, execution=execution,
-                    par=Parallel(tp_axis=par.tp_axis), layer_offset=stage * per_stage)
-        if t >= S - 1:  # on the last stage, the output of micro-batch t - (S - 1)
-            outputs.append(y)
-        if t < K + S - 2 and S > 1:
-            # Collective-permute over the pipe axis: stage s's output -> stage s+1, the
-            # input of its next tick. (Autodiff's transpose sends the cotangents back,
-            # s+1 -> s, in the backward pass.)
-            received = lax.ppermute(y, pipe_axis, perm=shift)
-    return jnp.stack(outputs)
-
-
-def pipelined_logits(params, images, cfg: ViTConfig, policy, *, train: bool = False,
-                     rng=None, example_ids=None, par: Parallel, microbatches: int,
-                     execution: Execution = Execution()):
-    """`model.apply`, pipelined: images (b, h, w, C) -> logits (b, classes), valid on the
-    last stage. params: this stage's blocks (L/S layers), every other parameter whole;
-    `train`, `rng`, `example_ids` and `execution` as in `apply`.
-
-    `par.gather` (FSDP) is applied once per step to the non-block params and to each of
-    this stage's layers (`model.compute_blocks`), *before* the tick loop: inside it, every
-    layer would all-gather its weights K + S - 1 times (and reduce-scatter as often in the
-    backward pass).
-    """
-    ex_keys = dropout_keys(cfg, train, rng, example_ids, images.shape[0])
-    top = compute_params({k: v for k, v in params.items() if k != "blocks"}, policy, par)
-    blocks = compute_blocks(params["blocks"], policy, par)
-    K = microbatches
-    # Every stage embeds (a matmul, plus a stem's if any: cheap next to the blocks) but
-    # only stage 0's result is read. The embedding's weights vary over the pipe axis (each
-    # stage differentiates its own copy, see `pipeline_grads`); the images, replicated
-    # over it, are marked varying too, so the patch projection's (and the stem's) two
-    # operands agree, as policy.einsum requires. Nothing
-    # differentiates the images, so this cast has no transpose: no collective. (The
-    # images enter replicated over the pipe axis: the scripts split the batch over 'data'.)
-    images = lax.pcast(images, par.pipe_axis, to="varying")
-    x = embed(top, images, cfg, policy, ex_keys, execution)  # (b, T, E)
-    y = pipelined_encoder(blocks, micro(x, K), cfg, policy,
-                          None if ex_keys is None else micro(ex_keys, K),
-                          par=par, execution=execution)
-    y = y.reshape(x.shape)  # (K, m, T, E) -> (b, T, E), the examples back in order
-    return head(top, y, cfg, policy)  # meaningful on the last stage only
+    (top, chunks), pull_params = jax.vjp(prepare, params)
+    return top, chunks, pull_params
 
 
 def _on_last_stage(x, pipe_axis):
-    """x where this is the last stage, zeros elsewhere (the mask of the idle copies)."""
+    """x where this is the last stage, zeros elsewhere."""
     last = lax.axis_index(pipe_axis) == lax.axis_size(pipe_axis) - 1
     return jax.tree.map(lambda v: jnp.where(last, v, jnp.zeros_like(v)), x)
 
 
-# ---------------------------------------------------------------------- training / eval
+# ------------------------------------------------------------------------------ training
+def table_grads(sc: StepConfig, params, images_u8, labels, targets, example_ids, drop_key,
+                seed, prepare_images, *, schedule: schedules.Schedule, par: Parallel):
+    """One pipelined forward and backward pass run from `schedule`'s table: the gradients
+    of `seed` x the mean loss (seed: the loss scale), laid out like params, and this
+    stage's {"loss", "accuracy"} sums (last stage only)."""
+    M, V, axis = schedule.microbatches, schedule.virtual, par.pipe_axis
+    top, chunks, pull_params = prepare_params(params, sc.policy, par, V)
+    labels_mb, targets_mb = micro(labels, M), micro(targets, M)
+
+    def output(top, y, mb, last):  # F's sums: the loss and accuracy, last stage only
+        m = train_metrics(sc, head(top, y, sc.cfg, sc.policy), labels_mb[mb], targets_mb[mb])
+        return jnp.where(last, m["loss"], 0.0), jnp.where(last, m["accuracy"], 0.0)
+
+    ex_keys = dropout_keys(sc.cfg, True, drop_key, example_ids, labels.shape[0])
+    # The raw images are held through the ticks, each micro-batch prepared where it is
+    # embedded (`prepare_images`: its rows of the whole slice's preparation).
+    stage = Stage(sc.cfg, sc.policy, sc.execution, schedule.stages, V, lax.axis_index(axis),
+                  micro(lax.pcast(images_u8, axis, to="varying"), M), micro(example_ids, M),
+                  labels_mb, None if ex_keys is None else micro(ex_keys, M), prepare_images,
+                  output, top, chunks, par)
+    # Traces only (mb and v vary over the pipe axis, as the table's entries do).
+    zero = lax.pcast(jnp.zeros((), jnp.int32), axis, to="varying")
+    x0 = stage.embed_mb(top, zero)
+    backward = SplitBackward(stage, zero, x0) if schedule.split_backward else \
+        WholeBackward(stage)
+    layout = residual_layout(backward.forward, zero, x0)
+    y0, (loss0, _) = layout.outputs
+    program = Program(stage, backward, layout, seed / M, y0, x0)
+    # The gradients add up in float32 over the micro-batches, cast once at the end.
+    grads0 = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), (chunks, top))
+    carry = run_ticks(program, static_plan(schedule), (jnp.zeros_like(loss0),) * 2, grads0)
+    g_chunks, g_top = carry.grads
+    g_top = jax.tree.map(lambda g, t: g.astype(t.dtype), g_top, top)
+    g_chunks = jax.tree.map(lambda g, c: g.astype(c.dtype), g_chunks, chunks)
+    (grads,) = pull_params((g_top, g_chunks))
+    loss, accuracy = carry.sums
+    return grads, {"loss": loss / M, "accuracy": accuracy / M}
+
+
 def pipeline_grads(sc: StepConfig, params, loss_scale, images_u8, labels, example_ids, key,
                    *, par: Parallel, microbatches: int, schedule: str = "gpipe",
                    virtual: int = 1):
     """`step.local_grads` for a pipeline stage: the loss and gradients of this device's
-    slice of the batch, with the encoder pipelined over `pipe_axis` (`par.pipe_axis`).
+    slice of the batch, the encoder pipelined over `par.pipe_axis` by `schedule`'s table.
 
-    params["blocks"] is this stage's slice of the layers (varying over `pipe_axis`); every
-    other parameter is replicated over `pipe_axis`. With `virtual` chunks per stage
-    (interleaved) the blocks must be stored in `schedules.block_order`: stage s's slice is
-    its chunks, virtual stages s, P + s, .... Returns (grads laid out like params,
-    unscaled; {"loss", "accuracy"}), the same on every stage except for the blocks.
-    Gradient accumulation (`sc.accum_steps`) nests outside the pipeline: each
-    accumulation micro-batch is itself pipelined in `microbatches` pieces.
+    params["blocks"] is this stage's slice of the layers (with `virtual` chunks, stored in
+    `schedules.block_order`); every other parameter is replicated over the pipe axis.
+    Returns (grads laid out like params, unscaled; {"loss", "accuracy"}), the same on
+    every stage but for the blocks. Gradient accumulation (`sc.accum_steps`) nests
+    outside: each accumulation micro-batch is itself pipelined in `microbatches` pieces.
 
-    The replicated pieces and the gradient pitfall: the embedding is used on stage 0 only
-    and the final norm / head on the last stage only. Each stage marks its copy of them
-    varying over `pipe_axis` (`lax.pcast`) *before* differentiating, so autodiff computes
-    the plain per-stage gradient (nonzero on one stage only) and hides no reduction; the
-    sum over stages is then the explicit `lax.psum` at the end, which hands every stage
-    the whole gradient so that all copies take the same optimizer step. (Without the
-    pcast, check_vma's transpose of the implicit broadcast would do that psum silently.)
+    The gradient pitfall: the embedding is used on stage 0 only, the final norm and head
+    on the last stage only. Each stage marks its copy varying over the pipe axis before
+    the ticks, so its pull-back is the plain per-stage gradient (a replicated one would
+    get an implicit psum over 'pipe' inside the B branch, which only the devices on that
+    branch would join: a deadlock); the sum over stages is the explicit psum at the end.
     """
-    pipe_axis = par.pipe_axis
-    check_pipeline(sc.cfg, lax.axis_size(pipe_axis), microbatches,
+    axis = par.pipe_axis
+    check_pipeline(sc.cfg, lax.axis_size(axis), microbatches,
                    labels.shape[0] // sc.accum_steps)
     m = labels.shape[0] // sc.accum_steps // microbatches
-    if schedule != "gpipe" and sc.augment and (sc.mixup_alpha or sc.cutmix_alpha) and m % 2:
+    if sc.augment and (sc.mixup_alpha or sc.cutmix_alpha) and m % 2:
         raise UsageError(f"pipeline schedule {schedule}: each micro-batch is mixed on its "
                          f"own (pairs 2k, 2k+1), so it needs an even size, not {m}")
-
-    def micro_metrics(p, images, labels, targets, example_ids, drop_key):
-        logits = pipelined_logits(p, images, sc.cfg, sc.policy, train=True, rng=drop_key,
-                                  example_ids=example_ids, par=par,
-                                  microbatches=microbatches, execution=sc.execution)
-        # All-reduce (sum) over the pipe axis: the loss exists on the last stage, every
-        # other stage adds 0. Its transpose hands each stage the cotangent 1, which the
-        # mask turns into 0 on all but the last stage.
-        return lax.psum(_on_last_stage(train_metrics(sc, logits, labels, targets),
-                                       pipe_axis), pipe_axis)
-
-    # Varying over the pipe axis before the gradient (see the docstring): each stage's
-    # copy of the replicated pieces gets its own, per-stage gradient.
-    params = {k: v if k == "blocks" else lax.pcast(v, pipe_axis, to="varying")
+    params = {k: v if k == "blocks" else lax.pcast(v, axis, to="varying")
               for k, v in params.items()}
-    # step.accumulate: the batch preparation (augmentation, mixup / cutmix over the whole
-    # local slice), the gradient and the accumulation of every step, so every stage sees
-    # exactly the images, targets and micro-batches an unpipelined step sees.
-    table = None if schedule == "gpipe" else schedules.build(
-        schedule, lax.axis_size(pipe_axis), microbatches, virtual)
+    table = schedules.build(schedule, lax.axis_size(axis), microbatches, virtual)
 
     def micro_grads(p, images_u8, labels, targets, example_ids, drop_key, seed, prepare):
-        grads, sums = schedule_grads(sc, p, images_u8, labels, targets, example_ids, drop_key,
-                                     seed, prepare, schedule=table, par=par)
+        grads, sums = table_grads(sc, p, images_u8, labels, targets, example_ids, drop_key,
+                                  seed, prepare, schedule=table, par=par)
         # All-reduce (sum) over the pipe axis: the metrics exist on the last stage only.
-        return grads, lax.psum(sums, pipe_axis)
+        return grads, lax.psum(sums, axis)
 
-    grads, metrics = accumulate(sc, micro_metrics, params, loss_scale, images_u8, labels,
-                                example_ids, key, grads_fn=None if table is None else micro_grads)
-
-    # All-reduce (sum) over the pipe axis of the gradients of the pipe-replicated params:
-    # the embedding's gradient is nonzero on stage 0 only, the final norm's and head's on
-    # the last stage only; the sum gives every stage the whole gradient. The blocks'
-    # gradients stay where their layers live.
-    grads = {k: g if k == "blocks" else lax.psum(g, pipe_axis) for k, g in grads.items()}
+    # step.accumulate prepares the batch (augmentation, mixup / cutmix over the whole
+    # slice) and hands each micro-batch's rows to the ticks, so every stage sees exactly
+    # the images, targets and micro-batches an unpipelined step sees.
+    grads, metrics = accumulate(sc, None, params, loss_scale, images_u8, labels,
+                                example_ids, key, grads_fn=micro_grads)
+    # All-reduce (sum) over the pipe axis of the pipe-replicated params' gradients: the
+    # embedding's is nonzero on stage 0 only, the head's on the last stage only. The
+    # blocks' gradients stay where their layers live.
+    grads = {k: g if k == "blocks" else lax.psum(g, axis) for k, g in grads.items()}
     return grads, metrics
+
+
+# ---------------------------------------------------------------------------- evaluation
+def table_logits(sc: StepConfig, params, images, *, par: Parallel, microbatches: int,
+                 virtual: int = 1):
+    """Logits (b, classes) of prepared images (b, h, w, C), valid on the last stage: the
+    forward ticks of `schedules.forward_only` (stage s runs micro-batch t - s at tick t;
+    with V chunks, round the stages V times) through the training's tick, keeping no
+    residuals. Each stage runs the blocks it stores: no gather over 'pipe'."""
+    axis = par.pipe_axis
+    P, K = lax.axis_size(axis), microbatches
+    top, chunks, _ = prepare_params(params, sc.policy, par, virtual)
+    b = images.shape[0] // K
+
+    def output(top, y, mb, last):  # F's sums: the logits, at row mb, last stage only
+        logits = jnp.where(last, head(top, y, sc.cfg, sc.policy), 0.0)
+        return jnp.zeros((K, *logits.shape), logits.dtype).at[mb].set(logits)
+
+    zeros = jnp.zeros((K, b), jnp.int32)
+    stage = Stage(sc.cfg, sc.policy, sc.execution, P, virtual, lax.axis_index(axis),
+                  micro(lax.pcast(images, axis, to="varying"), K), zeros, zeros, None,
+                  lambda images, labels, ids: images, output, top, chunks, par)
+    zero = lax.pcast(jnp.zeros((), jnp.int32), axis, to="varying")
+    x0 = stage.embed_mb(top, zero)
+    y0, logits0 = stage.fn(stage.layers(zero), top, x0, zero, zero)  # types only
+    program = Program(stage, None, None, None, jnp.zeros_like(y0), jnp.zeros_like(x0))
+    carry = run_ticks(program, static_plan(schedules.forward_only(P, K, virtual)),
+                      jnp.zeros_like(logits0))
+    return carry.sums.reshape(images.shape[0], -1)
 
 
 def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, par: Parallel,
@@ -222,13 +213,10 @@ def pipeline_eval(sc: StepConfig, params, images_u8, labels, mask, *, par: Paral
 
     Uses `microbatches` pieces if the slice divides into them, else their greatest common
     divisor with the slice (an evaluation batch need not share the training batch's size).
-    `virtual`: the chunks per stage of the layout (`schedules.block_order`) the blocks are
-    stored in.
+    `virtual`: the chunks per stage of the layout the blocks are stored in.
     """
     k = math.gcd(labels.shape[0], microbatches)
-    # The forward ticks as one scan (ticks.eval_logits): GPipe's, or round the stages V
-    # times through the chunks each stage stores.
-    sums = eval_sums(sc, lambda images: eval_logits(
+    sums = eval_sums(sc, lambda images: table_logits(
         sc, params, images, par=par, microbatches=k, virtual=virtual), images_u8, labels, mask)
     # All-reduce (sum) over the pipe axis: the sums exist on the last stage only.
     return lax.psum(_on_last_stage(sums, par.pipe_axis), par.pipe_axis)

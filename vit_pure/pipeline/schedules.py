@@ -1,18 +1,17 @@
 """Pipeline schedules as data: one table per schedule, read by everything else.
 
-For every tick t and stage s (a device on 'pipe'), a table says which micro-batch the stage
-runs forward (F), backward (B; zb-h1: I, the input gradient) and its weight gradient (W,
-zb-h1), through which chunk of its layers. The same `Schedule` drives the program
-(pipeline/ticks.py), the start-up picture, the plan's bubble and memory, and the tests;
-nothing here imports jax. The schedules (`SCHEDULES`): gpipe (all forwards, then all
-backwards), 1f1b (PipeDream-Flush's order in unit ticks), interleaved (V chunks a stage,
-Megatron's order) and zb-h1 (1F1B with B split into I and W, pipeline/split.py); each
-builder's docstring gives its ticks and the residual sets a stage holds.
+For every tick t and pipeline stage s (a device on the 'pipe' axis), a table says which
+micro-batch the stage runs forward (F), which backward (B; zb-h1: I, the input gradient)
+and which weight gradient (W, zb-h1), through which chunk of its layers. The same
+`Schedule` drives the program (pipeline/tick.py), the start-up picture, the plan's bubble
+and memory, and the tests; nothing here imports jax. The builders (`_gpipe`, `_1f1b`,
+`_interleaved`, `_zb_h1`) say each schedule's order.
 
 Time: `lockstep_time` (a tick lasts as long as its busiest stage), `pairwise_time` (a
-send waits for its two stages only). `segments`: the program's scans and their sends.
-`forward_only`: evaluation's table. `block_order`: the layout's order of the stacked
-blocks, which puts each stage's V chunks in its slice of the layer axis."""
+send waits for its two stages only). The program's needs: `residual_slots` (the ring),
+`segments` (the scans and their sends), `forward_only` (evaluation's table),
+`block_order` (the layout's order of the stacked blocks).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -54,12 +53,15 @@ class Schedule:
 
 # ------------------------------------------------------------------------ the builders
 def _gpipe(P: int, M: int) -> tuple:
+    """All M forwards, then all M backwards: 2 (M + P - 1) ticks, M residual sets held per
+    stage."""
     T = 2 * (M + P - 1)
     fwd, bwd = np.full((T, P), IDLE), np.full((T, P), IDLE)
     for s in range(P):
         for i in range(M):
             fwd[i + s, s] = i
-            # Autodiff runs the loop backwards: micro-batch M-1 first, from the last stage.
+            # The backwards in reverse (micro-batch M-1 first, from the last stage): the
+            # order of autodiff of the forward ticks, the textbook GPipe.
             bwd[M + P - 1 + (M - 1 - i) + (P - 1 - s), s] = i
     return fwd, np.zeros_like(fwd), bwd, np.zeros_like(bwd)
 
@@ -102,12 +104,6 @@ def _greedy(P: int, M: int, V: int, fwd_order, bwd_order, cap) -> tuple:
     return tuple(table[:, :, k] for k in range(4))
 
 
-def _1f1b_lockstep(P: int, M: int) -> tuple:
-    """F and B in one tick where both are ready (zb-h1's base): stage s holds 2(P - s) - 1."""
-    order = [[(i, 0) for i in range(M)] for _ in range(P)]
-    return _greedy(P, M, 1, order, order, [2 * (P - s) - 1 for s in range(P)])
-
-
 def _1f1b(P: int, M: int) -> tuple:
     """One F or B per stage per tick, in step: stage s runs micro-batch i's F at tick
     s + 2i and its B at tick 2P - 1 - s + 2i, so F on the ticks of one parity and B on the
@@ -133,18 +129,25 @@ def _megatron_order(P: int, M: int, V: int, reverse: bool = False) -> list:
 
 
 def _interleaved(P: int, M: int, V: int) -> tuple:
+    """V chunks per stage, chunk v of stage s being virtual stage vP + s; micro-batches go
+    round V times in groups of P (Megatron's order); F and B of different micro-batches
+    may share a tick."""
     cap = [2 * (P - s) - 1 + (V - 1) * P for s in range(P)]
     return _greedy(P, M, V, [_megatron_order(P, M, V)] * P,
                    [_megatron_order(P, M, V, True)] * P, cap)
 
 
 def _zb_h1(P: int, M: int, costs) -> tuple:
-    fwd, fc, bwd, bc = _1f1b_lockstep(P, M)
+    """1F1B's table with each B split into I and W (ZB-H1, pipeline/split.py): each W in
+    the first tick where it lengthens the tick by at most a quarter of a W (where its
+    stage would idle), or where the stage would otherwise hold more residual sets than
+    1F1B's P."""
+    fwd, fwd_chunk, bwd, bwd_chunk = _1f1b(P, M)
     t_f, t_i, t_w = costs
     T = fwd.shape[0]
     load = (fwd != IDLE) * t_f + (bwd != IDLE) * t_i
     busiest = load.max(axis=1)
-    cap = 2 * P - 1  # its base table's peak (stage 0's): no stage holds more
+    cap = P  # its base table's peak (stage 0's): no stage holds more
     wgt = np.full((T, P), IDLE)
     pending, held = [[] for _ in range(P)], [0] * P
     for t in range(T):
@@ -164,11 +167,12 @@ def _zb_h1(P: int, M: int, costs) -> tuple:
     if n_extra:
         pad = np.full((n_extra, P), IDLE)
         fwd, bwd, wgt = (np.concatenate([a, pad]) for a in (fwd, bwd, wgt))
-        fc, bc = (np.concatenate([a, np.zeros_like(pad)]) for a in (fc, bc))
+        fwd_chunk, bwd_chunk = (np.concatenate([a, np.zeros_like(pad)])
+                                for a in (fwd_chunk, bwd_chunk))
         for s, pending in enumerate(extra):
             for k, i in enumerate(pending):
                 wgt[T + k, s] = i
-    return fwd, fc, bwd, bc, wgt
+    return fwd, fwd_chunk, bwd, bwd_chunk, wgt
 
 
 def build(name: str, stages: int, microbatches: int, virtual: int = 1,
@@ -179,17 +183,17 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1,
     P, M, V = stages, microbatches, virtual
     wgt = None
     if name == "gpipe":
-        fwd, fc, bwd, bc = _gpipe(P, M)
+        fwd, fwd_chunk, bwd, bwd_chunk = _gpipe(P, M)
     elif name == "1f1b":
-        fwd, fc, bwd, bc = _1f1b(P, M)
+        fwd, fwd_chunk, bwd, bwd_chunk = _1f1b(P, M)
     elif name == "interleaved":
-        fwd, fc, bwd, bc = _interleaved(P, M, V)
+        fwd, fwd_chunk, bwd, bwd_chunk = _interleaved(P, M, V)
     else:
-        fwd, fc, bwd, bc, wgt = _zb_h1(P, M, costs)
+        fwd, fwd_chunk, bwd, bwd_chunk, wgt = _zb_h1(P, M, costs)
     if wgt is None:
         wgt = np.full_like(fwd, IDLE)
-    wc = np.zeros_like(wgt)
-    as32 = [np.asarray(a, np.int32) for a in (fwd, fc, bwd, bc, wgt, wc)]
+    wgt_chunk = np.zeros_like(wgt)
+    as32 = [np.asarray(a, np.int32) for a in (fwd, fwd_chunk, bwd, bwd_chunk, wgt, wgt_chunk)]
     return Schedule(name, P, M, V, *as32)
 
 
@@ -198,12 +202,11 @@ def forward_only(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     input has arrived (no backward, no cap): GPipe's forward ticks where virtual = 1
     (stage s runs micro-batch t - s at tick t), M V + P - 1 ticks where P divides M."""
     P, M, V = stages, microbatches, virtual
-    fwd, fc, bwd, bc = _greedy(P, M, V, [_megatron_order(P, M, V)] * P, [[]] * P,
-                               [M * V] * P)
-    idle = np.full_like(fwd, IDLE)
+    fwd, fwd_chunk, _, _ = _greedy(P, M, V, [_megatron_order(P, M, V)] * P, [[]] * P,
+                                   [M * V] * P)
+    idle, zero = np.full_like(fwd, IDLE), np.zeros_like(fwd)
     return Schedule("forward", P, M, V, *(np.asarray(a, np.int32) for a in
-                                          (fwd, fc, idle, np.zeros_like(fwd), idle,
-                                           np.zeros_like(fwd))))
+                                          (fwd, fwd_chunk, idle, zero, idle, zero)))
 
 
 def block_order(depth: int, stages: int, virtual: int = 1) -> np.ndarray:
@@ -369,41 +372,66 @@ def check_sends(s: Schedule) -> None:
                                f"find its input (sent at tick {sent})")
 
 
-def _least_ring(s: Schedule, take, take_chunk, release, release_chunk, least: int) -> int:
-    """The least R >= `least` such that the sets a stage holds at once (taken where `take`
-    names a micro-batch, given back where `release` does, later in the same tick at the
-    earliest) never share a slot, micro-batch i of chunk v living in slot (i V + v) mod R."""
-    P, V = s.stages, s.virtual
-    for R in range(max(least, 1), s.microbatches * V + 1):
-        ok = True
-        for st in range(P):
-            live = set()
-            for t in range(s.ticks):
-                if take[t, st] != IDLE:
-                    slot = (take[t, st] * V + take_chunk[t, st]) % R
-                    ok &= slot not in live
-                    live.add(slot)
-                if release[t, st] != IDLE:
-                    live.discard((release[t, st] * V + release_chunk[t, st]) % R)
-        if ok:
-            return R
-    return s.microbatches * V
+@dataclasses.dataclass(frozen=True, eq=False)
+class Slots:
+    """A ring of `size` slots: `of[s]` maps each (micro-batch, chunk) set stage s holds to
+    its slot (a set keeps its slot from its take to its release)."""
+    size: int
+    of: tuple
+
+    def at(self, work: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+        """(ticks, stages) int32: the slot of the set each entry of `work` names (0 idle)."""
+        out = np.zeros(work.shape, np.int32)
+        for t, st in zip(*np.nonzero(work != IDLE)):
+            out[t, st] = self.of[st][(int(work[t, st]), int(chunk[t, st]))]
+        return out
+
+
+def _allocate(s: Schedule, take, take_chunk, release, release_chunk) -> Slots:
+    """Slots for the sets taken where `take` names a micro-batch and given back where
+    `release` does: each take gets the lowest free slot, a release frees its set's slot
+    after the takes of its tick (a tick writes before it reads). Sets held at once never
+    share a slot, and the ring is exactly as large as the most sets held at once: a new
+    slot is opened only when every open one is live."""
+    of, size = [], 1
+    for st in range(s.stages):
+        free, live, slot_of = [], {}, {}
+        for t in range(s.ticks):
+            if take[t, st] != IDLE:
+                slot = min(free) if free else len(live)
+                if free:
+                    free.remove(slot)
+                key = (int(take[t, st]), int(take_chunk[t, st]))
+                live[key] = slot_of[key] = slot
+                size = max(size, slot + 1)
+            if release[t, st] != IDLE:
+                free.append(live.pop((int(release[t, st]), int(release_chunk[t, st]))))
+        of.append(slot_of)
+    return Slots(size, tuple(of))
+
+
+def residual_slots(s: Schedule) -> Slots:
+    """The residual ring: a set is taken at F and given back at B (zb-h1: at W)."""
+    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
+    return _allocate(s, s.fwd, s.fwd_chunk, release, chunk)
+
+
+def cotangent_slots(s: Schedule) -> Slots:
+    """zb-h1: the ring of output cotangents I keeps for W (taken at I, given back at W);
+    one slot, never written, for the other schedules."""
+    if not s.split_backward:
+        return Slots(1, tuple({} for _ in range(s.stages)))
+    return _allocate(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk)
 
 
 def ring_size(s: Schedule) -> int:
-    """The residual ring's slots: residual sets are taken at F, given back at B (zb-h1: W)."""
-    release, chunk = (s.wgt, s.wgt_chunk) if s.split_backward else (s.bwd, s.bwd_chunk)
-    return _least_ring(s, s.fwd, s.fwd_chunk, release, chunk, int(in_flight(s).max()))
+    """The residual ring's slots: the most sets any stage holds at once."""
+    return residual_slots(s).size
 
 
 def kept_size(s: Schedule) -> int:
-    """zb-h1: the slots of the ring of output cotangents I keeps for W (taken at I, given
-    back at W); 1 for the other schedules, which keep none."""
-    if not s.split_backward:
-        return 1
-    waiting = np.cumsum((s.bwd != IDLE).astype(int) - (s.wgt != IDLE), axis=0)
-    least = int((waiting + (s.wgt != IDLE)).max())  # a W's set is live during its tick
-    return _least_ring(s, s.bwd, s.bwd_chunk, s.wgt, s.wgt_chunk, least)
+    """zb-h1: the slots of the ring of output cotangents (1 for the other schedules)."""
+    return cotangent_slots(s).size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,11 +451,42 @@ def _one_to_one(pairs) -> bool:
     return len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
 
 
+def _runs(f, b, phases, T: int) -> tuple:
+    """The ticks cut into runs that send the same ways (forward, back, both or none),
+    one scan of one tick a step each, each way's pairs one send."""
+    out, t = [], 0
+    while t < T:
+        z = t
+        while z < T and (bool(f[z]), bool(b[z])) == (bool(f[t]), bool(b[t])):
+            z += 1
+        ways = [(w, tuple(sorted(set().union(*sets[t:z])))) for w, sets in (("f", f), ("b", b))]
+        out.append(Segment(t, z, 1, (tuple(x for x in ways if x[1]),), phases(t, z)))
+        t = z
+    return tuple(out)
+
+
+def _swaps(f, b, phases, T: int) -> tuple | None:
+    """Where stage pairs only swap: one scan of two ticks a step over the ticks that send
+    (rounded up to pairs), each tick one send of whichever value each stage made, then a
+    scan of the rest (zb-h1's last W's, which send nothing). None where pairs do not."""
+    sending = 1 + max((t for t in range(T) if f[t] or b[t]), default=-1)
+    paired = sending + sending % 2
+    swaps = [set().union(*(f[t] | b[t] for t in range(k, paired, 2))) for k in (0, 1)]
+    if paired > T or not all(_one_to_one(list(f[t]) + list(b[t])) for t in range(paired)) \
+            or not all(_one_to_one(x) for x in swaps):
+        return None
+    rest = (Segment(paired, T, 1, ((),), phases(paired, T)),) if paired < T else ()
+    return (Segment(0, paired, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
+                                        for x in swaps), phases(0, paired)),) + rest
+
+
 def segments(schedule: Schedule) -> tuple:
-    """The table's ticks cut into scans whose sends are the same at every step. A table
-    whose stage pairs only swap (1F1B) runs as one scan of two ticks a step, one send a
-    tick; any other as runs of ticks that send the same ways (forward, back, both or
-    none: zb-h1's last ticks run W alone), each way's pairs one send."""
+    """The table's ticks cut into scans whose sends are the same at every step: of the
+    two cuts, runs of ticks that send the same ways (GPipe, interleaved, evaluation: a
+    ramp up, a steady state, a ramp down, a tail) and, where stage pairs only swap, one
+    scan of two ticks a step (1F1B, zb-h1, whose ways alternate tick by tick), the one
+    with fewer sends among those of at most four scans, so the scans do not grow with
+    the micro-batches."""
     P, V, T = schedule.stages, schedule.virtual, schedule.ticks
     fwd, bwd, wgt = schedule.fwd, schedule.bwd, schedule.wgt
     f = [{(s, (s + 1) % P) for s in range(P) if fwd[t, s] != IDLE
@@ -438,20 +497,9 @@ def segments(schedule: Schedule) -> tuple:
     def phases(a, z):
         return "".join(k for k, arr in zip("FBW", (fwd, bwd, wgt)) if (arr[a:z] != IDLE).any())
 
-    swaps = [set().union(*(f[t] | b[t] for t in range(k, T, 2))) for k in (0, 1)]
-    if T % 2 == 0 and all(_one_to_one(list(f[t]) + list(b[t])) for t in range(T)) and \
-            all(_one_to_one(x) for x in swaps):
-        return (Segment(0, T, 2, tuple(((("fb", tuple(sorted(x))),) if x else ())
-                                       for x in swaps), phases(0, T)),)
-    out, t = [], 0
-    while t < T:
-        z = t
-        while z < T and (bool(f[z]), bool(b[z])) == (bool(f[t]), bool(b[t])):
-            z += 1
-        ways = [(w, tuple(sorted(set().union(*sets[t:z])))) for w, sets in (("f", f), ("b", b))]
-        out.append(Segment(t, z, 1, (tuple(x for x in ways if x[1]),), phases(t, z)))
-        t = z
-    return tuple(out)
+    cuts = [c for c in (_runs(f, b, phases, T), _swaps(f, b, phases, T)) if c]
+    few = [c for c in cuts if len(c) <= 4] or cuts
+    return min(few, key=sends)
 
 
 def sends(segments) -> int:

@@ -1,17 +1,18 @@
 """The zero-bubble split of a backward pass into I (input gradient) and W (weight gradient).
 
-B does two kinds of work: the cotangent chain back to the stage's input (sent upstream at
-once) and, per weight matmul y_l = a_l @ w_l, the weight gradient a_l^T dy_l, which nobody
-waits for: a zero-bubble schedule runs it later, as W. `Split(fn, params, x, *others)`
-traces fn to a jaxpr once and binds its equations again (jitted calls walked into). A
-weight matmul multiplies an operand made from the parameters alone with one made from x (a
-`dot_general`, or the policy's float32-output einsum); parameters feeding only such
-matmuls are the weights. F (`forward`) is `jax.vjp` over the other params, x and a zero tap
-on each weight matmul's output, returning each a_l; I (`input_grads`) is its pull-back,
-the taps' cotangents being the dy_l; W (`weight_grads`) is `jax.vjp` over the weights of
-the matmuls alone. What is not walked into (a custom VJP, `jax.checkpoint`, a scan) is
-bound whole, its matmuls in I. No collective of its own. Beside it, the rings' typing
-helpers (`vary_like`, `zeros_ring`, `input_free`, `same_data`).
+B does two kinds of work: the cotangent chain from the stage's output back to its input
+(sent upstream at once) and, for each weight matmul y_l = a_l @ w_l, the weight gradient
+a_l^T dy_l, which nobody waits for: a zero-bubble schedule runs it later, as W.
+
+    split = Split(fn, params, x, *others)   # traces fn(params, x, *others) once
+    out, pull, acts = split.forward(params, x, *others)        # F
+    g_params, dx, dys = split.input_grads(pull(cotangent))     # I
+    g_weights = split.weight_grads(params, acts, dys, *others)  # W
+
+`Split` traces fn to a jaxpr and binds its equations again (calls of jitted functions
+walked into); `Split._classify` says which matmuls are weight matmuls, `forward` and
+`weight_grads` how F, I and W are made. No collective of its own: the model's
+tensor-parallel ones are bound where the model wrote them.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend import core as jex
 from jax.extend import source_info_util
+
+from vit_pure.pipeline.ring import vary_like
 
 # Calls walked into: their equations join the flat list (jnp.einsum's jit, for one).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -85,60 +87,6 @@ def _is_matmul(node: _Node) -> bool:
     return names.count("dot_general") == 1 and set(names) <= _PLUMBING | {"dot_general"}
 
 
-def input_free(fn, *inputs) -> list[bool]:
-    """Per output leaf of fn(*inputs): True where no path of its trace leads from inputs to
-    it (a weight, a reshape of one: what a ring need not keep, as it can be made again)."""
-    jaxpr = jax.make_jaxpr(fn)(*inputs).jaxpr
-    dep = set(jaxpr.invars)
-    for eqn in jaxpr.eqns:
-        if any(isinstance(a, jex.Var) and a in dep for a in eqn.invars):
-            dep.update(eqn.outvars)
-    return [not (isinstance(o, jex.Var) and o in dep) for o in jaxpr.outvars]
-
-
-# Equations whose result holds its operand's elements in the same (row-major) order.
-_SAME_ELEMENTS = frozenset({"reshape", "squeeze"})
-
-
-def same_data(fn, *inputs) -> list[int | None]:
-    """Per output leaf of fn(*inputs): the index of an earlier output leaf that holds the
-    same elements (the same value, or a reshape of the same value), else None. Such a
-    leaf is a reshape of the earlier one (a ring keeps the earlier one alone)."""
-    jaxpr = jax.make_jaxpr(fn)(*inputs).jaxpr
-    base = {}  # a variable -> the variable whose elements it holds
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _SAME_ELEMENTS and isinstance(eqn.invars[0], jex.Var):
-            base[eqn.outvars[0]] = base.get(eqn.invars[0], eqn.invars[0])
-    first, out = {}, []
-    for i, o in enumerate(jaxpr.outvars):
-        earlier = None
-        if isinstance(o, jex.Var):
-            earlier = first.setdefault(base.get(o, o), i)
-        out.append(None if earlier in (None, i) else earlier)
-    return out
-
-
-def varying(x) -> frozenset:
-    """The mesh axes x varies over (inside shard_map)."""
-    return jax.typeof(x).manual_axis_type.varying
-
-
-def vary_like(x, axes):
-    """x made varying over `axes` (a mesh axis name, another array's varying axes, or a
-    set of names) where it is not yet: the type a lax.cond branch or a scan's carry must
-    match. A pcast to varying moves no data (its transpose is a psum)."""
-    axes = frozenset([axes] if isinstance(axes, str) else () if axes is None else
-                     axes if isinstance(axes, (set, frozenset)) else varying(axes))
-    missing = tuple(sorted(axes - varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def zeros_ring(x, slots: int, axis: str | None = None):
-    """A ring of `slots` zero copies of x's type (zeros_like keeps its varying axes,
-    which a scan's carry must keep), made varying over `axis` too."""
-    return vary_like(jnp.zeros_like(jnp.broadcast_to(x, (slots, *x.shape))), axis)
-
-
 def _bind(node: _Node, operands):
     """The equation bound again, under its own source: what it emits (the model's
     tensor-parallel collectives among them) is still attributed to the line that wrote it,
@@ -151,7 +99,17 @@ def _bind(node: _Node, operands):
 
 class Split:
     """fn(params, x, *others) -> outputs, split into F, I and W (module docstring).
-    `params` is any pytree; `others` are operands nothing is differentiated for (indices)."""
+    `params` is any pytree; `others` are operands nothing is differentiated for (indices).
+
+    A *weight matmul* multiplies an operand made from the parameters alone with one made
+    from x: a `dot_general`, or the policy's float32-output einsum (a custom VJP around
+    one). Parameters feeding only weight matmuls are the *weights*; the rest stay in I.
+    F is `jax.vjp` over (other params, x, a zero tap added to each weight matmul's output)
+    with the weights held constant, returning each matmul's activation a_l; I is its
+    pull-back (the taps' cotangents are the dy_l); W is `jax.vjp` over the weights of the
+    matmuls alone, pulled back from the dy_l: no cotangent chain again. Anything not
+    walked into (a custom VJP, `jax.checkpoint`, a scan) is bound whole, its matmuls
+    staying in I."""
 
     def __init__(self, fn, params, x, *others):
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, x, *others)
@@ -173,39 +131,39 @@ class Split:
         deps = {k: frozenset([i]) if i < n_params else frozenset()
                 for i, k in enumerate(self.in_keys)}
 
-        def a(k):
+        def from_x(k):  # the key's value depends on x
             return not isinstance(k, _Lit) and act[k]
 
-        def d(k):
+        def params_of(k):  # the parameter leaves the key's value depends on
             return frozenset() if isinstance(k, _Lit) else deps[k]
 
         for node in self.nodes:
             for o in node.outs:
-                act[o] = any(a(k) for k in node.ins)
-                deps[o] = frozenset().union(*(d(k) for k in node.ins))
+                act[o] = any(from_x(k) for k in node.ins)
+                deps[o] = frozenset().union(*(params_of(k) for k in node.ins))
         demoted: set[int] = set()
         while True:
             matmuls = {}  # node index -> which operand is the activation
             for j, node in enumerate(self.nodes):
                 if _is_matmul(node) and len(node.ins) == 2:
-                    acts = [a(k) for k in node.ins]
+                    acts = [from_x(k) for k in node.ins]
                     w = node.ins[acts.index(False)] if acts.count(True) == 1 else None
-                    if w is not None and d(w) and not d(w) & demoted:
+                    if w is not None and params_of(w) and not params_of(w) & demoted:
                         matmuls[j] = acts.index(True)
-            weights = frozenset().union(*(d(self.nodes[j].ins[1 - s])
+            weights = frozenset().union(*(params_of(self.nodes[j].ins[1 - s])
                                           for j, s in matmuls.items()))
             # A weight may reach x's side or an output only through a weight matmul.
             bad = set()
             for j, node in enumerate(self.nodes):
                 for pos, k in enumerate(node.ins):
-                    if a(k) or not d(k) & weights:
+                    if from_x(k) or not params_of(k) & weights:
                         continue
                     if any(act[o] for o in node.outs) and \
                             not (j in matmuls and pos == 1 - matmuls[j]):
-                        bad |= d(k) & weights
+                        bad |= params_of(k) & weights
             for k in self.out_keys:
-                if not a(k):
-                    bad |= d(k) & weights
+                if not from_x(k):
+                    bad |= params_of(k) & weights
             if not bad:
                 break
             demoted |= bad

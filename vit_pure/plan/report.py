@@ -157,10 +157,9 @@ class Plan:
         if not p:
             return []
         sends = [c for c in self.collectives if c.kind == "collective-permute"]
-        upper = ([] if p["schedule"] == "gpipe" else [
-            f"  (the GPU program's kernels and predicted step below count the ticks' F, B and "
-            f"W branches as taken at every tick, an upper bound: a stage takes each on "
-            f"{p['microbatches'] * p['virtual']} of the {p['ticks']} ticks)"])
+        upper = [f"  (the GPU program's kernels and predicted step below count the ticks' F, B "
+                 f"and W branches as taken at every tick, an upper bound: a stage takes each "
+                 f"on {p['microbatches'] * p['virtual']} of the {p['ticks']} ticks)"]
         return [f"pipeline: {p['schedule']}" + (f" (V={p['virtual']})" if p["virtual"] > 1
                                                   else "")
                 + f", {p['stages']} stages x {p['microbatches']} micro-batches, {p['ticks']} "
