@@ -202,6 +202,27 @@ def make_gather(axes_table: dict[str, int], dtype):
     return gather
 
 
+def over_data(spec) -> bool:
+    """Whether a leaf laid out as `spec` is split over 'data' (FSDP)."""
+    return DATA in mesh_axes(spec)
+
+
+def global_norm(grads, specs):
+    """The global gradient norm (for clipping and the overflow check), inside shard_map.
+    Each device holds blocks of the sharded gradients (laid out as `specs`): sum the
+    squares of each group of leaves locally, then all-reduce (sum) that scalar over the
+    mesh axes the group is split over ('model' for TP, 'data' for FSDP, 'pipe' for the
+    blocks of a pipeline, or several)."""
+    groups = collections.defaultdict(list)
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=_is_spec)):
+        groups[tuple(sorted(mesh_axes(s)))].append(g)
+    total = jnp.zeros((), jnp.float32)
+    for axes, leaves in sorted(groups.items()):
+        sq = step.sum_of_squares(leaves)
+        total = total + (lax.psum(sq, axes) if axes else sq)
+    return jnp.sqrt(total)
+
+
 # ------------------------------------------------------------------------------ strategy
 class ShardMapStrategy:
     name = "shard_map"
@@ -325,9 +346,6 @@ class ShardMapStrategy:
                                if self.fsdp else None),
                        pipe_axis=PIPE if self.stages > 1 else None)
 
-        def over_data(spec):  # is this leaf split over 'data' (FSDP)?
-            return DATA in mesh_axes(spec)
-
         def global_grads(state, images, labels, example_ids, key):
             # THE GRADIENT PITFALL. With check_vma=True shard_map tracks which values vary
             # across each mesh axis. Replicated params (P() over 'data') are *invariant*;
@@ -358,22 +376,7 @@ class ShardMapStrategy:
                                  grads, specs)
             # All-reduce (mean) of the scalar metrics, for logging.
             metrics = lax.pmean(metrics, DATA)
-            return grads, {**metrics, "grad_norm": global_norm(grads)}
-
-        def global_norm(grads):
-            # The global gradient norm (for clipping and the overflow check). Each device
-            # holds blocks of the sharded gradients: sum the squares of each group of
-            # leaves locally, then all-reduce (sum) that scalar over the mesh axes the
-            # group is split over ('model' for TP, 'data' for FSDP, 'pipe' for the blocks
-            # of a pipeline, or several).
-            groups = collections.defaultdict(list)
-            for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=_is_spec)):
-                groups[tuple(sorted(mesh_axes(s)))].append(g)
-            total = jnp.zeros((), jnp.float32)
-            for axes, leaves in sorted(groups.items()):
-                sq = step.sum_of_squares(leaves)
-                total = total + (lax.psum(sq, axes) if axes else sq)
-            return jnp.sqrt(total)
+            return grads, {**metrics, "grad_norm": global_norm(grads, specs)}
 
         def train_step(state, images, labels, example_ids, key):
             grads, metrics = global_grads(state, images, labels, example_ids, key)

@@ -9,10 +9,9 @@ a_l^T dy_l, which nobody waits for: a zero-bubble schedule runs it later, as W.
     g_params, dx, dys = split.input_grads(pull(cotangent))     # I
     g_weights = split.weight_grads(params, acts, dys, *others)  # W
 
-`Split` traces fn to a jaxpr and binds its equations again (calls of jitted functions
-walked into); `Split._classify` says which matmuls are weight matmuls, `forward` and
-`weight_grads` how F, I and W are made. No collective of its own: the model's
-tensor-parallel ones are bound where the model wrote them.
+`Split` traces fn to a jaxpr and binds its equations again; `Split._classify` says which
+matmuls are weight matmuls. No collective of its own: the model's tensor-parallel ones are
+bound where the model wrote them.
 """
 from __future__ import annotations
 
