@@ -234,25 +234,24 @@ def fit_profile(record: dict, bandwidth: float, peak: float,
     # their fitted compute efficiencies carry.
     e_mem_by.update(gemm=1.0, attention=1.0)
 
+    def by_variant(kind: str, variants, key: str) -> dict:
+        """Each variant's efficiency where its kernels give one; the rest named as
+        defaults."""
+        found = {}
+        for variant in variants:
+            e = efficiency([k for k in ks if k["kind"] == kind
+                            and k.get("variant") == variant], key)
+            if e is None:
+                defaults.append(f"e_{kind} {variant}")
+            else:
+                found[variant] = e
+        return found
+
     gemm = [k for k in ks if k["kind"] == "gemm"]
-    e_gemm_by = {}
-    for shape in kernels.GEMM_SHAPES:
-        e = efficiency([k for k in gemm if k.get("variant") == shape], "flops")
-        if e is not None:
-            e_gemm_by[shape] = e
-        else:
-            defaults.append(f"e_gemm {shape}")
-    # the one e_gemm (for GEMMs of no shape class): all of them together
-    e_gemm = efficiency(gemm, "flops")
-    attention = [k for k in ks if k["kind"] == "attention"]
-    e_attention_by = {}
-    for part in kernels.ATTENTION_PASSES:
-        e = efficiency([k for k in attention if k.get("variant") == part], "attention_flops")
-        if e is not None:
-            e_attention_by[part] = e
-        else:
-            defaults.append(f"e_attention {part}")
-    e_attention = efficiency(attention, "attention_flops")
+    e_gemm_by = by_variant("gemm", kernels.GEMM_SHAPES, "flops")
+    e_gemm = efficiency(gemm, "flops")  # for GEMMs of no shape class: all of them together
+    e_attention_by = by_variant("attention", kernels.ATTENTION_PASSES, "attention_flops")
+    e_attention = efficiency([k for k in ks if k["kind"] == "attention"], "attention_flops")
     if e_gemm is None:
         defaults.append("e_gemm")
     if e_attention is None:
