@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.pipeline_schedules import stage_costs
 from vit_pure import PRESETS, Policy, model
+from vit_pure.config import Execution
 from vit_pure.pipeline.split import Split
 
 CFG = PRESETS["tiny"]
@@ -22,13 +23,16 @@ def _stage(policy):
     return blocks, x.astype(policy.compute_dtype)
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16"])  # bf16: the policy's custom-VJP matmul
-def test_i_and_w_give_the_gradients_of_one_vjp(policy):
+@pytest.mark.parametrize("policy, layer_norm", [
+    ("fp32", "apply"), ("bf16", "apply"),  # bf16: the policy's custom-VJP matmul
+    ("fp32", "fold")])
+def test_i_and_w_give_the_gradients_of_one_vjp(policy, layer_norm):
     policy = Policy.parse(policy)
     blocks, x = _stage(policy)
+    execution = Execution(layer_norm=layer_norm)
 
     def fn(p, x, offset):  # a stage's blocks, then a scalar (as the last stage's loss)
-        y = model.encoder(p, x, CFG, policy, layer_offset=offset)
+        y = model.encoder(p, x, CFG, policy, execution=execution, layer_offset=offset)
         return y, jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     offset = jnp.int32(2)
@@ -38,16 +42,18 @@ def test_i_and_w_give_the_gradients_of_one_vjp(policy):
     # The matmul kernels W takes (all four: under remat "gelu" fc2's would sit inside the
     # GELU's recompute, a jax.checkpoint bound whole, and stay in I), the biases those
     # matmuls add themselves (q, k, v's and fc1's, a row of the weight-gradient product:
-    # layers.linear.dense), and the LayerNorms' scales and biases, folded into those
-    # matmuls' weights (Execution.layer_norm "fold", the default: layers.norm.fold_affine);
-    # the other biases stay in I.
+    # layers.linear.dense), and with Execution.layer_norm "fold" the LayerNorms' scales
+    # and biases, folded into those matmuls' weights (layers.norm.fold_affine); the other
+    # biases stay in I.
+    folded = {"['ln1']['bias']", "['ln1']['scale']", "['ln2']['bias']", "['ln2']['scale']"}
+    if layer_norm == "apply":
+        folded = set()
     assert {"['attn']['qkv']['kernel']", "['attn']['out']['kernel']",
             "['mlp']['fc1']['kernel']", "['mlp']['fc2']['kernel']"} <= weights
     assert {n for n in weights if "bias" in n} == {"['attn']['qkv']['bias']",
-                                                   "['mlp']['fc1']['bias']",
-                                                   "['ln1']['bias']", "['ln2']['bias']"}
-    assert {n for n in weights if "ln" in n} == {"['ln1']['bias']", "['ln1']['scale']",
-                                                 "['ln2']['bias']", "['ln2']['scale']"}
+                                                   "['mlp']['fc1']['bias']"} | {
+        n for n in folded if "bias" in n}
+    assert {n for n in weights if "ln" in n} == folded
 
     @jax.jit  # one compile: faster here than running the interpreter op by op
     def both(blocks, x, offset):
