@@ -213,11 +213,15 @@ DEVICELESS_ROWS = (("as shipped", "", 67.0), ("every row", "--last-block all", 7
                     reason="JAX's CUDA plugin is not installed (pip install -r requirements-gpu.txt)")
 def test_the_deviceless_rows_are_predicted_near_their_measured_steps(tmp_path):
     """The three rows measured on the H100, compiled deviceless (jax here) and priced at
-    the shipped rates: each within 6% of its step, and the rows' differences (the last
+    the shipped rates: each within 8% of its step, and the rows' differences (the last
     block on every token: +9.0 ms; the GELU output recomputed: +1.7 ms) within 1.5 ms.
-    The deviceless compile fuses fc1's GELU into its GEMM (cuBLASLt's GELU_AUX), which
-    the GPU's own compile did not: its programs are ~3 ms lighter than the ones measured
-    (docs/performance.md), hence 6% and not the 5% the GPU's own programs meet."""
+    Two things make the programs compiled here lighter than the ones measured: the
+    deviceless compile fuses fc1's GELU into its GEMM (cuBLASLt's GELU_AUX), which the
+    GPU's own compile did not (~3 ms, docs/performance.md), and the kit has changed since
+    the measurement (q, k, v's data gradients accumulated by their GEMMs, `linear.fan_out`:
+    predicted 0.8 ms lighter, not yet timed on a GPU). Hence 8%, where the GPU's own
+    programs meet 5% (`test_the_shipped_rates_predict_each_class_of_the_h100_program`);
+    the differences between rows carry neither offset."""
     out = tmp_path / "rows.json"
     argv = [sys.executable, "-m", "benchmarks.deviceless", "--hardware", "h100",
             "--json", str(out)]
@@ -231,7 +235,7 @@ def test_the_deviceless_rows_are_predicted_near_their_measured_steps(tmp_path):
     predicted = {label: rows[label]["gpu_program"]["predicted_s"] * 1e3
                  for label, _, _ in DEVICELESS_ROWS}
     for label, _, measured in DEVICELESS_ROWS:
-        assert predicted[label] == pytest.approx(measured, rel=0.06), (label, predicted)
+        assert predicted[label] == pytest.approx(measured, rel=0.08), (label, predicted)
         assert set(rows[label]["gpu_program"]["predicted_s_by_class"]) >= {"gemm", "attention"}
     base = predicted["as shipped"]
     for label, _, measured in DEVICELESS_ROWS[1:]:

@@ -139,15 +139,23 @@ def test_params_after_5_adamw_steps_agree_everywhere():
         return step.apply_gradients(sc, state, grads, norm, opt)[0], grads
 
     state, key_bias_grad = host, 0.0
+    noise = jax.tree.map(lambda p: np.zeros(p.shape, bool), host["params"])
     for i in range(steps):
         state, grads = reference_step(state, *_batch(seed=i), step.step_key(0, 0, i))
         key_bias_grad = max(key_bias_grad, float(np.abs(key_bias(grads)).max()))
+        # Gradients within float32 rounding of zero (1e-6 of their leaf's largest).
+        noise = jax.tree.map(lambda n, g: n | (np.abs(np.asarray(g))
+                                               <= 1e-6 * np.abs(np.asarray(g)).max()),
+                             noise, grads)
+    # Beyond the key bias (every entry, checked above), a handful, by chance.
+    assert sum(int(n.sum()) for n in jax.tree.leaves(noise)) - int(key_bias(noise).sum()) <= 24
     ref = jax.device_get(state["params"])
     moved = max(float(np.max(np.abs(a - b))) for a, b in
                 zip(jax.tree.leaves(ref), jax.tree.leaves(host["params"])))
     assert moved > 1e-3
     for name, res in results.items():
-        assert_adamw_params_agree(res["params"], ref, key_bias_grad, steps, lr, eps, str(name))
+        assert_adamw_params_agree(res["params"], ref, key_bias_grad, steps, lr, eps, str(name),
+                                  rounding_noise=noise)
         assert int(res["step"]) == steps
 
 
