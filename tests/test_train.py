@@ -194,30 +194,9 @@ def test_collective_inventory_is_what_the_code_writes(kind):
     assert counts["all-to-all"] == 0
 
 
-def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
-    """pmean(grad(local loss)) under shard_map with check_vma=True: autodiff already
-    summed the gradient of the replicated params over 'data' (the transpose of their
-    implicit broadcast), so the pmean of that sum is N times the true gradient."""
-    sc = _sc()
-    host = _state(sc, optax.sgd(1.0))
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-
-    def naive(params, loss_scale, images, labels, ids, key):
-        grads, _ = step.local_grads(sc, params, loss_scale, images, labels, ids, key)
-        return lax.pmean(grads, "data")
-
-    in_specs = (P(), P(), P("data"), P("data"), P("data"), P())
-    f = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=in_specs, out_specs=P()))
-    images, labels, ids = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _batch())
-    grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
-    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):
-        np.testing.assert_allclose(np.asarray(g), 8 * ref, rtol=1e-4, atol=1e-6)
-
-
-def test_pmap_recipe_is_right_for_data_parallelism_with_check_vma_off(reference_grads):
-    """The same pmean(grad(local loss)) with check_vma=False: nothing tracks that the
-    params are replicated, autodiff sums nothing, and the pmean is the true gradient (the
-    docs' "Turning the check off makes the pmap recipe right for data parallelism")."""
+def _pmap_recipe_under_shard_map(check_vma: bool):
+    """pmean(grad(local loss)) of the tiny model's step 0 under shard_map over 8 devices on
+    'data', the params replicated (P()), as the pmap script writes it."""
     sc = _sc()
     host = _state(sc, optax.sgd(1.0))
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -228,9 +207,25 @@ def test_pmap_recipe_is_right_for_data_parallelism_with_check_vma_off(reference_
 
     in_specs = (P(), P(), P("data"), P("data"), P("data"), P())
     f = jax.jit(jax.shard_map(pmap_recipe, mesh=mesh, in_specs=in_specs, out_specs=P(),
-                              check_vma=False))
+                              check_vma=check_vma))
     images, labels, ids = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in _batch())
-    grads = f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
+    return f(host["params"], host["loss_scale"], images, labels, ids, step.step_key(0, 0, 0))
+
+
+def test_naive_shardmap_recipe_is_n_times_too_large(reference_grads):
+    """pmean(grad(local loss)) under shard_map with check_vma=True: autodiff already
+    summed the gradient of the replicated params over 'data' (the transpose of their
+    implicit broadcast), so the pmean of that sum is N times the true gradient."""
+    grads = _pmap_recipe_under_shard_map(check_vma=True)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):
+        np.testing.assert_allclose(np.asarray(g), 8 * ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pmap_recipe_is_right_for_data_parallelism_with_check_vma_off(reference_grads):
+    """The same pmean(grad(local loss)) with check_vma=False: nothing tracks that the
+    params are replicated, autodiff sums nothing, and the pmean is the true gradient (the
+    docs' "Turning the check off makes the pmap recipe right for data parallelism")."""
+    grads = _pmap_recipe_under_shard_map(check_vma=False)
     assert _max_rel_diff(jax.device_get(grads), reference_grads) <= 1e-5
 
 
