@@ -137,12 +137,15 @@ def test_shapes_it_does_not_take_are_refused(tokens, head_dim, dtype, interpret,
     ap.check_shape(17, 6, jnp.float32, interpret=True)
 
 
-def test_pallas_on_cpu_is_one_line(capsys, monkeypatch):
+@pytest.mark.parametrize("attention, message", [
+    ("pallas", "--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU"),
+    ("pallas-interpret", "--attention pallas-interpret runs on one device (JAX's Mosaic GPU "
+                         "interpreter), not 8: give --cpu-devices 1")])
+def test_where_it_cannot_run_is_one_line(attention, message, capsys, monkeypatch):
+    """On a CPU the kernel itself cannot run; interpreted, it runs on one device only."""
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", "pallas"])
-    cli_errors._assert_one_line(code, capsys.readouterr().err,
-                                "--attention pallas is a Mosaic GPU kernel and needs an "
-                                "NVIDIA GPU")
+    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", attention])
+    cli_errors._assert_one_line(code, capsys.readouterr().err, message)
 
 
 def test_the_cost_counts_each_array_once():
@@ -175,11 +178,3 @@ def test_under_shard_map_the_gradient_is_summed_once():
 
     kernel = grad(lambda x: ap.attention_pallas(x, D, interpret=True))
     assert _relative(kernel, grad(lambda x: _einsum(x, D, FP32))) <= 1e-5
-
-
-def test_interpreted_on_more_than_one_device_is_one_line(capsys, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", "pallas-interpret"])
-    cli_errors._assert_one_line(code, capsys.readouterr().err,
-                                "--attention pallas-interpret runs on one device (JAX's "
-                                "Mosaic GPU interpreter), not 8: give --cpu-devices 1")
