@@ -7,7 +7,7 @@
 * The front-door run (vit-cifar, batch 256, fp32, synthetic data, one CPU device, with its
   progress bar): every pause longer than SILENCE_S follows a line that says what is being
   computed or compiled. Each output line (stdout and stderr, a bar's redraw included) is
-  time-stamped as it arrives.
+  time-stamped when its first byte arrives.
 
 The subprocess cases are slow (a compile of vit-cifar's step); `-m slow` runs them.
 """
@@ -116,21 +116,41 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 
 def _lines(proc: subprocess.Popen):
-    """(seconds since the start, line) of every line the process writes, as it arrives: a
-    line ends at a newline or at a carriage return (a progress bar's redraw)."""
-    start, buf = time.monotonic(), b""
+    """(seconds since the start, line) of every line the process writes, stamped when its
+    first byte arrives: a line ends at a newline or at a carriage return, and a progress
+    bar writes its text after the return, so its line is shown long before it ends."""
+    start, buf, since = time.monotonic(), b"", 0.0
     while chunk := os.read(proc.stdout.fileno(), 4096):
-        buf += chunk
+        now = time.monotonic() - start
+        older, buf = len(buf), buf + chunk
+        if not older:
+            since = now
         while (ends := [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]):
             line, buf = buf[:min(ends)], buf[min(ends) + 1:]
+            older -= min(ends) + 1
             if line.strip():
-                yield time.monotonic() - start, line.decode(errors="replace").strip()
+                yield since, line.decode(errors="replace").strip()
+            if older <= 0:  # what is left came in this chunk
+                since = now
 
 
 def _watchdog(proc: subprocess.Popen) -> threading.Timer:
     timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
     timer.start()
     return timer
+
+
+def test_a_bar_is_stamped_when_it_is_drawn_not_when_it_is_redrawn():
+    """A progress bar draws its text after a carriage return and ends it only at its next
+    redraw: the reader stamps the text when it arrives, so the pause after it is seen."""
+    script = ("import sys, time; sys.stderr.write('\\repoch 1/1: 0%'); sys.stderr.flush(); "
+              "time.sleep(1.5); sys.stderr.write('\\repoch 1/1: 100%\\n'); print('done')")
+    proc = _start(["-c", script])
+    stamped = list(_lines(proc))
+    proc.wait()
+    assert [line for _, line in stamped] == ["epoch 1/1: 0%", "epoch 1/1: 100%", "done"]
+    (drawn, _), (redrawn, _), _ = stamped
+    assert redrawn - drawn > 1.0, stamped
 
 
 @pytest.mark.slow
