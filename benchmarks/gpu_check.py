@@ -28,9 +28,9 @@ from vit_pure.run import cli
 #            (vit_pure/plan/targets/: h100, h200), used by the parts below
 #   steps    benchmarks.peers, one fresh process per row, one run: torch.compile first,
 #            then the headline as shipped, `--last-block all` (the last block on every
-#            token: torch.compile's work), `--attention pallas` (the kit's Mosaic GPU
-#            attention kernel) and the GELU-epilogue candidates (GELU_ROWS: XLA settings
-#            and code forms): img/s, step ms, peak GiB (DIR/steps.json, .md)
+#            token: torch.compile's work), the untimed opt-in and A/B rows (STEP_ROWS)
+#            and the GELU-epilogue candidates (GELU_ROWS: XLA settings and code forms):
+#            img/s, step ms, peak GiB (DIR/steps.json, .md)
 #   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
 #            --dataset synthetic`), its own log (DIR/headline.log)
 #   profile  the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
@@ -45,17 +45,19 @@ from vit_pure.run import cli
 LIMITS = {"env": 15, "steps": 275, "log": 40, "profile": 75, "gemms": 30, "program": 45}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-# The Pallas attention row is untimed (opt-in until measured). `--remat gelu` left the
-# rows to make room for the GELU candidates: measured on the H100 (docs/performance.md).
+# The rows no GPU has timed: the Pallas attention and the folded LayerNorms (opt-in until
+# measured), q, k, v's data gradients summed by JAX (the A/B of the shipped chain).
+# `--remat gelu` left the rows to make room: measured on the H100 (docs/performance.md).
 STEP_ROWS = ("as shipped=", "every row=--last-block all", "layer norm fold=--layer-norm fold",
-             "pallas attention=--attention pallas")
+             "pallas attention=--attention pallas", "qkv grads summed=--qkv-data-grads sum")
 # Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
 # epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
-# the GELU after the dot, and the two code forms of fc1 that may match its patterns
-# (fc1's product in float32, then the bias and GELU; fc1's bias after the product, the
-# BIAS_GELU form). A step ~3 ms or more under "as shipped" says it fused.
-GELU_ROWS = ("gelu: no triton gemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false",
-             "gelu: autotune 0=XLA_FLAGS=--xla_gpu_autotune_level=0",
+# the GELU after the dot (two in one row: a row that fuses is split by the next run), and
+# the two code forms of fc1 that may match its patterns (fc1's product in float32, then
+# the bias and GELU; fc1's bias after the product, the BIAS_GELU form). A step ~3 ms or
+# more under "as shipped" says it fused.
+GELU_ROWS = ("gelu: no triton gemm, autotune 0=XLA_FLAGS='--xla_gpu_enable_triton_gemm=false "
+             "--xla_gpu_autotune_level=0'",
              "gelu: fc1 float32=--fc1-output float32",
              "gelu: fc1 bias epilogue=--biases fc1-epilogue")
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",

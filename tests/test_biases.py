@@ -1,7 +1,7 @@
-"""The code forms of fc1's and the q, k, v projection's biases, of fc1's product and of
-the blocks' LayerNorms (`Execution.biases`, `.fc1_output`, `.layer_norm`) compute the
-shipped step's function: the same loss and gradients in float32, under every attention
-path that runs on a CPU."""
+"""The code forms of fc1's and the q, k, v projection's biases, of fc1's product, of the
+blocks' LayerNorms and of q, k, v's data gradients (`Execution.biases`, `.fc1_output`,
+`.layer_norm`, `.qkv_data_grads`) compute the shipped step's function: the same loss and
+gradients in float32, under every attention path that runs on a CPU."""
 import dataclasses
 
 import jax
@@ -50,8 +50,12 @@ _FORMS = {  # (attention, last block, Execution fields); the rest of the grid is
     "epilogue, xla": ("xla", "class-token", {"biases": "epilogue"}),
     "fc1 float32, einsum, every row": ("einsum", "all", {"fc1_output": "float32"}),
     "both, einsum": ("einsum", "class-token", {"biases": "epilogue", "fc1_output": "float32"}),
+    # Both places q, k, v have products of their own: the padded path, the class-token block.
+    "qkv data grads summed, xla": ("xla", "class-token", {"qkv_data_grads": "sum"}),
+    "qkv data grads summed, epilogue, xla": ("xla", "all", {"qkv_data_grads": "sum",
+                                                             "biases": "epilogue"}),
 }
-_FAST = ("epilogue, xla", "fc1 float32, xla")
+_FAST = ("epilogue, xla", "fc1 float32, xla", "qkv data grads summed, xla")
 
 
 @pytest.mark.parametrize("case", [
@@ -77,11 +81,31 @@ def test_bias_and_fc1_forms_under_bf16_and_remat_gelu(form):
                   _loss_and_grads(cfg, base.replace(**form), policy), 5e-2)
 
 
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_qkv_data_grads_reach_every_block_that_has_the_products(attention):
+    """"chain" hands q, k and v's input through `linear.fan_out` in each block whose q, k,
+    v are products of their own (every block on the padded path; the class-token block
+    alone on the einsum path, whose other blocks make q, k, v in one product); "sum"
+    through none."""
+    x = jnp.zeros((2, TINY.image_size, TINY.image_size, 3))
+    params = init_params(jax.random.key(0), TINY)
+
+    def fan_outs(data_grads):
+        execution = Execution(attention=attention, qkv_data_grads=data_grads)
+        program = jax.make_jaxpr(lambda p: apply(p, x, TINY, execution=execution))(params)
+        return str(program).count("name=fan_out")
+
+    assert fan_outs("chain") == (TINY.depth if attention == "xla" else 1)
+    assert fan_outs("sum") == 0
+
+
 def test_unknown_forms_are_refused():
     with pytest.raises(ValueError, match="biases must be one of"):
         Execution(biases="inside")
     with pytest.raises(ValueError, match="fc1_output must be one of"):
         Execution(fc1_output="bf16")
+    with pytest.raises(ValueError, match="qkv_data_grads must be one of"):
+        Execution(qkv_data_grads="fused")
 
 
 @pytest.mark.parametrize("mesh", ["data=2,model=4",

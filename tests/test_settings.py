@@ -147,7 +147,8 @@ _EXECUTION_FLAGS = {"scan": ("--scan", "{}"), "remat": ("--remat", "default: {}"
                     "last_block": ("--last-block", "default: {}"),
                     "biases": ("--biases", "default: {}"),
                     "fc1_output": ("--fc1-output", "default: {}"),
-                    "layer_norm": ("--layer-norm", "default: {}")}
+                    "layer_norm": ("--layer-norm", "default: {}"),
+                    "qkv_data_grads": ("--qkv-data-grads", "default: {}")}
 
 
 def _help_of(parser, flag: str) -> str:

@@ -29,6 +29,7 @@ LAST_BLOCKS = ("all", "class-token")
 BIASES = ("ones-column", "fc1-epilogue", "epilogue")
 FC1_OUTPUTS = ("matmul", "float32")
 LAYER_NORMS = ("apply", "fold")
+QKV_DATA_GRADS = ("chain", "sum")
 REMAT_MODES = ("none", "gelu", "block", "block-save-dots")
 REMAT_SAVE = "block-save:"  # + names from REMAT_SAVE_NAMES joined by "+"
 # What a block may keep for its backward pass under "block-save:NAMES": the
@@ -241,6 +242,12 @@ class Execution:
                    float32, the result cast to the compute dtype; layers/mlp.py): the
                    same function, a different rounding point; a code form for XLA's GEMM
                    epilogue matcher.
+    qkv_data_grads where q, k and v come from products of their own (the padded
+                   attention paths; the class-token block's keys and values), how their
+                   data gradients add up: "chain", each accumulated into the next by its
+                   GEMM (`linear.fan_out`: cuBLAS's beta = 1 on a GPU), or "sum", JAX's
+                   own sum of the products. The same function, added in another order; a
+                   code form for XLA's GEMM rewriter.
     """
 
     scan: bool = False
@@ -252,6 +259,7 @@ class Execution:
     biases: str = "ones-column"
     fc1_output: str = "matmul"
     layer_norm: str = "apply"
+    qkv_data_grads: str = "chain"
 
     def __post_init__(self):
         remat_saved_names(self.remat)  # raises on an unknown mode
@@ -261,6 +269,7 @@ class Execution:
         _one_of("biases", self.biases, BIASES)
         _one_of("fc1_output", self.fc1_output, FC1_OUTPUTS)
         _one_of("layer_norm", self.layer_norm, LAYER_NORMS)
+        _one_of("qkv_data_grads", self.qkv_data_grads, QKV_DATA_GRADS)
 
     @property
     def qkv_biases(self) -> str:
@@ -277,7 +286,8 @@ class Execution:
                 f"{self.attention}, --dropout-masks {self.dropout_masks} (kept "
                 f"{'packed eight to a byte' if self.packed_masks else 'a byte an element'}), "
                 f"--last-block {self.last_block}, --biases {self.biases}, --fc1-output "
-                f"{self.fc1_output}, --layer-norm {self.layer_norm}")
+                f"{self.fc1_output}, --layer-norm {self.layer_norm}, --qkv-data-grads "
+                f"{self.qkv_data_grads}")
 
 
 def class_token_rows(cfg: ViTConfig, execution: Execution) -> bool:

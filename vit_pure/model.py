@@ -330,7 +330,7 @@ def _block(p, x, layer, cfg: ViTConfig, policy: Policy, ex_keys, execution: Exec
     h, attn = norm(x, "ln1", "attn", "qkv")
     h = _copy_to_tp(checkpoint_name(h, LN), tp_axis)
     if class_token_only:  # the class token's rows from here on: (B, E)
-        y = class_token_attention(h, attn, cfg, policy, execution.qkv_biases)
+        y = class_token_attention(h, attn, cfg, policy, execution)
         x = x.reshape(-1, cfg.seq_len, x.shape[-1])[:, 0]
     else:
         y = self_attention(h, attn, cfg, policy, execution)

@@ -23,7 +23,7 @@ from einops import rearrange
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.layers.attention_pallas import attention_pallas
-from vit_pure.layers.linear import biased, dense_with_ones, fan_out, with_ones
+from vit_pure.layers.linear import biased, copies, dense_with_ones, with_ones
 from vit_pure.layers.remat import save_dot
 from vit_pure.policy import Policy, einsum, matmul
 
@@ -52,7 +52,7 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
             ctx = attention_pallas(qkv, cfg.head_dim,
                                    interpret=implementation == "pallas-interpret")
     else:  # (B, Tp, Hl*D)
-        q, k, v = padded_projections(h, a["qkv"], cfg, policy, biases)
+        q, k, v = padded_projections(h, a["qkv"], cfg, policy, execution)
         ctx = attend_padded(q, k, v, T, policy, implementation)
     B, Tc = ctx.shape[:2]  # Tc > T with the fused call: its padded rows, sliced off below
     y = matmul(ctx.reshape(B * Tc, -1), a["out"]["kernel"].reshape(-1, E), policy)
@@ -61,21 +61,21 @@ def self_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     return y
 
 
-def class_token_attention(h, a, cfg: ViTConfig, policy: Policy, biases: str = "ones-column"):
+def class_token_attention(h, a, cfg: ViTConfig, policy: Policy, execution: Execution):
     """`self_attention` for the class token's row alone: h (B*T, E) compute dtype, the
     class token each example's first row -> (B, E), that row's output projection in the
     matmul dtype, before its bias (with tensor parallelism a partial sum over Hl heads).
 
-    Keys and values come from every row (with `biases` "ones-column", one ones-column
-    copy of h for both, `with_ones`; else each bias after its product: `linear.biased`;
-    their data gradients summed by the GEMMs, `linear.fan_out`),
+    Keys and values come from every row (with `execution.qkv_biases` "ones-column", one
+    ones-column copy of h for both, `with_ones`; else each bias after its product:
+    `linear.biased`; their data gradients added as `execution.qkv_data_grads` says),
     the query from the first row alone; the two products are einsums with one query row
     (scores (B, Hl, T), no padding and no fused kernel: a (1, T) score matrix per head).
     With locality self-attention the class token's score for itself (key 0) is masked."""
     E, T, D = h.shape[-1], cfg.seq_len, cfg.head_dim
-    B, cd = h.shape[0] // T, policy.compute_dtype
+    B, cd, biases = h.shape[0] // T, policy.compute_dtype, execution.qkv_biases
     w, b = a["qkv"]["kernel"].reshape(E, 3, -1), a["qkv"]["bias"].reshape(3, -1)
-    hk, hv = fan_out(h, 2)  # their data gradients accumulated by the GEMMs
+    hk, hv = copies(h, 2, execution.qkv_data_grads)
     if biases == "ones-column":
         k, v = (dense_with_ones(with_ones(hi), w[:, i], b[i], policy)
                 for i, hi in ((1, hk), (2, hv)))
@@ -131,7 +131,7 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
 
 
-def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy, biases: str = "ones-column"):
+def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy, execution: Execution):
     """q, k, v for the fused attention, each (B, Tp, Hl, D) in the compute dtype, made by
     its own matmul from h (B*T, E) padded on the token axis to Tp = `padded_length(T)`
     (`qkv`: this layer's "qkv" params, the same (E, 3, Hl, D) kernel as the einsum path).
@@ -140,20 +140,20 @@ def padded_projections(h, qkv, cfg: ViTConfig, policy: Policy, biases: str = "on
     copied between the matmul and the call: one (B*T, 3*Hl*D) matmul would leave q, k
     and v interleaved in each row, and the call's operands must be dense (a pad copy of
     all three, and its gradient, a block). The padded rows of h are zeros, XLA writes
-    them in the LayerNorm's kernel (with `biases` "ones-column", also `linear.dense`'s
-    ones column, which adds the biases; "epilogue" adds each after its product); their
+    them in the LayerNorm's kernel (with `execution.qkv_biases` "ones-column", also
+    `linear.dense`'s ones column, which adds the biases; "epilogue" adds each after its
+    product; their data gradients added as `execution.qkv_data_grads` says); their
     q, k, v are the biases, masked as keys and sliced off as queries
     (`attend_padded`). The cost: three matmuls of width Hl*D
     reading h, each on Tp rows (the GEMMs' FLOPs x Tp / T for this one projection)."""
     E, T = h.shape[-1], cfg.seq_len
-    B, Tp = h.shape[0] // T, padded_length(T)
+    B, Tp, biases = h.shape[0] // T, padded_length(T), execution.qkv_biases
     hp = jnp.pad(h.reshape(B, T, E), ((0, 0), (0, Tp - T), (0, 0))).reshape(B * Tp, E)
     w = qkv["kernel"].reshape(E, 3, -1)
     b = qkv["bias"].reshape(3, -1)
     out = []
-    # Each product's data gradient accumulated into the next by the GEMMs (`fan_out`); the
-    # three ones-column copies of hp are one array (XLA merges the identical copies).
-    for i, hi in enumerate(fan_out(hp, 3)):
+    # The three ones-column copies of hp are one array (XLA merges the identical copies).
+    for i, hi in enumerate(copies(hp, 3, execution.qkv_data_grads)):
         if biases == "ones-column":
             y = dense_with_ones(with_ones(hi), w[:, i], b[i], policy)  # (B*Tp, Hl*D)
         else:

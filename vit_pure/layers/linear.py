@@ -97,6 +97,12 @@ def _fan_out_bwd(n, _, cts):
 fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
+def copies(x, n: int, data_grads: str):
+    """x, n times, for n matmuls: `fan_out` ("chain") or plain copies whose cotangents
+    JAX sums itself ("sum"): `Execution.qkv_data_grads`."""
+    return fan_out(x, n) if data_grads == "chain" else (x,) * n
+
+
 def biased(x, w, b, policy: Policy, biases: str):
     """x @ w + b for x (rows, K) and w (K, N) in the matmul dtype, the bias as
     `Execution.biases` says: "ones-column", inside the product (`dense`: K + ONES_WIDTH

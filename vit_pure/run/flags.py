@@ -15,6 +15,7 @@ from vit_pure.config import (
     LAYER_NORMS,
     POOLS,
     PRESETS,
+    QKV_DATA_GRADS,
     REMAT_SAVE_NAMES,
     Execution,
     remat_saved_names,
@@ -196,6 +197,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "into the weights of the matmuls that read them (fold: their gradients "
                         "from those matmuls'); same function, other rounding "
                         f"(docs/performance.md) (default: {EXECUTION.layer_norm})")
+    g.add_argument("--qkv-data-grads", default=None, choices=list(QKV_DATA_GRADS),
+                   help="where q, k and v have products of their own, how their data gradients "
+                        "add up: each accumulated into the next by its GEMM (chain), or JAX's "
+                        "sum of the products (sum); same function, another order of the sums "
+                        f"(docs/performance.md) (default: {EXECUTION.qkv_data_grads})")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "

@@ -40,7 +40,8 @@ from vit_pure.step import OptimConfig, StepConfig, warmup_steps
 # compared records it: it is ignored there too (`first_difference`).
 RESUMABLE_ACROSS = frozenset({
     "cpu_devices", "mesh", "fsdp", "microbatches", "accum_steps", "memory_budget", "scan", "remat",
-    "attention", "last_block", "biases", "fc1_output", "layer_norm", "pipeline_schedule",
+    "attention", "last_block", "biases", "fc1_output", "layer_norm", "qkv_data_grads",
+    "pipeline_schedule",
     "virtual_stages",
     "eval_only", "eval_flip", "eval_corners",
     "eval_every", "eval_batch", "no_final_eval", "log_json", "log_every", "no_progress",

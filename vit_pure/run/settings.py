@@ -180,7 +180,8 @@ def step_config(args: argparse.Namespace, platform: str | None = None,
         cudnn=backend.cudnn_attention_usable(cfg, platform, device))
     backend.check_attention(choices.attention, choices.policy, platform, cfg)
     given = {"remat": args.remat, "last_block": args.last_block, "biases": args.biases,
-             "fc1_output": args.fc1_output, "layer_norm": args.layer_norm}
+             "fc1_output": args.fc1_output, "layer_norm": args.layer_norm,
+             "qkv_data_grads": args.qkv_data_grads}
     execution = Execution(scan=choices.scan, attention=choices.attention,
                           dropout_masks=choices.dropout_masks,
                           packed_masks=choices.packed_masks,
