@@ -174,34 +174,28 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "the CPU, a slow check); same results (docs/performance.md). Default: per "
                         "backend (vit_pure/run/backend.py): cudnn on NVIDIA GPUs in bf16, else "
                         f"{EXECUTION.attention}")
-    g.add_argument("--last-block", default=None, choices=list(LAST_BLOCKS),
-                   help="with --pool cls, the last block's query, attention, output projection "
-                        "and MLP for the class token alone, the only row the head reads "
-                        "(class-token), or for every token (all); same results, fewer FLOPs "
-                        "(docs/performance.md). Pipelines and other pools compute every row; "
-                        "class-token given with another pool is an error "
-                        f"(default: {EXECUTION.last_block})")
-    g.add_argument("--biases", default=None, choices=list(BIASES),
-                   help="fc1's and the q, k, v projection's biases: inside the product, a column "
-                        "of ones on the input (ones-column), or added after it, where cuBLASLt's "
-                        "bias epilogue takes them (epilogue), or fc1's after and q, k, v's inside "
-                        "(fc1-epilogue); same results "
-                        f"(docs/performance.md) (default: {EXECUTION.biases})")
-    g.add_argument("--fc1-output", default=None, choices=list(FC1_OUTPUTS),
-                   help="what fc1's product returns before its bias and GELU: the policy's "
-                        "matmul dtype (matmul), or float32 with the bias and GELU in float32 "
-                        "(float32); same function, another rounding point (docs/performance.md) "
-                        f"(default: {EXECUTION.fc1_output})")
-    g.add_argument("--layer-norm", default=None, choices=list(LAYER_NORMS),
-                   help="the blocks' LayerNorms: apply their scale and bias (apply), or fold them "
-                        "into the weights of the matmuls that read them (fold: their gradients "
-                        "from those matmuls'); same function, other rounding "
-                        f"(docs/performance.md) (default: {EXECUTION.layer_norm})")
-    g.add_argument("--qkv-data-grads", default=None, choices=list(QKV_DATA_GRADS),
-                   help="where q, k and v have products of their own, how their data gradients "
-                        "add up: each accumulated into the next by its GEMM (chain), or JAX's "
-                        "sum of the products (sum); same function, another order of the sums "
-                        f"(docs/performance.md) (default: {EXECUTION.qkv_data_grads})")
+    _knob(g, "--last-block", LAST_BLOCKS,
+          "with --pool cls, the last block's query, attention, output projection and MLP "
+          "for the class token alone, the only row the head reads (class-token), or for "
+          "every token (all); same results, fewer FLOPs. Pipelines and other pools compute "
+          "every row; class-token given with another pool is an error")
+    _knob(g, "--biases", BIASES,
+          "fc1's and the q, k, v projection's biases: inside the product, a column of ones "
+          "on the input (ones-column), or added after it, where cuBLASLt's bias epilogue "
+          "takes them (epilogue), or fc1's after and q, k, v's inside (fc1-epilogue); same "
+          "results")
+    _knob(g, "--fc1-output", FC1_OUTPUTS,
+          "what fc1's product returns before its bias and GELU: the policy's matmul dtype "
+          "(matmul), or float32 with the bias and GELU in float32 (float32); same function, "
+          "another rounding point")
+    _knob(g, "--layer-norm", LAYER_NORMS,
+          "the blocks' LayerNorms: apply their scale and bias (apply), or fold them into the "
+          "weights of the matmuls that read them (fold: their gradients from those "
+          "matmuls'); same function, other rounding")
+    _knob(g, "--qkv-data-grads", QKV_DATA_GRADS,
+          "where q, k and v have products of their own, how their data gradients add up: "
+          "each accumulated into the next by its GEMM (chain), or JAX's sum of the products "
+          "(sum); same function, another order of the sums")
     g.add_argument("--dropout-masks", default=None, choices=list(DROPOUT_MASKS),
                    help="how dropout masks are drawn, per example either way: "
                         "jax.random.bernoulli, one Threefry hash per element (bernoulli), or "
@@ -209,6 +203,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "to 2^-16); other masks, the same distribution (docs/performance.md). "
                         "Default: per backend (vit_pure/run/backend.py): threefry16 on "
                         f"accelerators, {EXECUTION.dropout_masks} on CPU")
+
+
+def _knob(g, flag: str, choices, text: str) -> None:
+    """An execution knob's flag: its choices, None for "not given", and `Execution`'s
+    default in its help (config.Execution is the one home of the default)."""
+    field = flag.removeprefix("--").replace("-", "_")
+    g.add_argument(flag, default=None, choices=list(choices),
+                   help=f"{text} (docs/performance.md) (default: {getattr(EXECUTION, field)})")
 
 
 def _add_pretrained_flags(p: argparse.ArgumentParser) -> None:
