@@ -30,7 +30,8 @@ from vit_pure.run import cli
 #            then the headline as shipped, `--last-block all` (the last block on every
 #            token: torch.compile's work), the untimed opt-in and A/B rows (STEP_ROWS)
 #            and the GELU-epilogue candidates (GELU_ROWS: XLA settings and code forms):
-#            img/s, step ms, peak GiB (DIR/steps.json, .md)
+#            img/s, step ms, peak GiB (DIR/steps.json, .md); each kit row's program as
+#            compiled there (DIR/programs/: what the predictor's test reads)
 #   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
 #            --dataset synthetic`), its own log (DIR/headline.log)
 #   profile  the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
@@ -99,7 +100,8 @@ def _steps(out: pathlib.Path, dry: bool) -> dict:
     from benchmarks.peers.driver import check_kit_flags, parse_kit_variant
     argv = [sys.executable, "-m", "benchmarks.peers", "--batch", "4096", "--dtype", "bf16",
             "--steps", "8", "--warmup", "3", "--only", "torch-compile,kit",
-            "--entry-timeout", "60", "--json", str(out / "steps.json")]
+            "--entry-timeout", "60", "--json", str(out / "steps.json"),
+            "--programs", str(out / "programs")]
     for row in STEP_ROWS + GELU_ROWS:
         check_kit_flags(parse_kit_variant(row)[2], row)
         argv += ["--kit", row]

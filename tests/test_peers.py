@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import pathlib
 import statistics
 
 import pytest
@@ -12,6 +13,7 @@ from benchmarks import profile_breakdown as pb
 from benchmarks.peers import driver as peers
 from vit_pure import PRESETS
 from vit_pure.run import hostmem
+from vit_pure.xla import hlo
 
 
 # --------------------------------------------------------------------------------- peers
@@ -82,13 +84,18 @@ def test_kit_row_and_skipped_peers(tmp_path):
     record = peers.main(["--model", "tiny", "--batch", "8", "--steps", "2", "--warmup", "1",
                          "--only", ",".join(["kit", *missing]),
                          "--kit", f"nodrop=VIT_PURE_PEERS_PROBE=on {NODROP}",
-                         "--matmul-size", "64", "--json", str(out)])
+                         "--matmul-size", "64", "--json", str(out),
+                         "--programs", str(tmp_path / "programs")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     assert record["ceiling"]["flops_per_s"] > 0
     kit, *rest = record["results"]
     assert kit["name"] == "kit: nodrop" and "error" not in kit, kit
     assert len(kit["step_s"]) == 2 and kit["params"] == 23_282  # the tiny preset
     assert "dropout=0.0" in kit["step_config"]
+    # --programs: the row's step as XLA compiled it, a module the HLO reader takes.
+    assert kit["program"] == str(tmp_path / "programs" / "kit-nodrop.hlo.txt.gz")
+    program = hlo.parse_module(gzip.decompress(pathlib.Path(kit["program"]).read_bytes()).decode())
+    assert program.name and hlo.dot_flops(program) > 0
     assert kit["loss"] == pytest.approx(kit["loss"]) and 0 < kit["loss"] < 10
     # The kit's row runs with the malloc setting of its training scripts; the ceiling
     # (and the peers) in the environment as given.

@@ -6,7 +6,8 @@ H100 run of 2026-11-27 (shared/gpu-runs/, beside the checkout; skipped where abs
   the trace by hand;
 * the shipped H100 rates are the class-by-class fit to that profile, and they predict
   each class of that program within 10%, its step within 5% of the 67.0 ms measured, and
-  the H200's own program within 5% of its 73.4 ms;
+  the H200's own program within 5% of its 73.4 ms, and every kit row's program a GPU
+  run wrote (`gpu_check`'s steps part, DIR/programs/) within 5% of that row's step;
 * `fit_step --profile` refuses, in one line, the profile that run's gpu_check wrote
   (everything under the CUDA graph's name);
 * the walk on a hand-made trace: a de-duplicated fusion named after another, library
@@ -17,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -124,6 +126,31 @@ def test_the_h200s_own_program_is_predicted_within_5_percent():
     dump = _need(H200_RUN and H200_RUN / "train_step.gpu_after_optimizations.txt.gz")
     row = deviceless.program_row(gzip.decompress(dump.read_bytes()).decode(), "h200")
     assert row["gpu_program"]["predicted_s"] * 1e3 == pytest.approx(H200_STEP_MS, rel=0.05)
+
+
+def _rows_with_programs() -> list:
+    """(program, the row's median step ms, --hardware) of each kit row whose program a
+    GPU run on file wrote beside its steps.json (`benchmarks.peers --programs`)."""
+    rows = []
+    for steps in sorted(_RUNS.glob("*/steps*.json")) if _RUNS else ():
+        env = steps.parent / "env.json"
+        hardware = json.loads(env.read_text()).get("hardware") if env.exists() else None
+        for r in json.loads(steps.read_text())["results"]:
+            path = steps.parent / "programs" / pathlib.Path(r.get("program") or "-").name
+            if hardware and r.get("step_s") and path.is_file():
+                rows.append(pytest.param(path, statistics.median(r["step_s"]) * 1e3, hardware,
+                                         id=f"{steps.parent.name}/{steps.name}/{r['name']}"))
+    return rows or [pytest.param(None, None, None, marks=pytest.mark.skip(
+        reason="no GPU run on file has written its rows' programs yet (gpu_check's steps "
+               "part writes DIR/programs/)"))]
+
+
+@pytest.mark.parametrize("program, step_ms, hardware", _rows_with_programs())
+def test_every_row_on_file_with_its_program_is_predicted_within_5_percent(program, step_ms,
+                                                                          hardware):
+    text = gzip.decompress(program.read_bytes()).decode()
+    row = deviceless.program_row(text, hardware)
+    assert row["gpu_program"]["predicted_s"] * 1e3 == pytest.approx(step_ms, rel=0.05)
 
 
 def test_fit_step_refuses_a_profile_that_attributes_nothing():

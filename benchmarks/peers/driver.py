@@ -20,7 +20,9 @@ import datetime
 import importlib.util
 import json
 import os
+import pathlib
 import platform
+import re
 import statistics
 import sys
 
@@ -117,7 +119,17 @@ def build_jobs(args) -> list[dict]:
             check_kit_flags(kit_child.kit_argv({**common, "kit_flags": flags}), text)
             jobs.append({**common, "entry": "kit", "name": f"kit: {label}" if label else "kit",
                          "kit_flags": flags, "kit_env": env})
+            if args.programs:
+                jobs[-1]["program_path"] = str(pathlib.Path(args.programs)
+                                               / f"{program_name(label)}.hlo.txt.gz")
     return jobs
+
+
+def program_name(label: str) -> str:
+    """A kit row's label as a file name: "kit" for the unlabelled row, else the label's
+    letters and digits, the rest as one "-" ("every row" -> "kit-every-row")."""
+    words = re.findall(r"[a-z0-9]+", label.lower())
+    return "-".join(["kit", *words])
 
 
 def run_child(job: dict, timeout: float) -> dict:
@@ -239,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--entry-timeout", type=float, default=240.0, help="seconds per entry before it is killed")
     a("--profile-kit", default=None, metavar="DIR",
       help="also trace 3 steps of the first kit row into DIR and print the breakdown")
+    a("--programs", default=None, metavar="DIR",
+      help="write each kit row's step as XLA compiled it (the optimised module's text, "
+           "gzipped) to DIR/LABEL.hlo.txt.gz, for `benchmarks.deviceless --program`")
     a("--json", default=None, metavar="PATH", help="write every figure to this JSON file")
     return p
 

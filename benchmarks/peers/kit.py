@@ -4,6 +4,8 @@ kit's profile. The driver runs each in a process of its own
 """
 from __future__ import annotations
 
+import gzip
+import pathlib
 import sys
 
 import jax
@@ -71,7 +73,12 @@ def run_kit(job: dict) -> dict:
     res = bench.measure_train_step(strategy, sc, optimizer, job["batch"],
                                    steps=job["steps"], warmup=job["warmup"])
     params = count_params(jax.eval_shape(lambda: init_params(jax.random.key(0), sc.cfg)))
+    program = job.get("program_path")
+    if program:  # the step as XLA compiled it here (--programs)
+        pathlib.Path(program).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(program).write_bytes(gzip.compress(res["compiled"].as_text().encode()))
     return {**_device_info(), "step_s": res["step_s"], "compile_s": res["compile_s"],
+            "program": program,
             "loss": res["loss"], "peak_bytes": harness.device_peak_bytes(jax.devices()[0]),
             "params": params, "step_config": repr(sc), "policy": str(sc.policy),
             "scan": sc.execution.scan, "accum_steps": sc.accum_steps,
