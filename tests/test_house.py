@@ -1,7 +1,8 @@
 """The house rules a reader can check by eye, checked by reading the files: no dated results
 in the code, module headers that say what a module is for in a few lines, functions short
-enough to read on their own, `--help` docstrings that show their line continuations, and
-docs whose relative links resolve. Reads files only: no JAX, well under a second.
+enough to read on their own, `--help` docstrings that show their line continuations,
+docs whose relative links resolve, and every test file described in docs/testing.md. Reads
+files only: no JAX, well under a second.
 """
 from __future__ import annotations
 
@@ -163,3 +164,12 @@ def test_relative_links_resolve(path):
     missing = [t for t in _links(path.read_text())
                if not (path.parent / t.split("#")[0]).exists()]
     assert not missing, f"{_rel(path)}: {missing}"
+
+
+def test_every_test_file_says_what_it_proves_in_testing_md():
+    """docs/testing.md's "What each file proves" names every tests/test_*.py."""
+    text = (REPO / "docs" / "testing.md").read_text()
+    section = text.split("## What each file proves", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(test_\w+\.py)`", section))
+    missing = sorted(p.name for p in REPO.glob("tests/test_*.py") if p.name not in named)
+    assert not missing, missing
