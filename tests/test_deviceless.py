@@ -22,6 +22,7 @@ import pytest
 from conftest import subprocess_env
 
 from benchmarks import fit_step, profile_breakdown
+from vit_pure.layers import attention_pallas
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
@@ -230,6 +231,35 @@ def test_in_place_updates_and_slice_reads_move_the_slice_only():
     slot = 2 * 64 * 32
     assert found["slot"].bytes == slot + slot + 4  # the slot read, written; the index
     assert found["written"].bytes == 2 * slot + slot + 4  # the slot in, the slot read/written
+
+
+# The kit's Pallas attention as XLA:GPU prints its two custom calls (vit-cifar's head
+# size, 2 examples of 65 tokens, 8 heads; kernel hashes cut).
+PALLAS_FRAGMENT = """HloModule jit_train_step, entry_computation_layout={()->()}
+
+ENTRY %main (qkv: bf16[130,3,8,48], dctx: bf16[130,8,48]) -> bf16[130,3,8,48] {
+  %qkv = bf16[130,3,8,48]{3,2,1,0} parameter(0)
+  %dctx = bf16[130,8,48]{2,1,0} parameter(1)
+  %mpmd_map.20 = (bf16[130,8,48]{2,1,0}, f32[2,8,128]{2,1,0}) custom-call(%qkv), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp()/attention_pallas_forward/mpmd_map" stack_frame_id=7}
+  %lse = f32[2,8,128]{2,1,0} get-tuple-element(%mpmd_map.20), index=1
+  %other_kernel = f32[2,8,128]{2,1,0} custom-call(%lse), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/some_kernel/mpmd_map"}
+  ROOT %mpmd_map.35 = bf16[130,3,8,48]{3,2,1,0} custom-call(%qkv, %lse, %dctx), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/transpose(jvp())/attention_pallas_backward/mpmd_map" stack_frame_id=9}
+}
+"""
+
+
+def test_the_pallas_attention_is_priced_as_an_attention_pass():
+    """Its two custom calls are attention kernels, forward and backward, with the matrix
+    FLOPs the layer itself counts (`attention_pallas.attention_cost`: 65 tokens padded to
+    128 on chip); another Mosaic GPU kernel stays "other"."""
+    found = {k.name: k for k in kernels.kernels(hlo.parse_module(PALLAS_FRAGMENT))}
+    cost = attention_pallas.attention_cost(2, 65, 8, 48, "bfloat16")
+    forward, backward = found["mpmd_map.20"], found["mpmd_map.35"]
+    assert (forward.kind, forward.variant) == ("attention", "forward")
+    assert (backward.kind, backward.variant) == ("attention", "backward")
+    assert forward.attention_flops == cost["forward_flops"]
+    assert backward.attention_flops == cost["backward_flops"]
+    assert found["other_kernel"].kind == "other" and found["other_kernel"].attention_flops == 0
 
 
 def test_the_predicted_step_prices_each_kernel_at_its_class():

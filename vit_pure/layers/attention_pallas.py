@@ -291,7 +291,9 @@ def _forward(qkv, interpret: bool):
     B, T, _, H, D = qkv.shape
     tp, cd = padded_tokens(T), qkv.dtype
 
-    def kernel(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, o_s, lse_s, barriers):
+    # The body's name is the kernel's in the compiled program (xla/kernels.py finds it).
+    def attention_pallas_forward(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, o_s, lse_s,
+                                 barriers):
         h = lax.axis_index("head")
         _zero((q_s, k_s, v_s), interpret)
 
@@ -313,7 +315,7 @@ def _forward(qkv, interpret: bool):
 
     tile = _smem(tp, D, D, cd, interpret)
     ctx, lse = plgpu.kernel(
-        kernel,
+        attention_pallas_forward,
         out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
         scratch_types=[tile, tile, tile, plgpu.SMEM((tp, D), cd),
                        plgpu.SMEM((tp,), F32), plgpu.Barrier(num_barriers=3)],
@@ -331,8 +333,8 @@ def _backward(qkv, lse, dctx, interpret: bool):
     tp, cd = padded_tokens(T), qkv.dtype
     scale = 1.0 / math.sqrt(D)
 
-    def kernel(qkv_ref, lse_ref, do_ref, dqkv_ref, q_s, k_s, v_s, do_s, p_s, ds_s, lse_s,
-               out_s, barriers):
+    def attention_pallas_backward(qkv_ref, lse_ref, do_ref, dqkv_ref, q_s, k_s, v_s, do_s,
+                                  p_s, ds_s, lse_s, out_s, barriers):
         h = lax.axis_index("head")
         _zero((q_s, k_s, v_s, do_s), interpret)
 
@@ -365,7 +367,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
     square = _smem(tp, tp, D, cd, interpret)
     out = plgpu.SMEM((tp, D), cd)
     dqkv = plgpu.kernel(
-        kernel,
+        attention_pallas_backward,
         out_type=jax.ShapeDtypeStruct((B * T, 3, H, D), cd),
         scratch_types=[tile, tile, tile, tile, square, square, plgpu.SMEM((tp,), F32),
                        (out, out, out), plgpu.Barrier(num_barriers=5)],

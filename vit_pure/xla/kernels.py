@@ -2,7 +2,8 @@
 each one makes, by class, with the step's bandwidth / compute floor and predicted time.
 
 A kernel is an instruction that runs on its own (in the entry or a while body, not inside
-a fusion): a fusion, a library call (cuBLAS GEMM, cuDNN attention), a copy, a collective.
+a fusion): a fusion, a library call (cuBLAS GEMM, cuDNN attention, the kit's Pallas
+attention), a copy, a collective.
 Its traffic is operand plus output bytes (a cuBLAS workspace left out): a floor. The
 step's floor: per kernel max(bytes / bandwidth, FLOPs / the fastest GEMM rate measured)
 plus a launch. The predicted step (`predicted_s`) prices each kernel at efficiencies
@@ -30,6 +31,10 @@ RNG_INT_OPS_PER_BYTE = 32
 # kernels on sm90: 64 or 128 query rows by 128 keys): at short sequences the padding is
 # most of the work.
 ATTENTION_TILE = 128
+# The kit's Pallas attention (layers/attention_pallas.py): its kernel bodies' names, which
+# the compiled program's custom calls carry in their op_name. Priced as an attention pass
+# at cuDNN's fitted shares of its padded tiles' FLOPs until a profile fits its own.
+PALLAS_ATTENTION = ("attention_pallas_forward", "attention_pallas_backward")
 LARGEST = 12  # groups of alike kernels listed by `traffic`
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                 "all-to-all")
@@ -127,7 +132,7 @@ def classify(instr: Instr) -> str:
         target = (_TARGET.search(instr.attrs) or [None, ""])[1]
         if "cublas" in target or "gemm" in target.lower():
             return "gemm"
-        if "cudnn$fmha" in target or "fmha" in target:
+        if "cudnn$fmha" in target or "fmha" in target or _pallas_pass(instr):
             return "attention"
         return "other"
     fusion_kind = (_FUSION_KIND.search(instr.attrs) or [None, ""])[1]
@@ -199,13 +204,34 @@ def _fusion_gemm_class(module: Module, instr: Instr) -> str:
     return "ragged"
 
 
+def _pallas_pass(instr: Instr) -> str:
+    """"forward" or "backward" for a custom call of the kit's Pallas attention, else ""."""
+    op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
+    return next((name.rsplit("_", 1)[1] for name in PALLAS_ATTENTION if name in op), "")
+
+
+def _pallas_attention_flops(instr: Instr, shapes: dict[str, str]) -> int:
+    """The Pallas attention's matrix FLOPs as issued: its log-sum-exp (B, H, Tp) float32
+    (the forward's second output, the backward's second operand) gives the pairs and the
+    padded length, its (B*T, ..., H, D) context or gradient the head size; 4 B H Tp^2 D
+    forward (two products), 10 backward (five)."""
+    backward = _pallas_pass(instr) == "backward"
+    lse = (instr.operand_shapes(shapes)[1] if backward else tuple_element(instr.shape, 1))
+    (_, (b, h, tp)), = arrays(lse)
+    d = arrays(instr.shape if backward else tuple_element(instr.shape, 0))[0][1][-1]
+    return (10 if backward else 4) * b * h * tp * tp * d
+
+
 def _attention_flops(instr: Instr, shapes: dict[str, str], kind: str) -> int:
     """cuDNN's fused attention as its kernels run it: q (B, T, H, D) as its first operand,
     each (batch, head) pair's T x T scores computed in whole ATTENTION_TILE x
     ATTENTION_TILE tiles (T rounded up); the forward runs two products (4 B H T'^2 D
-    FLOPs), the backward five (the scores again, dV, dP, dQ, dK)."""
+    FLOPs), the backward five (the scores again, dV, dP, dQ, dK). The Pallas attention:
+    `_pallas_attention_flops`."""
     if kind != "attention" or not instr.operands:
         return 0
+    if _pallas_pass(instr):
+        return _pallas_attention_flops(instr, shapes)
     q = arrays(instr.operand_shapes(shapes)[0])
     if not q or len(q[0][1]) != 4:
         return 0
@@ -304,7 +330,8 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
                 variant = (gemm_shape_class(_gemm_mnk(instr, shapes)) if library
                            else _fusion_gemm_class(module, instr))
             elif kind == "attention":
-                variant = "backward" if "Backward" in instr.attrs else "forward"
+                variant = _pallas_pass(instr) or ("backward" if "Backward" in instr.attrs
+                                                  else "forward")
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
                               "/".join(op.split("/")[-2:]), ints,
