@@ -250,12 +250,11 @@ def test_check_vma_off_breaks_tensor_parallelism(check_vma):
     got = jax.jit(jax.shard_map(
         lambda *a: jax.grad(functools.partial(loss, tp_axis="model"), argnums=(0, 1, 2))(*a),
         mesh=mesh, in_specs=specs, out_specs=specs, check_vma=check_vma))(x, w1, w2)
+    # Within 1e-5 of the gradients' norm (`_max_rel_diff`): the sums run in another order.
     if check_vma:
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert _max_rel_diff(jax.device_get(got), want) <= 1e-5
         return
-    for g, w in zip(got[1:], want[1:]):
-        np.testing.assert_allclose(np.asarray(g), 4 * np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert _max_rel_diff(jax.device_get(got[1:]), [4 * w for w in want[1:]]) <= 1e-5
     assert not np.allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0.1)
 
 
