@@ -210,34 +210,37 @@ def _pallas_pass(instr: Instr) -> str:
     return next((name.rsplit("_", 1)[1] for name in PALLAS_ATTENTION if name in op), "")
 
 
-def _pallas_attention_flops(instr: Instr, shapes: dict[str, str]) -> int:
+def _attention_pass(instr: Instr) -> str:
+    """An attention kernel's pass, "forward" or "backward" (cuDNN's or the Pallas one's)."""
+    return _pallas_pass(instr) or ("backward" if "Backward" in instr.attrs else "forward")
+
+
+def _pallas_attention_flops(instr: Instr, shapes: dict[str, str], backward: bool) -> int:
     """The Pallas attention's matrix FLOPs as issued: its log-sum-exp (B, H, Tp) float32
     (the forward's second output, the backward's second operand) gives the pairs and the
     padded length, its (B*T, ..., H, D) context or gradient the head size; 4 B H Tp^2 D
     forward (two products), 10 backward (five)."""
-    backward = _pallas_pass(instr) == "backward"
     lse = (instr.operand_shapes(shapes)[1] if backward else tuple_element(instr.shape, 1))
     (_, (b, h, tp)), = arrays(lse)
     d = arrays(instr.shape if backward else tuple_element(instr.shape, 0))[0][1][-1]
     return (10 if backward else 4) * b * h * tp * tp * d
 
 
-def _attention_flops(instr: Instr, shapes: dict[str, str], kind: str) -> int:
+def _attention_flops(instr: Instr, shapes: dict[str, str], attention_pass: str) -> int:
     """cuDNN's fused attention as its kernels run it: q (B, T, H, D) as its first operand,
     each (batch, head) pair's T x T scores computed in whole ATTENTION_TILE x
     ATTENTION_TILE tiles (T rounded up); the forward runs two products (4 B H T'^2 D
     FLOPs), the backward five (the scores again, dV, dP, dQ, dK). The Pallas attention:
     `_pallas_attention_flops`."""
-    if kind != "attention" or not instr.operands:
-        return 0
+    backward = attention_pass == "backward"
     if _pallas_pass(instr):
-        return _pallas_attention_flops(instr, shapes)
+        return _pallas_attention_flops(instr, shapes, backward)
     q = arrays(instr.operand_shapes(shapes)[0])
     if not q or len(q[0][1]) != 4:
         return 0
     b, t, h, d = q[0][1]
     tiled = -(-t // ATTENTION_TILE) * ATTENTION_TILE
-    return (10 if "Backward" in instr.attrs else 4) * b * h * tiled * tiled * d
+    return (10 if backward else 4) * b * h * tiled * tiled * d
 
 
 def _results(instr: Instr) -> str:
@@ -322,7 +325,7 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
             nbytes -= _untouched_bytes(module, instr)
             if kind not in ("gemm", "attention") and ints >= RNG_INT_OPS_PER_BYTE * nbytes > 0:
                 kind = "rng"
-            flops, variant = 0, ""
+            flops, variant, attention_flops = 0, "", 0
             if kind == "gemm":
                 library = instr.opcode in ("custom-call", "dot")
                 flops = (_gemm_flops(instr, shapes) if library else
@@ -330,12 +333,13 @@ def kernels(module: Module, dot_flops_of=None) -> list[Kernel]:
                 variant = (gemm_shape_class(_gemm_mnk(instr, shapes)) if library
                            else _fusion_gemm_class(module, instr))
             elif kind == "attention":
-                variant = _pallas_pass(instr) or ("backward" if "Backward" in instr.attrs
-                                                  else "forward")
+                variant = _attention_pass(instr)
+                if instr.operands:
+                    attention_flops = _attention_flops(instr, shapes, variant)
             op = (_OP_NAME.search(instr.attrs) or [None, ""])[1]
             out.append(Kernel(instr.name, kind, nbytes, flops, runs, outputs,
                               "/".join(op.split("/")[-2:]), ints,
-                              attention_flops=_attention_flops(instr, shapes, kind),
+                              attention_flops=attention_flops,
                               variant=variant))
     return out
 
