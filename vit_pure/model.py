@@ -353,8 +353,8 @@ def encoder(blocks, x, cfg: ViTConfig, policy: Policy, ex_keys=None, *,
     Inside, the residual stream is a (B*T, E) matrix, one row per token (a free reshape):
     every matmul, LayerNorm, bias, GELU and dropout then works on rows, and attention
     alone reshapes to (B, T). Carried as (B, T, E), XLA:GPU lays the stream out batch-
-    minor and transposes it around every matmul (docs/performance.md, "Cutting the
-    headline's traffic, deviceless").
+    minor and transposes it around every matmul (docs/performance.md, "The memory-bound
+    passes").
 
     `layer_offset` is the global index of blocks[0] (pipeline stages hold a slice of the
     layers; the index seeds dropout). Each layer's params are made ready just before use

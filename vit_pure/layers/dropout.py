@@ -65,8 +65,8 @@ def keep_bytes(key, nbytes: int, rate: float, masks: str):
     for the counter pairs (j, 0) and (j, 1), each compared with the keep probability in
     units of 2^-16 (`keep_probability`). Every byte is a function of its index alone, so
     XLA draws it inside the kernel that uses it and the hashes' words are never written
-    out (docs/performance.md, "Dropout masks on a CPU" and "Cutting the headline's
-    traffic, deviceless"). "bernoulli" packs `keep_mask`'s bools.
+    out (docs/performance.md, "Dropout masks on a CPU" and "The memory-bound
+    passes"). "bernoulli" packs `keep_mask`'s bools.
     """
     if masks == "bernoulli":
         return pack(keep_mask(key, (8 * nbytes,), rate, masks))

@@ -117,7 +117,7 @@ def _gelu_matmul(x, bias, w, dtype, policy: Policy, recompute: bool, exact: bool
     (B*T, M) activation, is not kept for the backward pass: the backward recomputes it
     from its input, which the GELU's derivative reads anyway, and XLA makes both in one
     kernel. A block then holds one (B*T, M) array less and writes one more
-    (docs/performance.md, "Cutting the headline's traffic, deviceless"). Under the other
+    (docs/performance.md, "The memory-bound passes"). Under the other
     remat modes the block's own checkpoint decides what is kept. `keep`: `_gelu`'s."""
     def gelu_matmul(x, bias, w):
         return matmul(checkpoint_name(_gelu(x, bias, dtype, exact, keep), GELU), w, policy)
