@@ -19,7 +19,6 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -95,7 +94,7 @@ def test_local_grads_match_one_pass(accum_steps, remat):
     for k in ("loss", "accuracy"):
         np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6)
     # Not vacuous: the gradients are far from zero, and other dropout masks change them.
-    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads)) > 1e-2
+    assert max(float(np.max(np.abs(np.asarray(g)))) for g in jax.tree.leaves(ref_grads)) > 1e-2
 
 
 def test_remat_saves_memory():

@@ -3,9 +3,11 @@ blocks' LayerNorms and of q, k, v's data gradients (`Execution.biases`, `.fc1_ou
 `.layer_norm`, `.qkv_data_grads`) compute the shipped step's function: the same loss and
 gradients in float32, under every attention path that runs on a CPU."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from conftest import FAST, grads_step
@@ -18,28 +20,36 @@ from vit_pure.policy import LossScale
 TINY = PRESETS["tiny"]
 
 
-def _loss_and_grads(cfg, execution, policy=Policy(), params=None):
-    params = init_params(jax.random.key(0), cfg) if params is None else params
-    images = jax.random.normal(jax.random.key(1), (4, cfg.image_size, cfg.image_size, 3))
-    labels = jnp.arange(4) % cfg.num_classes
-
-    def loss(p):
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads_fn(cfg, execution, policy):
+    """jit(value_and_grad) of the loss, one compile per (cfg, execution, policy), shared by
+    the tests (the default forms are every case's reference)."""
+    def loss(p, images, labels):
         logits = apply(p, images, cfg, policy, train=True, rng=jax.random.key(3),
                        example_ids=jnp.arange(4) + 5, execution=execution)
         logits = logits.astype(jnp.float32)
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels])
 
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def _loss_and_grads(cfg, execution, policy=Policy(), params=None):
+    params = init_params(jax.random.key(0), cfg) if params is None else params
+    images = jax.random.normal(jax.random.key(1), (4, cfg.image_size, cfg.image_size, 3))
+    labels = jnp.arange(4) % cfg.num_classes
+    return _loss_and_grads_fn(cfg, execution, policy)(params, images, labels)
 
 
 def _assert_close(reference, candidate, rel):
     (l_ref, g_ref), (l_new, g_new) = reference, candidate
     assert float(l_new) == pytest.approx(float(l_ref), rel=rel)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_ref),
-                            jax.tree.leaves(g_new), strict=True):
-        scale = float(jnp.abs(a).max())
+    # On the host (numpy): jnp here would compile each op for each leaf's shape.
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(g_ref)),
+                            jax.tree.leaves(jax.device_get(g_new)), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.abs(a).max())
         assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
-        assert float(jnp.abs(a - b).max()) <= rel * scale, jax.tree_util.keystr(path)
+        assert float(np.abs(a - b).max()) <= rel * scale, jax.tree_util.keystr(path)
 
 
 _FORMS = {  # (attention, last block, Execution fields); the rest of the grid is `slow`

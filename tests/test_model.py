@@ -38,6 +38,11 @@ def _images(n, cfg=TINY, seed=1):
     return jax.random.normal(jax.random.key(seed), (n, cfg.image_size, cfg.image_size, 3))
 
 
+# `apply` compiled whole: one program a configuration instead of an XLA compile for each
+# operation of an eager call. The configuration, policy, mode and execution are static.
+_apply = jax.jit(apply, static_argnames=("cfg", "policy", "train", "execution"))
+
+
 def test_vit_cifar_matches_reference_model():
     cfg = PRESETS["vit-cifar"]
     assert (cfg.image_size, cfg.patch_size, cfg.num_classes, cfg.width, cfg.depth, cfg.heads,
@@ -142,12 +147,12 @@ def test_layer_norm_statistics_from_one_read_match_two_reads():
 
 def test_dropout_and_drop_path_off_at_eval_on_in_training(tiny_params):
     x = _images(4)
-    eval_a = apply(tiny_params, x, TINY, train=False, rng=jax.random.key(0))
-    eval_b = apply(tiny_params, x, TINY, train=False, rng=jax.random.key(1))
+    eval_a = _apply(tiny_params, x, TINY, train=False, rng=jax.random.key(0))
+    eval_b = _apply(tiny_params, x, TINY, train=False, rng=jax.random.key(1))
     np.testing.assert_array_equal(eval_a, eval_b)
-    np.testing.assert_array_equal(eval_a, apply(tiny_params, x, TINY))
-    train_a = apply(tiny_params, x, TINY, train=True, rng=jax.random.key(0))
-    train_b = apply(tiny_params, x, TINY, train=True, rng=jax.random.key(1))
+    np.testing.assert_array_equal(eval_a, _apply(tiny_params, x, TINY))
+    train_a = _apply(tiny_params, x, TINY, train=True, rng=jax.random.key(0))
+    train_b = _apply(tiny_params, x, TINY, train=True, rng=jax.random.key(1))
     assert np.abs(train_a - eval_a).max() > 1e-3 and np.abs(train_a - train_b).max() > 1e-3
     with pytest.raises(ValueError, match="rng"):
         apply(tiny_params, x, TINY, train=True)
@@ -467,7 +472,7 @@ def test_stem_shapes_axes_and_the_rest_of_the_model_unchanged():
     axes = param_axes(STEM)
     assert jax.tree.structure(params) == jax.tree.structure(
         axes, is_leaf=lambda x: isinstance(x, tuple))
-    logits = apply(params, _images(3, STEM), STEM)
+    logits = _apply(params, _images(3, STEM), STEM)
     assert logits.shape == (3, 10) and bool(jnp.all(jnp.isfinite(logits)))
 
 
@@ -529,7 +534,7 @@ def test_gap_pool_has_no_class_token_and_draws_the_rest_as_before(tiny_params):
     assert tokens.shape == (2, 16, TINY.width)
     np.testing.assert_allclose(np.asarray(tokens - patches),
                                np.broadcast_to(params["pos_embed"], tokens.shape), atol=1e-6)
-    logits = apply(params, images, gap, train=True, rng=jax.random.key(3))
+    logits = _apply(params, images, gap, train=True, rng=jax.random.key(3))
     assert logits.shape == (2, 10) and bool(jnp.all(jnp.isfinite(logits)))
 
 
@@ -583,7 +588,7 @@ def test_lsa_params_start_at_the_plain_scale_learn_and_are_not_decayed():
 
     def loss(p):
         return jnp.sum(apply(p, _images(3, LSA), LSA) ** 2)
-    grad = jax.grad(loss)(params)["blocks"]["attn"]["log_scale"]
+    grad = jax.jit(jax.grad(loss))(params)["blocks"]["attn"]["log_scale"]
     assert bool(jnp.all(jnp.isfinite(grad))) and float(jnp.abs(grad).min()) > 0
 
 

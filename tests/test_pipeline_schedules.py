@@ -506,6 +506,9 @@ def test_rematerialised_blocks_equal_the_reference(schedule):
     _check("fp32", 1, "data=4,pipe=2", 2, schedule, sc=sc)
 
 
+_local_eval = jax.jit(step.local_eval, static_argnums=0)  # one compile per StepConfig
+
+
 @pytest.mark.parametrize("mesh,k,sc,schedule,v", [
     ("data=2,model=2,pipe=2", 6, _sc("fp32", 1), "1f1b", 1),
     ("data=2,pipe=3", 5, DEEP, "1f1b", 1),
@@ -521,7 +524,7 @@ def test_evaluation_equals_the_unpipelined_one(mesh, k, sc, schedule, v):
     images, labels, _ = _batch(0, n)
     mask = np.ones(n, np.float32)
     mask[-3:] = 0
-    want = jax.device_get(step.local_eval(sc, host["params"], images, labels, mask))
+    want = jax.device_get(_local_eval(sc, host["params"], images, labels, mask))
     size = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
     strategy = train_shardmap.ShardMapStrategy(sc, OPT, mesh, microbatches=k,
                                                schedule=schedule, virtual_stages=v,

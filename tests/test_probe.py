@@ -46,8 +46,9 @@ def test_features_then_classify_is_apply(pool):
     params = init_params(jax.random.key(0), cfg)
     params["head"]["kernel"] = jax.random.normal(jax.random.key(1), params["head"]["kernel"].shape)
     x = jax.random.normal(jax.random.key(2), (3, 16, 16, 3))
-    np.testing.assert_allclose(classify(params["head"], features(params, x, cfg)),
-                               apply(params, x, cfg), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(lambda p, x: classify(p["head"], features(p, x, cfg)))(params, x),
+        jax.jit(lambda p, x: apply(p, x, cfg))(params, x), rtol=1e-6, atol=1e-6)
 
 
 def test_fit_head_learns_separable_features():
@@ -98,7 +99,8 @@ def test_probe_run_scores_its_head_through_the_evaluation_step(RUN, capsys):
     # cached features' accuracy of the same head.
     test = data_lib.synthetic_cifar10(n_train=96, n_val=32, n_test=48)["test"]
     sc = StepConfig(cfg=tiny, policy=Policy(), eval_flip=True)
-    feats = np.asarray(local_features(sc, params, jnp.asarray(test.images)))
+    feats = np.asarray(jax.jit(local_features, static_argnums=0)(sc, params,
+                                                                 jnp.asarray(test.images)))
     assert result["test"]["accuracy"] == pytest.approx(
         probe.accuracy(params["head"], feats, test.labels, sc), abs=1e-6)
 

@@ -586,7 +586,8 @@ def test_mixing_gives_the_same_step_on_1_2_and_8_devices(alphas):
             np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale)
     # ... and this step did mix: most targets are two classes (lambda or box not 0 / 1).
     images, labels, ids, key = mix_test_batch()
-    targets = np.asarray(step.prepare_batch(sc, images, labels, ids, key)[1])
+    prepare = jax.jit(step.prepare_batch, static_argnums=0)
+    targets = np.asarray(prepare(sc, images, labels, ids, key)[1])
     assert np.sum(targets.max(axis=1) < 0.99) >= MIX_BATCH // 2
 
 

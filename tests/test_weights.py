@@ -182,6 +182,9 @@ def test_export_of_a_checkpoint_imports_back_unchanged(tmp_path, capsys):
     assert "no ema" in capsys.readouterr().err
 
 
+_logits = jax.jit(apply, static_argnums=2)  # one compile per config, shared by the cases
+
+
 @pytest.mark.parametrize("fmt", ["timm", "hf"])
 @pytest.mark.parametrize("gelu", ["tanh", "exact"])
 def test_export_then_import_is_the_identity_in_logits(fmt, gelu, tmp_path):
@@ -194,8 +197,8 @@ def test_export_then_import_is_the_identity_in_logits(fmt, gelu, tmp_path):
     cfg2, params = weights.load(tmp_path / fmt / "model.safetensors", heads=cfg.heads)
     assert cfg2.replace(name=cfg.name) == cfg
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 24, 3)), jnp.float32)
-    want = apply(jax.tree.map(jnp.asarray, tree), x, cfg)
-    got = apply(jax.tree.map(jnp.asarray, params), x, cfg2)
+    want = _logits(jax.tree.map(jnp.asarray, tree), x, cfg)
+    got = _logits(jax.tree.map(jnp.asarray, params), x, cfg2)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -502,14 +505,14 @@ def test_trainable_head_differentiates_and_updates_the_head_alone():
 
     def loss(p):
         return jnp.sum(apply(trainable_params(p, "head"), x, cfg) ** 2)
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     assert all(not np.any(g) for k, v in grads.items() if k != "head"
                for g in jax.tree.leaves(v))
     assert np.any(grads["head"]["kernel"]) and grads["head"]["kernel"].shape == (40, 6)
     optimizer, _ = make_optimizer(OptimConfig(trainable="head", weight_decay=0.1,
                                               warmup_steps=0), 10)
-    ones = jax.tree.map(jnp.ones_like, params)
-    updates, _ = optimizer.update(ones, optimizer.init(params), params)
+    updates = jax.jit(lambda p: optimizer.update(
+        jax.tree.map(jnp.ones_like, p), optimizer.init(p), p)[0])(params)
     for k, v in updates.items():
         assert all(np.any(u) == (k == "head") for u in jax.tree.leaves(v)), k
 
