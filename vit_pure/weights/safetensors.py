@@ -8,7 +8,8 @@ the data, each tensor row-major and little-endian. Writers pad the header with s
 to a multiple of 8 bytes. Nothing in the file is executed, as with the kit's checkpoints.
 
 `read` returns every tensor as float32 (bfloat16 and float16 widened exactly); `write`
-stores float32 arrays as they are.
+stores float32 arrays as they are, or rounded to bfloat16 (to nearest, ties to even): half
+the bytes, for a copy that must be small.
 """
 from __future__ import annotations
 
@@ -75,14 +76,22 @@ def read(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]
     return out, dict(meta)
 
 
+WRITE_DTYPES = ("F32", "BF16")
+
+
 def write(path: str | os.PathLike, tensors: dict[str, np.ndarray],
-          metadata: dict[str, str] | None = None) -> None:
-    """Write float32 `tensors` (in name order) as a safetensors file."""
+          metadata: dict[str, str] | None = None, dtype: str = "F32") -> None:
+    """Write float32 `tensors` (in name order) as a safetensors file of `dtype`
+    (WRITE_DTYPES)."""
+    if dtype not in WRITE_DTYPES:
+        raise WeightsError(f"safetensors: writes {', '.join(WRITE_DTYPES)}, not {dtype!r}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     arrays, offset = [], 0
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name], dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape),
+        if dtype == "BF16":
+            a = bfloat16_bits(a)
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         arrays.append(a)
         offset += a.nbytes
@@ -93,3 +102,13 @@ def write(path: str | os.PathLike, tensors: dict[str, np.ndarray],
         f.write(text)
         for a in arrays:
             f.write(a.tobytes())
+
+
+def bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 `a` rounded to bfloat16, to nearest with ties to even, as the 16-bit
+    patterns (little-endian uint16): the upper half of each float32, plus one where the
+    lower half is over half an ulp (or exactly half, to make the result even). NaN stays a
+    quiet NaN; a value past bfloat16's largest rounds to infinity."""
+    bits = np.ascontiguousarray(a, dtype="<f4").view("<u4")
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype("<u2")
+    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded).astype("<u2")
