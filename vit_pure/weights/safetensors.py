@@ -1,4 +1,4 @@
-"""The safetensors format, read and written with numpy alone.
+"""The safetensors format, read and written with numpy (and ml_dtypes for bfloat16).
 
 The format (https://huggingface.co/docs/safetensors, "Format"): 8 bytes, the header's
 length N as a little-endian unsigned 64-bit integer; N bytes of UTF-8 JSON mapping each
@@ -17,6 +17,7 @@ import json
 import os
 import struct
 
+import ml_dtypes  # a dependency of jax: bfloat16's rounding
 import numpy as np
 
 from vit_pure.errors import WeightsError
@@ -105,10 +106,6 @@ def write(path: str | os.PathLike, tensors: dict[str, np.ndarray],
 
 
 def bfloat16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 `a` rounded to bfloat16, to nearest with ties to even, as the 16-bit
-    patterns (little-endian uint16): the upper half of each float32, plus one where the
-    lower half is over half an ulp (or exactly half, to make the result even). NaN stays a
-    quiet NaN; a value past bfloat16's largest rounds to infinity."""
-    bits = np.ascontiguousarray(a, dtype="<f4").view("<u4")
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype("<u2")
-    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded).astype("<u2")
+    """float32 `a` rounded to bfloat16 as ml_dtypes (JAX's) rounds (to nearest, ties to
+    even; NaN stays NaN, past the largest bfloat16 is infinity), as the 16-bit patterns."""
+    return np.ascontiguousarray(a, dtype="<f4").astype(ml_dtypes.bfloat16).view("<u2")
