@@ -4,8 +4,10 @@ path's attention, forward and gradients, run in JAX's Mosaic GPU interpreter on 
 Float32: within 1e-5 of the einsum path (relative to the largest entry). bf16: the kernel
 and the einsum path are each compared with a float32 reference on the same bf16 inputs,
 and the kernel's error may not exceed the einsum path's own. The shapes cover the on-chip
-padding (17 -> 64 rows, 65 -> 128, 197 -> 256), several head dims, and batches that do not
-divide into the kernel's pairs per program (the last program's missing examples).
+padding of the tokens after the first (17 -> 16 rows padded to 64, 65 -> 64 exactly, 197
+-> 256), a sequence of two tokens (token 0 and one more), several head dims, and batches
+that do not divide into the kernel's pairs per program (the last program's missing
+examples).
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ from vit_pure.policy import Policy
 
 FP32 = Policy.parse("fp32")
 BF16 = Policy.parse("p=f32,c=bf16,o=f32,m=bf16")
-# (batch, tokens, heads, head dim): batches 5, 3 and 6 leave the last program of 4 pairs
-# with 1, 3 and 2 examples.
-SHAPES = [(5, 17, 2, 8), (3, 65, 2, 48), (6, 197, 1, 64)]
+# (batch, tokens, heads, head dim): batches 5, 3, 6 and 2 leave the last program of 4
+# pairs with 1, 3, 2 and 2 examples.
+SHAPES = [(5, 17, 2, 8), (3, 65, 2, 48), (6, 197, 1, 64), (2, 2, 1, 16)]
 
 
 def _relative(x, y) -> float:
@@ -123,12 +125,13 @@ def test_the_model_with_the_kernel_equals_the_einsum_model():
 
 
 @pytest.mark.parametrize("tokens, head_dim, dtype, interpret, message", [
-    (129, 16, jnp.bfloat16, False, "on the GPU takes 1 to 128 tokens, got 129"),
-    (257, 16, jnp.float32, True, "interpreted takes 1 to 256 tokens, got 257"),
+    (130, 16, jnp.bfloat16, False, "on the GPU takes 2 to 129 tokens, got 130"),
+    (258, 16, jnp.float32, True, "interpreted takes 2 to 257 tokens, got 258"),
+    (1, 16, jnp.float32, True, "interpreted takes 2 to 257 tokens, got 1"),
     (17, 24, jnp.bfloat16, False, "multiple of 16, got 24"),
     (17, 16, jnp.float32, False, "on the GPU takes bfloat16, float16, got float32"),
     (17, 6, jnp.int32, True, "interpreted takes bfloat16, float16, float32, got int32"),
-    (100, 128, jnp.bfloat16, False, "need 295,424 bytes of shared memory in the backward"),
+    (100, 128, jnp.bfloat16, False, "need 304,384 bytes of shared memory in the backward"),
 ])
 def test_shapes_it_does_not_take_are_refused(tokens, head_dim, dtype, interpret, message):
     with pytest.raises(ValueError, match=message):
@@ -152,10 +155,13 @@ def test_the_cost_counts_each_array_once():
     B, T, H, D = 4, 65, 8, 48
     cost = ap.attention_cost(B, T, H, D, jnp.bfloat16)
     tile = T * D * 2
-    assert cost["forward_bytes"] == B * H * (4 * tile + 128 * 4)
-    assert cost["backward_bytes"] == B * H * (7 * tile + 128 * 4)
-    assert cost["forward_flops"] == B * H * 2 * 2 * 128 * 128 * D
-    assert cost["useful_forward_flops"] < cost["forward_flops"]
+    assert cost["forward_bytes"] == B * H * (4 * tile + 64 * 4)
+    assert cost["backward_bytes"] == B * H * (7 * tile + 64 * 4)
+    # token 0 apart, the 64 others in one tile: per product the (64, 64) block and token
+    # 0's row and column, (64 + 2) x 64 scores' worth where the einsums need 65 x 65
+    assert cost["forward_flops"] == B * H * 2 * 2 * 64 * 66 * D
+    assert cost["backward_flops"] == B * H * 5 * 2 * 64 * 66 * D
+    assert cost["useful_forward_flops"] == B * H * 2 * 2 * 65 * 65 * D
 
 
 

@@ -240,9 +240,9 @@ PALLAS_FRAGMENT = """HloModule jit_train_step, entry_computation_layout={()->()}
 ENTRY %main (qkv: bf16[130,3,8,48], dctx: bf16[130,8,48]) -> bf16[130,3,8,48] {
   %qkv = bf16[130,3,8,48]{3,2,1,0} parameter(0)
   %dctx = bf16[130,8,48]{2,1,0} parameter(1)
-  %mpmd_map.20 = (bf16[130,8,48]{2,1,0}, f32[2,8,128]{2,1,0}) custom-call(%qkv), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp()/attention_pallas_forward/mpmd_map" stack_frame_id=7}
-  %lse = f32[2,8,128]{2,1,0} get-tuple-element(%mpmd_map.20), index=1
-  %other_kernel = f32[2,8,128]{2,1,0} custom-call(%lse), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/some_kernel/mpmd_map"}
+  %mpmd_map.20 = (bf16[130,8,48]{2,1,0}, f32[2,8,64]{2,1,0}) custom-call(%qkv), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp()/attention_pallas_forward/mpmd_map" stack_frame_id=7}
+  %lse = f32[2,8,64]{2,1,0} get-tuple-element(%mpmd_map.20), index=1
+  %other_kernel = f32[2,8,64]{2,1,0} custom-call(%lse), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/some_kernel/mpmd_map"}
   ROOT %mpmd_map.35 = bf16[130,3,8,48]{3,2,1,0} custom-call(%qkv, %lse, %dctx), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/transpose(jvp())/attention_pallas_backward/mpmd_map" stack_frame_id=9}
 }
 """
@@ -250,8 +250,8 @@ ENTRY %main (qkv: bf16[130,3,8,48], dctx: bf16[130,8,48]) -> bf16[130,3,8,48] {
 
 def test_the_pallas_attention_is_priced_as_an_attention_pass():
     """Its two custom calls are attention kernels, forward and backward, with the matrix
-    FLOPs the layer itself counts (`attention_pallas.attention_cost`: 65 tokens padded to
-    128 on chip); another Mosaic GPU kernel stays "other"."""
+    FLOPs the layer itself counts (`attention_pallas.attention_cost`: of 65 tokens, token 0
+    apart and the other 64 in one tile on chip); another Mosaic GPU kernel stays "other"."""
     found = {k.name: k for k in kernels.kernels(hlo.parse_module(PALLAS_FRAGMENT))}
     cost = attention_pallas.attention_cost(2, 65, 8, 48, "bfloat16")
     forward, backward = found["mpmd_map.20"], found["mpmd_map.35"]

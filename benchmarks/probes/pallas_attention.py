@@ -8,7 +8,7 @@ attention_pallas.py) lowered through Mosaic GPU and compiled by XLA:GPU for the 
 description (vit_pure/plan/targets/), with JAX's CUDA plugin (`pip install -r
 requirements-gpu.txt`; without it this stops with one line). Mosaic GPU checks layouts,
 tiles and shared memory when it lowers the kernel; register pressure is not checked here.
-Per layer, the kernel's HBM bytes and MMA FLOPs as issued (the padded rows included) and
+Per layer, the kernel's HBM bytes and FLOPs as issued (the padded rows included) and
 the FLOPs the einsum path needs, from `attention_pallas.attention_cost`, with the bytes'
 time at the H100's bandwidth: XLA's cost analysis does not see inside the kernel.
 """
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         return ap.attention_pallas(qkv, D).astype(jnp.float32).sum()
 
     print(f"{device.device_kind}, deviceless; jax {jax.__version__}; batch {B}, {T} tokens "
-          f"(padded on chip to {ap.padded_tokens(T)}), {H} heads of {D}, bf16")
+          f"(token 0 apart, the rest padded on chip to {ap.padded_rest(T)}), {H} heads of {D}, "
+          f"bf16")
     for name, fn in (("forward", lambda q: ap.attention_pallas(q, D)),
                      ("forward + backward", jax.grad(loss))):
         try:
@@ -73,10 +74,10 @@ def main(argv=None) -> int:
     for part in ("forward", "backward"):
         nbytes, flops = cost[f"{part}_bytes"], cost[f"{part}_flops"]
         print(f"  {part} per layer: {nbytes / 1e9:.3f} GB ({nbytes / bandwidth * 1e3:.3f} ms "
-              f"at {bandwidth / 1e12:.2f} TB/s), {flops / 1e12:.3f} TFLOP of MMAs")
+              f"at {bandwidth / 1e12:.2f} TB/s), {flops / 1e12:.3f} TFLOP issued")
     print(f"  useful forward FLOPs (the einsums' products): "
-          f"{cost['useful_forward_flops'] / 1e12:.3f} TFLOP, "
-          f"{cost['forward_flops'] / cost['useful_forward_flops']:.2f}x fewer than issued")
+          f"{cost['useful_forward_flops'] / 1e12:.3f} TFLOP; issued / useful "
+          f"{cost['forward_flops'] / cost['useful_forward_flops']:.2f}")
     return 0
 
 

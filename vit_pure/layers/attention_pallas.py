@@ -6,10 +6,13 @@
 The function of `attention.attention_einsum` (softmax(q k^T / sqrt(D)) v per head, no
 mask, no dropout) for the token counts a ViT has, written for the sequence that fits on
 chip whole: one program holds a (batch, head) pair's q, k and v, its scores and
-probabilities, and walks `PAIRS_PER_PROGRAM` pairs of one head. It reads the projection's
-output as it is, token-major and unpadded, and pads on chip only; the backward recomputes
-the probabilities from the saved log-sum-exp and writes dq, dk, dv once, in the compute
-dtype. The design in detail: the comment below the imports.
+probabilities, and walks `PAIRS_PER_PROGRAM` pairs of one head. A ViT's sequence is one
+class token and a square number of patches (vit-cifar: 1 + 64): the patches' block of the
+scores runs on the tensor cores in tiles that fit it exactly, the first token's row and
+column on the CUDA cores. It reads the projection's output as it is, token-major and
+unpadded, and pads on chip only; the backward recomputes the probabilities from the saved
+log-sum-exp and writes dq, dk, dv once, in the compute dtype. The design in detail: the
+comment below the imports.
 """
 from __future__ import annotations
 
@@ -29,46 +32,69 @@ from vit_pure.errors import UsageError
 from vit_pure.layers.linear import varying_like
 
 F32 = jnp.float32
-MAX_TOKENS = 256  # one pair's (Tp, Tp) scores on chip
-# On the GPU one warpgroup holds a pair's (Tp, Tp) float32 scores in registers (128 x 128:
-# 128 registers a thread) and the backward's tiles fit shared memory up to Tp = 128; past
+MAX_TOKENS = 257  # the first token and 256 rows of the rest: one pair's scores on chip
+# On the GPU one warpgroup holds a pair's (Rp, Rp) float32 scores in registers (128 x 128:
+# 128 registers a thread) and the backward's tiles fit shared memory up to Rp = 128; past
 # that the rows must be split over warpgroups (not written yet).
-MAX_TOKENS_GPU = 128
+MAX_TOKENS_GPU = 129
 # An H100's shared memory for one block (what Mosaic GPU checks a kernel against), less an
 # allowance for the barriers and the tiles' alignment.
 SHARED_MEMORY = 232_448 - 4096
-ROW_MULTIPLE = 64  # a warpgroup's wgmma rows: the on-chip token padding
+ROW_MULTIPLE = 64  # a warpgroup's wgmma rows: the on-chip padding of the rest
 PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 examples)
 
+# Split. Token 0 (a ViT's class token) is set apart from the rest, R = T - 1 tokens (the
+# patches), which sit in tiles of Rp = R rounded up to `ROW_MULTIPLE` rows: for vit-cifar
+# 64 patch rows, exactly a warpgroup's wgmma tile, where the sequence whole (65) would pad
+# to 128 and issue 3.9x the products it needs. The scores are four blocks:
+#
+#     s_00  s_0R        the first token's query against every key: a (1, R) row
+#     s_R0  s_RR        the rest's queries: against token 0's key a (R, 1) column, against
+#                       the rest's keys the (Rp, Rp) block, the one product on tensor cores
+#
+# The row and the column are matrix-vector products on the CUDA cores: elementwise products
+# of an (Rp, D) tile with token 0's vector, reduced over D (per row of the tile) or over the
+# rows (per entry of D). Attention treats its tokens alike, so the split is exact for any
+# sequence; it pays when R is a multiple of 64.
+#
+# Vectors. On the GPU a tile in registers is laid out as wgmma's accumulator; its row
+# reductions give one layout (`ROWS`: an entry per tile row, as the scores' row maxima),
+# its column reductions another (`COLS`: an entry per entry of D, as token 0's q, k, v). The
+# first query's softmax needs sums and maxima over all keys: taken as column reductions of
+# an (Rp, D) array whose row r holds key r's term (row 0 also token 0's own), which gives
+# every entry of a `COLS` vector the total; a row reduction of that broadcast gives it back
+# as `ROWS`. No scalar ever lives in registers, and the interpreter runs the same code.
+#
 # Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3, Hl, D)
 # token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy), seen
-# as (B*T, 3, Hl, D): each pair's three (T, D) tiles are strided copies (TMA) into
-# shared-memory tiles of Tp = T rounded up to `ROW_MULTIPLE` rows, zeroed once per program:
-# the padding lives on chip only. A copy is T rounded up to 8 rows (the swizzled tiles' row
-# granularity), so rows T.. of a tile may hold the next example's first rows (`_load`). The
-# padded keys are masked (-inf, zero weight); the padded query rows are computed and never
-# written, and the backward zeroes them before they could reach dk and dv. The context is
-# written back exactly T rows a pair, (B, T, Hl, D), which reshapes for free into the
-# output projection's (B*T, Hl*D) input.
+# as (B*T, 3, Hl, D): each pair's three (R, D) tiles are strided copies (TMA) into
+# shared-memory tiles of Rp rows, zeroed once per program, and token 0's three rows into a
+# small unswizzled tile: the padding lives on chip only. A tile's copy is R rounded up to 8
+# rows (the swizzled tiles' row granularity), so rows R.. of a tile may hold the next
+# example's first rows (`_load`). The padded keys are masked (-inf, zero weight); the
+# padded query rows are computed and never written, and the backward zeroes them before
+# they could reach dk and dv. The context is written back exactly T rows a pair, (B, T,
+# Hl, D), which reshapes for free into the output projection's (B*T, Hl*D) input.
 #
 # Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
 # row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
-# to the compute dtype; the log-sum-exp m + log(l) (float32, (B, Hl, Tp)) is the one
-# residual beyond q, k, v.
+# to the compute dtype; the rest's log-sum-exp m + log(l) (float32, (B, Hl, Rp)) is the one
+# residual beyond q, k, v (the first query's is recomputed: 2 Rp D products).
 #
 # Backward, per pair, one kernel: the scores again from q and k, p = exp(s - lse) (the
 # probabilities, normalised, without a second softmax), dp = do v^T, the softmax's gradient
-# ds = p * (dp - rowsum(p * dp)) (the row sum from the (Tp, Tp) tiles on chip, so the
-# forward's output is not read again), then dv = p^T do, dq = ds k / sqrt(D), dk = ds^T q /
-# sqrt(D): each written once, in the compute dtype, into one (B, T, 3, Hl, D) array laid out
-# as the projection's output (its gradient goes straight into the projection's backward
-# GEMMs). No float32 workspace in memory and no helper kernels.
+# ds = p * (dp - rowsum(p * dp)) (the row sum from the tiles on chip, so the forward's
+# output is not read again), then dv = p^T do, dq = ds k / sqrt(D), dk = ds^T q / sqrt(D):
+# each written once, in the compute dtype, into one (B, T, 3, Hl, D) array laid out as the
+# projection's output (its gradient goes straight into the projection's backward GEMMs).
+# No float32 workspace in memory and no helper kernels.
 #
-# Precision against the einsum path: both products accumulate in float32; the scores stay
+# Precision against the einsum path: the products accumulate in float32; the scores stay
 # float32 (the einsum path rounds them to `policy.matmul_dtype` first), the probabilities
-# are rounded to the compute dtype before the second product, as there. So under bf16 the
-# kernel is at least as close to a float32 reference as the einsum path
-# (tests/test_attention_pallas.py measures both).
+# and the softmax's gradient are rounded to the compute dtype before the products that
+# take them, the tensor cores' and the CUDA cores' alike. So under bf16 the kernel is at
+# least as close to a float32 reference as the einsum path (tests/test_attention_pallas.py
+# measures both).
 #
 # The matrix products (`_mma`) are the one part that differs between the GPU and
 # `interpret=True`: on the GPU, `plgpu.wgmma` on shared-memory tiles (a transposed operand as
@@ -78,9 +104,10 @@ PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 exa
 # barriers, masks, softmax, the stores) is the same code in both modes.
 
 
-def padded_tokens(tokens: int) -> int:
-    """The rows of a pair's tiles on chip: T rounded up to `ROW_MULTIPLE` (65 -> 128)."""
-    return -(-tokens // ROW_MULTIPLE) * ROW_MULTIPLE
+def padded_rest(tokens: int) -> int:
+    """The rows of a pair's tiles on chip: the T - 1 tokens after the first, rounded up to
+    `ROW_MULTIPLE` (65 -> 64, 197 -> 256)."""
+    return -(-(tokens - 1) // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> None:
@@ -89,9 +116,9 @@ def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> N
     path's float32) and a contraction (the head dim, for q k^T) in steps of 16 elements;
     interpreted, any float dtype and head dim run."""
     limit = MAX_TOKENS if interpret else MAX_TOKENS_GPU
-    if not 1 <= tokens <= limit:
+    if not 2 <= tokens <= limit:
         raise ValueError(f"pallas attention {'interpreted ' if interpret else 'on the GPU '}"
-                         f"takes 1 to {limit} tokens, got {tokens}")
+                         f"takes 2 to {limit} tokens, got {tokens}")
     dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if interpret:
         dtypes += (jnp.dtype(F32),)
@@ -110,9 +137,11 @@ def check_shape(tokens: int, head_dim: int, dtype, interpret: bool = False) -> N
 
 def backward_shared_memory(tokens: int, head_dim: int, dtype) -> int:
     """The backward kernel's shared-memory tiles in bytes (the larger kernel's): q, k, v,
-    dctx and the three outputs (Tp, D), p and ds (Tp, Tp), the log-sum-exp (Tp,)."""
-    tp = padded_tokens(tokens)
-    return (7 * tp * head_dim + 2 * tp * tp) * jnp.dtype(dtype).itemsize + 4 * tp
+    dctx and the three outputs (Rp, D), p and ds (Rp, Rp), token 0's tiles (eight rows of
+    each input, `_load`) and its three output rows, the log-sum-exp (Rp,)."""
+    rp = padded_rest(tokens)
+    return ((7 * rp * head_dim + 2 * rp * rp + (4 * 8 + 3) * head_dim)
+            * jnp.dtype(dtype).itemsize + 4 * rp)
 
 
 def attention_pallas(qkv, head_dim: int, interpret: bool = False):
@@ -191,29 +220,38 @@ def _pairs(batch, body):
             body(b)
 
 
-def _load(refs, tiles, barriers, b, tokens: int):
-    """Copy example b's rows of each gmem (B*T, D) view into its shared-memory tile, then
-    wait for all of them. The copy is T rounded up to 8 rows (the swizzled tiles' row
-    granularity): rows T.. of it are the next example's first rows, or zeros past the
-    array's end (the copy engine fills them); the rows after stay as zeroed. The kernels
-    mask or drop every padded row (see `_scores`, `_backward`)."""
-    rows = -(-tokens // 8) * 8
+def _load(refs, tiles, first, barriers, b, tokens: int):
+    """Copy example b's rows of each gmem (B*T, D) view: rows 1.. into its shared-memory
+    tile, rows 0..7 into `first[i]` (token 0 and seven rows that are not read: Mosaic GPU
+    copies whole multiples of 128 bytes); then wait for all of them. A tile's copy is T - 1
+    rounded up to 8 rows (the swizzled tiles' row granularity): its last rows are the next
+    example's first rows, or zeros past the array's end (the copy engine fills them); the
+    rows after stay as zeroed. The kernels mask or drop every padded row (see `_scores`,
+    `_backward`)."""
+    rows = -(-(tokens - 1) // 8) * 8
     for i, (ref, tile) in enumerate(zip(refs, tiles)):
-        plgpu.copy_gmem_to_smem(ref.at[pl.ds(b * tokens, rows)], tile.at[pl.ds(0, rows)],
-                                barriers.at[i])
-    for i in range(len(refs)):
+        plgpu.copy_gmem_to_smem(ref.at[pl.ds(b * tokens + 1, rows)], tile.at[pl.ds(0, rows)],
+                                barriers.at[2 * i])
+        plgpu.copy_gmem_to_smem(ref.at[pl.ds(b * tokens, 8)], first.at[i],
+                                barriers.at[2 * i + 1])
+    for i in range(2 * len(refs)):
         plgpu.barrier_wait(barriers.at[i])
 
 
-def _store(values, tiles, refs, b, tokens: int):
-    """Write each (Tp, D) value's first T rows to example b's rows of its gmem (B*T, D)
-    view, through its (unswizzled) shared-memory tile: exactly T rows, nothing of the
+def _store(values, tiles, firsts, first_tile, refs, b, tokens: int):
+    """Write each (Rp, D) value's first T - 1 rows to example b's rows 1.. of its gmem
+    (B*T, D) view, through its (unswizzled) shared-memory tile, and each (D,) vector of
+    `firsts` to its row 0, through its row of `first_tile`: exactly T rows, nothing of the
     next example's. Returns when the tiles may be written again."""
     for value, tile in zip(values, tiles):
         tile[...] = value.astype(tile.dtype)
+    for i, vector in enumerate(firsts):
+        first_tile[i] = vector.astype(first_tile.dtype)
     plgpu.commit_smem()
-    for tile, ref in zip(tiles, refs):
-        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, tokens)], ref.at[pl.ds(b * tokens, tokens)])
+    for i, (tile, ref) in enumerate(zip(tiles, refs)):
+        plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, tokens - 1)],
+                                ref.at[pl.ds(b * tokens + 1, tokens - 1)])
+        plgpu.copy_smem_to_gmem(first_tile.at[pl.ds(i, 1)], ref.at[pl.ds(b * tokens, 1)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -223,36 +261,103 @@ def _zero(tiles, interpret: bool):
     plgpu.commit_smem()
 
 
-def _scores(q_tile, k_tile, tokens: int, interpret: bool):
-    """(Tp, Tp) float32 scores q k^T / sqrt(D), the padded keys at -inf."""
-    tp, d = q_tile.shape
-    s = _mma(q_tile, k_tile, transpose_b=True, interpret=interpret) * (1.0 / math.sqrt(d))
-    key = _wgmma_layout(lax.broadcasted_iota(jnp.int32, (tp, tp), 1), interpret)
-    return jnp.where(key < tokens, s, -jnp.inf)
-
-
-def _rows(x, shape):
-    """A per-row vector (Tp,) broadcast along the rows' columns to `shape`."""
-    return lax.broadcast_in_dim(x, shape, (0,))
-
-
-def _load_rows(ref, interpret: bool):
-    """A (Tp,) float32 vector from shared memory, one entry per score row (on the GPU in
-    the layout of the scores' row reductions)."""
-    if interpret:
-        return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
-
-
 def _wgmma_layout(x, interpret: bool):
     """x in the wgmma accumulator's register layout on the GPU (a hint for Mosaic GPU's
     layout inference); the value itself interpreted."""
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def _rows_below(tokens: int, shape, interpret: bool):
-    """A (Tp, N) mask of the real query rows."""
-    return _wgmma_layout(lax.broadcasted_iota(jnp.int32, shape, 0), interpret) < tokens
+def _tile(ref, interpret: bool):
+    """An (Rp, D) shared-memory tile in registers, float32, in the wgmma layout."""
+    if interpret:
+        return ref[...].astype(F32)
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA).astype(F32)
+
+
+def _first(ref, i: int, interpret: bool):
+    """Token 0's row of array i in `ref` ((n, 8, D), `_load`) as a float32 (D,) vector,
+    one entry per column of an (Rp, D) tile (`COLS`)."""
+    if interpret:
+        return ref[i, 0].astype(F32)
+    return plgpu.load(ref.at[i, 0], (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(F32)
+
+
+def _load_rows(ref, interpret: bool):
+    """A (Rp,) float32 vector from shared memory, one entry per tile row (`ROWS`)."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def _rows(x, shape):
+    """A per-row vector (Rp,) broadcast along the rows' columns to `shape`."""
+    return lax.broadcast_in_dim(x, shape, (0,))
+
+
+def _cols(x, shape):
+    """A per-column vector (D,) broadcast down the rows to `shape`."""
+    return lax.broadcast_in_dim(x, shape, (1,))
+
+
+def _row_index(shape, interpret: bool):
+    """(Rp, N) int32: each entry's row."""
+    return _wgmma_layout(lax.broadcasted_iota(jnp.int32, shape, 0), interpret)
+
+
+def _row_ids(shape, interpret: bool):
+    """(Rp,) int32 `ROWS`: each row's index."""
+    return _row_index(shape, interpret).max(axis=1)
+
+
+def _rows_below(rest: int, shape, interpret: bool):
+    """An (Rp, N) mask of the real query rows."""
+    return _row_index(shape, interpret) < rest
+
+
+def _round(x, dtype):
+    """x rounded to `dtype` and back to float32: what a product in that dtype sees."""
+    return x.astype(dtype).astype(F32)
+
+
+class _First:
+    """The first query's softmax over all keys, on the CUDA cores, from its q, token 0's
+    key and the rest's keys (an (Rp, D) tile in registers): `p_keys` (Rp,) `ROWS` for the
+    rest's keys (zero on the padding), `p_self` (Rp,) `ROWS`, every entry its weight on
+    its own key; both normalised and rounded to the compute dtype, as the products that
+    take them see them (the forward's and the backward's the same)."""
+
+    def __init__(self, q0, k0, k_rest, rest: int, scale: float, dtype, interpret: bool):
+        shape = k_rest.shape
+        row = _row_index(shape, interpret)
+        s_keys = (k_rest * _cols(q0, shape)).sum(axis=1) * scale
+        s_keys = jnp.where(_row_ids(shape, interpret) < rest, s_keys, -jnp.inf)
+        s_self = (_cols(q0 * k0, shape)).sum(axis=1) * scale  # every entry q0 . k0
+        top = _over_keys(_rows(s_keys, shape), _rows(s_self, shape), row, jnp.max)
+        m = _cols(top, shape).max(axis=1)  # the maximum, as ROWS
+        e_keys, e_self = jnp.exp(s_keys - m), jnp.exp(s_self - m)
+        total = _over_keys(_rows(e_keys, shape), _rows(e_self, shape), row, jnp.sum)
+        l_sum = _cols(total, shape).max(axis=1)
+        self.p_keys = _round(e_keys / l_sum, dtype)
+        self.p_self = _round(e_self / l_sum, dtype)
+        self.shape, self.row = shape, row
+
+
+def _over_keys(per_key, own, row, reduce):
+    """A sum or maximum over all T keys, per column: `per_key` (Rp, D) holds the rest's
+    key r's term in row r, `own` (Rp, D) token 0's in every row; reduced down the rows with
+    token 0's term taken once (in row 0) -> (D,) `COLS`."""
+    if reduce is jnp.max:
+        return jnp.where(row == 0, jnp.maximum(per_key, own), per_key).max(axis=0)
+    return jnp.where(row == 0, per_key + own, per_key).sum(axis=0)
+
+
+def _scores(q_tile, k_tile, rest: int, interpret: bool):
+    """(Rp, Rp) float32 scores of the rest's queries and keys, q k^T / sqrt(D), the
+    padded keys at -inf."""
+    rp, d = q_tile.shape
+    s = _mma(q_tile, k_tile, transpose_b=True, interpret=interpret) * (1.0 / math.sqrt(d))
+    key = _wgmma_layout(lax.broadcasted_iota(jnp.int32, (rp, rp), 1), interpret)
+    return jnp.where(key < rest, s, -jnp.inf)
 
 
 def _smem(rows: int, cols: int, head_dim: int, dtype, interpret: bool):
@@ -286,39 +391,53 @@ def _grid(batch: int, heads: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- forward
 def _forward(qkv, interpret: bool):
-    """qkv (B, T, 3, Hl, D) -> ctx (B, T, Hl, D) in qkv's dtype, lse (B, Hl, Tp) float32.
+    """qkv (B, T, 3, Hl, D) -> ctx (B, T, Hl, D) in qkv's dtype, lse (B, Hl, Rp) float32.
     The kernel sees the token axes merged with the batch, (B*T, ...): free reshapes."""
     B, T, _, H, D = qkv.shape
-    tp, cd = padded_tokens(T), qkv.dtype
+    rp, rest, cd = padded_rest(T), T - 1, qkv.dtype
+    scale = 1.0 / math.sqrt(D)
 
     # The body's name is the kernel's in the compiled program (xla/kernels.py finds it).
-    def attention_pallas_forward(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, o_s, lse_s,
-                                 barriers):
+    def attention_pallas_forward(qkv_ref, ctx_ref, lse_ref, q_s, k_s, v_s, first_s, o_s,
+                                 o_first_s, lse_s, barriers):
         h = lax.axis_index("head")
         _zero((q_s, k_s, v_s), interpret)
 
         def pair(b):
-            _load([qkv_ref.at[:, j, h] for j in range(3)], (q_s, k_s, v_s), barriers, b, T)
-            s = _scores(q_s, k_s, T, interpret)
-            m = s.max(axis=1)
-            p = jnp.exp(s - _rows(m, s.shape))
-            l_sum = p.sum(axis=1)
-            # the probabilities enter the product in the compute dtype, from registers
-            o = _mma(p.astype(cd), v_s, interpret=interpret)
-            o = o / _rows(l_sum, o.shape)
+            _load([qkv_ref.at[:, j, h] for j in range(3)], (q_s, k_s, v_s), first_s,
+                  barriers, b, T)
+            q0, k0, v0 = (_first(first_s, j, interpret) for j in range(3))
+            q_rest = _tile(q_s, interpret)
+            shape = q_rest.shape
+            # the rest's queries: the rest's keys on the tensor cores, token 0's key beside
+            s = _scores(q_s, k_s, rest, interpret)
+            s0 = (q_rest * _cols(k0, shape)).sum(axis=1) * scale
+            m = jnp.maximum(s.max(axis=1), s0)
+            p, p0 = jnp.exp(s - _rows(m, s.shape)), jnp.exp(s0 - m)
+            l_sum = p.sum(axis=1) + p0
+            # the probabilities enter the products in the compute dtype, from registers
+            o = (_mma(p.astype(cd), v_s, interpret=interpret)
+                 + _rows(_round(p0, cd), shape) * _cols(v0, shape))
+            o = o / _rows(l_sum, shape)
             lse_s[...] = m + jnp.log(l_sum)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h])
-            _store([o], (o_s,), [ctx_ref.at[:, h]], b, T)
+            # the first query, on the CUDA cores
+            first = _First(q0, k0, _tile(k_s, interpret), rest, scale, cd, interpret)
+            o_first = _over_keys(_rows(first.p_keys, shape) * _tile(v_s, interpret),
+                                 _rows(first.p_self, shape) * _cols(v0, shape),
+                                 first.row, jnp.sum)
+            _store([o], (o_s,), [o_first], o_first_s, [ctx_ref.at[:, h]], b, T)
 
         _pairs(B, pair)
 
-    tile = _smem(tp, D, D, cd, interpret)
+    tile = _smem(rp, D, D, cd, interpret)
     ctx, lse = plgpu.kernel(
         attention_pallas_forward,
-        out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, tp), F32)),
-        scratch_types=[tile, tile, tile, plgpu.SMEM((tp, D), cd),
-                       plgpu.SMEM((tp,), F32), plgpu.Barrier(num_barriers=3)],
+        out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, rp), F32)),
+        scratch_types=[tile, tile, tile, plgpu.SMEM((3, 8, D), cd), plgpu.SMEM((rp, D), cd),
+                       plgpu.SMEM((1, D), cd), plgpu.SMEM((rp,), F32),
+                       plgpu.Barrier(num_barriers=6)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
     )(qkv.reshape(B * T, 3, H, D))
@@ -327,50 +446,82 @@ def _forward(qkv, interpret: bool):
 
 # --------------------------------------------------------------------------- backward
 def _backward(qkv, lse, dctx, interpret: bool):
-    """qkv (B, T, 3, Hl, D), lse (B, Hl, Tp) float32, dctx (B, T, Hl, D) -> dqkv (B, T, 3,
+    """qkv (B, T, 3, Hl, D), lse (B, Hl, Rp) float32, dctx (B, T, Hl, D) -> dqkv (B, T, 3,
     Hl, D) in qkv's dtype."""
     B, T, _, H, D = qkv.shape
-    tp, cd = padded_tokens(T), qkv.dtype
+    rp, rest, cd = padded_rest(T), T - 1, qkv.dtype
     scale = 1.0 / math.sqrt(D)
 
     def attention_pallas_backward(qkv_ref, lse_ref, do_ref, dqkv_ref, q_s, k_s, v_s, do_s,
-                                  p_s, ds_s, lse_s, out_s, barriers):
+                                  first_s, p_s, ds_s, lse_s, out_s, out_first_s, barriers):
         h = lax.axis_index("head")
         _zero((q_s, k_s, v_s, do_s), interpret)
 
         def pair(b):
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_s, barriers.at[4])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_s, barriers.at[8])
             _load([*(qkv_ref.at[:, j, h] for j in range(3)), do_ref.at[:, h]],
-                  (q_s, k_s, v_s, do_s), barriers, b, T)
-            plgpu.barrier_wait(barriers.at[4])
-            s = _scores(q_s, k_s, T, interpret)
-            # (Tp, Tp) f32, rows normalised; the padded query rows zero (rows T to T
-            # rounded up to 8 hold the next example's q and dctx), so that they add
-            # nothing to dv and dk
-            real = _rows_below(T, s.shape, interpret)
-            p = jnp.where(real, jnp.exp(s - _rows(_load_rows(lse_s, interpret), s.shape)), 0.0)
+                  (q_s, k_s, v_s, do_s), first_s, barriers, b, T)
+            plgpu.barrier_wait(barriers.at[8])
+            q0, k0, v0, do0 = (_first(first_s, j, interpret) for j in range(4))
+            q_r, k_r, v_r, do_r = (_tile(t, interpret) for t in (q_s, k_s, v_s, do_s))
+            shape = q_r.shape
+            lse = _load_rows(lse_s, interpret)
+            # the rest's queries: (Rp, Rp) f32 on the rest's keys, normalised, the padded
+            # query rows zero (rows R to R rounded up to 8 hold the next example's q and
+            # dctx), so that they add nothing to dv and dk; p0 on token 0's key
+            s = _scores(q_s, k_s, rest, interpret)
+            real = _rows_below(rest, s.shape, interpret)
+            p = jnp.where(real, jnp.exp(s - _rows(lse, s.shape)), 0.0)
+            p0 = jnp.where(_row_ids(shape, interpret) < rest,
+                           jnp.exp((q_r * _cols(k0, shape)).sum(axis=1) * scale - lse), 0.0)
             p_s[...] = p.astype(cd)
             plgpu.commit_smem()
-            dp = _mma(do_s, v_s, transpose_b=True, interpret=interpret)  # (Tp, Tp) f32
-            pc = p.astype(cd).astype(F32)  # the probabilities the forward's product used
-            ds = jnp.where(real, pc * (dp - _rows((pc * dp).sum(axis=1), dp.shape)), 0.0)
+            dp = _mma(do_s, v_s, transpose_b=True, interpret=interpret)  # (Rp, Rp) f32
+            dp0 = (do_r * _cols(v0, shape)).sum(axis=1)
+            # the probabilities the forward's products used
+            pc, pc0 = p.astype(cd).astype(F32), _round(p0, cd)
+            r = (pc * dp).sum(axis=1) + pc0 * dp0
+            ds = jnp.where(real, pc * (dp - _rows(r, dp.shape)), 0.0)
+            ds0 = _round(pc0 * (dp0 - r), cd)
             ds_s[...] = ds.astype(cd)
             plgpu.commit_smem()
-            dv = _mma(p_s, do_s, transpose_a=True, interpret=interpret)
-            dq = _mma(ds_s, k_s, interpret=interpret) * scale
-            dk = _mma(ds_s, q_s, transpose_a=True, interpret=interpret) * scale
-            _store([dq, dk, dv], out_s, [dqkv_ref.at[:, j, h] for j in range(3)], b, T)
+            # the first query
+            first = _First(q0, k0, k_r, rest, scale, cd, interpret)
+            dp_keys = (v_r * _cols(do0, shape)).sum(axis=1)
+            dp_self = _cols(v0 * do0, shape).sum(axis=1)  # every entry v0 . do0
+            r_first = _cols(_over_keys(_rows(first.p_keys * dp_keys, shape),
+                                       _rows(first.p_self * dp_self, shape), first.row,
+                                       jnp.sum), shape).max(axis=1)
+            ds_keys = _round(first.p_keys * (dp_keys - r_first), cd)
+            ds_self = _round(first.p_self * (dp_self - r_first), cd)
+            # the gradients: the rest's rows from the tensor cores plus token 0's terms
+            dv = (_mma(p_s, do_s, transpose_a=True, interpret=interpret)
+                  + _rows(first.p_keys, shape) * _cols(do0, shape))
+            dq = (_mma(ds_s, k_s, interpret=interpret) + _rows(ds0, shape) * _cols(k0, shape))
+            dk = (_mma(ds_s, q_s, transpose_a=True, interpret=interpret)
+                  + _rows(ds_keys, shape) * _cols(q0, shape))
+            # token 0's rows
+            row = first.row
+            dq0 = _over_keys(_rows(ds_keys, shape) * k_r, _rows(ds_self, shape) * _cols(k0, shape),
+                             row, jnp.sum)
+            dk0 = _over_keys(_rows(ds0, shape) * q_r, _rows(ds_self, shape) * _cols(q0, shape),
+                             row, jnp.sum)
+            dv0 = _over_keys(_rows(pc0, shape) * do_r,
+                             _rows(first.p_self, shape) * _cols(do0, shape), row, jnp.sum)
+            _store([dq * scale, dk * scale, dv], out_s, [dq0 * scale, dk0 * scale, dv0],
+                   out_first_s, [dqkv_ref.at[:, j, h] for j in range(3)], b, T)
 
         _pairs(B, pair)
 
-    tile = _smem(tp, D, D, cd, interpret)
-    square = _smem(tp, tp, D, cd, interpret)
-    out = plgpu.SMEM((tp, D), cd)
+    tile = _smem(rp, D, D, cd, interpret)
+    square = _smem(rp, rp, D, cd, interpret)
+    out = plgpu.SMEM((rp, D), cd)
     dqkv = plgpu.kernel(
         attention_pallas_backward,
         out_type=jax.ShapeDtypeStruct((B * T, 3, H, D), cd),
-        scratch_types=[tile, tile, tile, tile, square, square, plgpu.SMEM((tp,), F32),
-                       (out, out, out), plgpu.Barrier(num_barriers=5)],
+        scratch_types=[tile, tile, tile, tile, plgpu.SMEM((4, 8, D), cd), square, square,
+                       plgpu.SMEM((rp,), F32), (out, out, out), plgpu.SMEM((3, D), cd),
+                       plgpu.Barrier(num_barriers=9)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
     )(qkv.reshape(B * T, 3, H, D), lse, dctx.reshape(B * T, H, D))
@@ -379,15 +530,17 @@ def _backward(qkv, lse, dctx, interpret: bool):
 
 # ------------------------------------------------------------------------------- cost
 def attention_cost(batch: int, tokens: int, heads: int, head_dim: int, dtype) -> dict:
-    """The kernels' HBM bytes and matrix FLOPs (the MMAs as issued, padded rows included),
-    forward and backward, for the predictor and the benchmarks: what they read and write
-    once each, nothing more (the design's floor)."""
-    tp, e = padded_tokens(tokens), jnp.dtype(dtype).itemsize
+    """The kernels' HBM bytes and FLOPs as issued, forward and backward, for the predictor
+    and the benchmarks: what they read and write once each, nothing more (the design's
+    floor); per product the (Rp, Rp, D) block on the tensor cores (padded rows included)
+    and token 0's row and column beside it (2 Rp D each on the CUDA cores): 2 Rp (Rp + 2) D,
+    two products forward, five backward."""
+    rp, e = padded_rest(tokens), jnp.dtype(dtype).itemsize
     pairs, tile = batch * heads, tokens * head_dim * e
-    lse = tp * 4
+    lse = rp * 4
     fwd_bytes = pairs * (3 * tile + tile + lse)  # q, k, v in; ctx, lse out
     bwd_bytes = pairs * (3 * tile + tile + lse + 3 * tile)  # q, k, v, dctx, lse in; dqkv
-    mma = 2 * tp * tp * head_dim  # one (Tp, Tp, D) product
+    product = 2 * rp * (rp + 2) * head_dim
     return {"forward_bytes": fwd_bytes, "backward_bytes": bwd_bytes,
-            "forward_flops": pairs * 2 * mma, "backward_flops": pairs * 5 * mma,
+            "forward_flops": pairs * 2 * product, "backward_flops": pairs * 5 * product,
             "useful_forward_flops": pairs * 2 * 2 * tokens * tokens * head_dim}

@@ -216,14 +216,16 @@ def _attention_pass(instr: Instr) -> str:
 
 
 def _pallas_attention_flops(instr: Instr, shapes: dict[str, str], backward: bool) -> int:
-    """The Pallas attention's matrix FLOPs as issued: its log-sum-exp (B, H, Tp) float32
-    (the forward's second output, the backward's second operand) gives the pairs and the
-    padded length, its (B*T, ..., H, D) context or gradient the head size; 4 B H Tp^2 D
-    forward (two products), 10 backward (five)."""
+    """The Pallas attention's FLOPs as issued: its log-sum-exp (B, H, Rp) float32 (the
+    forward's second output, the backward's second operand) gives the pairs and the padded
+    length of the tokens after the first, its (B*T, ..., H, D) context or gradient the head
+    size; per product an (Rp, Rp, D) block on the tensor cores and token 0's row and column
+    beside it, 2 Rp (Rp + 2) D: two products forward, five backward
+    (`attention_pallas.attention_cost`)."""
     lse = (instr.operand_shapes(shapes)[1] if backward else tuple_element(instr.shape, 1))
-    (_, (b, h, tp)), = arrays(lse)
+    (_, (b, h, rp)), = arrays(lse)
     d = arrays(instr.shape if backward else tuple_element(instr.shape, 0))[0][1][-1]
-    return (10 if backward else 4) * b * h * tp * tp * d
+    return (5 if backward else 2) * b * h * 2 * rp * (rp + 2) * d
 
 
 def _attention_flops(instr: Instr, shapes: dict[str, str], attention_pass: str) -> int:
