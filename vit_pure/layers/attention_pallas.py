@@ -268,10 +268,12 @@ def _wgmma_layout(x, interpret: bool):
 
 
 def _tile(ref, interpret: bool):
-    """An (Rp, D) shared-memory tile in registers, float32, in the wgmma layout."""
+    """An (Rp, D) shared-memory tile in registers, in the wgmma layout and its own dtype
+    (half the registers of float32 in bf16; every product with token 0's float32 vectors
+    promotes it, exactly)."""
     if interpret:
-        return ref[...].astype(F32)
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA).astype(F32)
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
 def _first(ref, i: int, interpret: bool):
