@@ -148,7 +148,9 @@ def main_guard(fn: Callable[[], Any]) -> int:
     In a multi-process job every failure is also reported to the other processes, which
     stop with it (distributed.Watch), and the process leaves at once: Python's clean-up
     would wait in JAX's shutdown barrier for processes that are stopping too. Any other
-    exception is reported the same way before its traceback.
+    exception is reported the same way before its traceback; a JaxRuntimeError only after
+    distributed.wait_for_peer_failure, since another process's death breaks the collective
+    this one is in with such an error, before the Watch can name it.
     """
     try:
         result = fn()
@@ -164,6 +166,8 @@ def main_guard(fn: Callable[[], Any]) -> int:
               file=sys.stderr)
         return _leave(130, "interrupted by a second signal")
     except Exception as e:  # a bug or an unforeseen failure: its traceback, then as above
+        if isinstance(e, jax.errors.JaxRuntimeError):  # perhaps a collective a peer broke
+            distributed.wait_for_peer_failure()  # (its death named instead: exit 3)
         if distributed.report_failure(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"):
             traceback.print_exc()
             return _leave(1, "")

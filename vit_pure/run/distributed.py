@@ -10,12 +10,15 @@ data (each process takes its own rows of one global batch order: `local_rows`,
 back); control flow (a decision that changes the steps is agreed first: `agree_max`;
 process 0 alone logs and writes checkpoints; `barrier`); failures (`Watch` makes every
 process exit in one line, with EXIT_PEER_FAILED, within seconds of another's error or
-death, instead of waiting in a collective until JAX's timeouts abort it).
+death, instead of waiting in a collective until JAX's timeouts abort it; the error or
+abort a peer's death causes here waits for its verdict: `wait_for_peer_failure`).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -70,6 +73,7 @@ def initialize(coordinator: str | None, num_processes: int | None,
     finally:
         timer.cancel()
     Watch.start(heartbeat_timeout)
+    _wait_before_aborting()
 
 
 def local_rows(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -169,18 +173,23 @@ class Watch:
       any error) -> this process prints it in one line and exits EXIT_PEER_FAILED;
     * a process whose heartbeat has not moved for `heartbeat_timeout` s and that did not
       finish (`finish`) -> the same, naming it as gone (killed, crashed, hung).
-    If process 0 dies, the store goes with it: JAX itself then ends the other processes at
-    once with abort() (exit 134), which the kit cannot intercept (docs/multihost.md).
+    If process 0 dies, the store goes with it: JAX itself then ends the other processes
+    with abort() (exit 134), which the kit cannot turn into a line (docs/multihost.md).
+
+    A peer's death also breaks the collective this process is in, before its heartbeat
+    is missed: `wait_for_peer_failure` holds the error (cli.main_guard) or the C++ abort
+    (`_wait_before_aborting`) that follows until this thread has named the peer.
     """
     _thread: threading.Thread | None = None
     _stopped = threading.Event()
     heartbeat_timeout = 20.0
+    in_touch_at = 0.0  # time.monotonic() of its last round through the store
 
     @classmethod
     def start(cls, heartbeat_timeout: float) -> None:
         if jax.process_count() == 1 or cls._thread is not None:
             return
-        cls.heartbeat_timeout = heartbeat_timeout
+        cls.heartbeat_timeout, cls.in_touch_at = heartbeat_timeout, time.monotonic()
         cls._thread = threading.Thread(target=cls._run, args=(heartbeat_timeout,),
                                        name="vit_pure-watch", daemon=True)
         cls._thread.start()
@@ -209,6 +218,7 @@ class Watch:
                         _die(f"process {p} of {n} stopped responding (no heartbeat for "
                              f"{heartbeat_timeout:g} s: killed, crashed or hung); this "
                              f"process stops too")
+                cls.in_touch_at = now
             except Exception as e:  # noqa: BLE001 - the store is gone with process 0
                 if not cls._stopped.is_set():
                     _die(f"lost the job's coordinator (process 0 of {n}: "
@@ -226,6 +236,60 @@ class Watch:
                                     allow_overwrite=True)
         except Exception:  # noqa: BLE001 - nothing left to tell
             pass
+
+
+# How long past `heartbeat_timeout` a failure elsewhere may take to be named: the peer's
+# last beat is up to a second older than its death, and this process reads it once a second.
+# And how long the Watch may go without a round through the store (once a second) before
+# the store counts as gone: process 0 died, and JAX's own abort is the end (multihost.md).
+PEER_VERDICT_MARGIN_S = 5.0
+STORE_SILENT_S = 5.0
+
+
+def wait_for_peer_failure() -> None:
+    """Give `Watch` the time to name a failure of another process before this process
+    reports one of its own: `heartbeat_timeout` + PEER_VERDICT_MARGIN_S seconds, or none
+    where no Watch runs (one process, or this one's run ended or failed already). A
+    process that dies mid-collective (kill -9) breaks the collective in every other
+    process at once, seconds before its heartbeat is missed: gloo's "Connection reset by
+    peer" comes back as a JaxRuntimeError, or a C++ abort (below). If the Watch names the
+    failure meanwhile, it ends this process with EXIT_PEER_FAILED and its line; otherwise
+    this returns, and the caller goes on as it would have: sooner once the Watch has not
+    reached the store for STORE_SILENT_S (it went with process 0: nothing to name)."""
+    if Watch._thread is None or Watch._stopped.is_set():
+        return
+    deadline = time.monotonic() + Watch.heartbeat_timeout + PEER_VERDICT_MARGIN_S
+    while time.monotonic() < deadline and not Watch._stopped.is_set():
+        if time.monotonic() - Watch.in_touch_at > STORE_SILENT_S:
+            return
+        time.sleep(0.1)
+
+
+# A C++ abort() in a multi-process job: gloo's checks fail in its I/O thread when a peer's
+# death leaves a collective half done (XLA:CPU goes on with the collective's next operand,
+# whose first message then meets a reply meant for another one: "op.preamble.length <=
+# op.nbytes"), and abort() would end this process with SIGABRT (exit 134, a C++ trace)
+# before its Watch can say why. This handler, run in the aborting thread, waits for the
+# Watch's verdict first (`wait_for_peer_failure`), then aborts as before. A C function of
+# its own, through ctypes: Python's `signal.signal` handlers run later, in the main thread,
+# and abort() does not wait for them.
+_LIBC = ctypes.CDLL(None)
+_LIBC.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_LIBC.signal.restype = ctypes.c_void_p
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int)
+def _on_abort(signum: int) -> None:
+    wait_for_peer_failure()
+    _LIBC.signal(signal.SIGABRT, None)  # SIG_DFL, then abort: what a SIGABRT would have done
+    os.abort()
+
+
+def _wait_before_aborting() -> None:
+    """Install `_on_abort` for SIGABRT (a multi-process job only: with one process there
+    is no peer to wait for)."""
+    if Watch._thread is not None:
+        _LIBC.signal(signal.SIGABRT, ctypes.cast(_on_abort, ctypes.c_void_p))
 
 
 def report_failure(cause: str) -> bool:
