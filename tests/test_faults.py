@@ -6,6 +6,7 @@ in one line that names the cause, with an exit code that is not a signal's.
     a peer that never starts                3 (--init-timeout)      -
     kill -9 of process 1 mid-run            (killed)                3, "stopped responding"
       ... and then a C++ abort in process 0  (killed)                3, the same line
+      ... as a runtime error in process 0    (killed)                3, the same line
     two SIGTERMs 20 ms apart to process 1   130                     3, names the cause
                                             (or both 143: stopped together, agreed)
     disk full at process 0's save (tmpfs)   2, one line             3, names the cause
@@ -123,6 +124,38 @@ def test_a_killed_peer_stops_the_job(tmp_path, abort):
     assert code0 == 3 and _errors(lines0) == [
         "error: process 1 of 2 stopped responding (no heartbeat for 5 s: killed, crashed or "
         "hung); this process stops too"], lines0
+
+
+# A JaxRuntimeError in a job whose Watch names process 1 half a second later (played by a
+# thread: a real job needs a peer to die in its collective, which a kill only sometimes hits).
+RUNTIME_ERROR_THEN_VERDICT = """
+import threading, time
+import jax
+from vit_pure.run import cli, distributed
+distributed.Watch._thread = threading.current_thread()  # a job's Watch, to main_guard
+distributed.Watch.heartbeat_timeout, distributed.Watch.in_touch_at = 5.0, time.monotonic()
+def watch():  # as Watch._run: no verdict once this process has reported its own failure
+    time.sleep(0.5)
+    if not distributed.Watch._stopped.is_set():
+        distributed._die("process 1 of 2 stopped responding (a dead peer); this process stops too")
+def step():
+    raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+threading.Thread(target=watch, daemon=True).start()
+raise SystemExit(cli.main_guard(step))
+"""
+
+
+def test_a_runtime_error_waits_for_the_watch_to_name_a_dead_peer():
+    """The other side of a peer's death mid-step: gloo's "Connection reset by peer" as a
+    JaxRuntimeError in the surviving process, before its Watch misses the heartbeat.
+    main_guard holds it until the Watch has named the dead process (exit 3, its line), not
+    exit 1 with a traceback as this process's own failure."""
+    done = subprocess.run([sys.executable, "-c", RUNTIME_ERROR_THEN_VERDICT], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=START_S)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 3 and _errors(lines) == [
+        "error: process 1 of 2 stopped responding (a dead peer); this process stops too"], lines
+    assert not any("Traceback" in ln for ln in lines)
 
 
 @pytest.mark.slow
