@@ -7,12 +7,10 @@ The function of `attention.attention_einsum` (softmax(q k^T / sqrt(D)) v per hea
 mask, no dropout) for the token counts a ViT has, written for the sequence that fits on
 chip whole: one program holds a (batch, head) pair's q, k and v, its scores and
 probabilities, and walks `PAIRS_PER_PROGRAM` pairs of one head. A ViT's sequence is one
-class token and a square number of patches (vit-cifar: 1 + 64): the patches' block of the
-scores runs on the tensor cores in tiles that fit it exactly, the first token's row and
-column on the CUDA cores. It reads the projection's output as it is, token-major and
-unpadded, and pads on chip only; the backward recomputes the probabilities from the saved
-log-sum-exp and writes dq, dk, dv once, in the compute dtype. The design in detail: the
-comment below the imports.
+class token and a square number of patches (vit-cifar: 1 + 64): the patches' scores run on
+the tensor cores in tiles that fit them exactly, the first token's row and column on the
+CUDA cores. It reads the projection's output as it is, unpadded, pads on chip only, and
+writes dq, dk, dv once, in the compute dtype. The design: the comment below the imports.
 """
 from __future__ import annotations
 
@@ -447,6 +445,20 @@ def _forward(qkv, interpret: bool):
 
 
 # --------------------------------------------------------------------------- backward
+def _first_query_grads(first: _First, v0, do0, v_rest, dtype):
+    """The softmax's gradient on the first query's scores, (Rp,) `ROWS` both, rounded to
+    the compute dtype: on the rest's keys (zero on the padding), and on its own key (every
+    entry the same)."""
+    shape = v_rest.shape
+    dp_keys = (v_rest * _cols(do0, shape)).sum(axis=1)
+    dp_self = _cols(v0 * do0, shape).sum(axis=1)  # every entry v0 . do0
+    total = _over_keys(_rows(first.p_keys * dp_keys, shape),
+                       _rows(first.p_self * dp_self, shape), first.row, jnp.sum)
+    r = _cols(total, shape).max(axis=1)  # the row sum of p * dp, as ROWS
+    return (_round(first.p_keys * (dp_keys - r), dtype),
+            _round(first.p_self * (dp_self - r), dtype))
+
+
 def _backward(qkv, lse, dctx, interpret: bool):
     """qkv (B, T, 3, Hl, D), lse (B, Hl, Rp) float32, dctx (B, T, Hl, D) -> dqkv (B, T, 3,
     Hl, D) in qkv's dtype."""
@@ -489,13 +501,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
             plgpu.commit_smem()
             # the first query
             first = _First(q0, k0, k_r, rest, scale, cd, interpret)
-            dp_keys = (v_r * _cols(do0, shape)).sum(axis=1)
-            dp_self = _cols(v0 * do0, shape).sum(axis=1)  # every entry v0 . do0
-            r_first = _cols(_over_keys(_rows(first.p_keys * dp_keys, shape),
-                                       _rows(first.p_self * dp_self, shape), first.row,
-                                       jnp.sum), shape).max(axis=1)
-            ds_keys = _round(first.p_keys * (dp_keys - r_first), cd)
-            ds_self = _round(first.p_self * (dp_self - r_first), cd)
+            ds_keys, ds_self = _first_query_grads(first, v0, do0, v_r, cd)
             # the gradients: the rest's rows from the tensor cores plus token 0's terms
             dv = (_mma(p_s, do_s, transpose_a=True, interpret=interpret)
                   + _rows(first.p_keys, shape) * _cols(do0, shape))
