@@ -140,14 +140,20 @@ def test_shapes_it_does_not_take_are_refused(tokens, head_dim, dtype, interpret,
     ap.check_shape(17, 6, jnp.float32, interpret=True)
 
 
-@pytest.mark.parametrize("attention, message", [
-    ("pallas", "--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU"),
-    ("pallas-interpret", "--attention pallas-interpret runs on one device (JAX's Mosaic GPU "
-                         "interpreter), not 8: give --cpu-devices 1")])
-def test_where_it_cannot_run_is_one_line(attention, message, capsys, monkeypatch):
-    """On a CPU the kernel itself cannot run; interpreted, it runs on one device only."""
+@pytest.mark.parametrize("flags, message", [
+    (["--attention", "pallas"],
+     "--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU"),
+    (["--attention", "pallas-interpret"],
+     "--attention pallas-interpret runs on one device (JAX's Mosaic GPU interpreter), not 8: "
+     "give --cpu-devices 1"),
+    (["--attention", "pallas-interpret", "--image-size", "136"],  # 17 x 17 patches + 1
+     "--attention pallas-interpret with --model tiny: pallas attention interpreted takes 2 "
+     "to 257 tokens, got 290")])
+def test_where_it_cannot_run_is_one_line(flags, message, capsys, monkeypatch):
+    """On a CPU the kernel itself cannot run; interpreted, it runs on one device only; a
+    sequence it does not take is refused before anything is traced."""
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    code = cli_errors._main("shardmap", cli_errors.BASE + ["--attention", attention])
+    code = cli_errors._main("shardmap", cli_errors.BASE + flags)
     cli_errors._assert_one_line(code, capsys.readouterr().err, message)
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from vit_pure.config import Execution, ViTConfig
 from vit_pure.errors import UsageError
+from vit_pure.layers import attention_pallas
 from vit_pure.policy import Policy, dtype_name
 from vit_pure.quiet import nvidia_gpu_visible  # noqa: F401 (backend.nvidia_gpu_visible)
 
@@ -214,8 +215,10 @@ def _cudnn_head_dim(cfg: ViTConfig) -> bool:
 
 
 def check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfig) -> None:
-    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs.
-    A model with locality self-attention (cfg.lsa) runs on the einsum attention only."""
+    """--attention cudnn: cuDNN's fused attention runs on NVIDIA GPUs, on 16-bit inputs;
+    pallas on NVIDIA GPUs, at the sequences, head dims and dtypes its kernel takes
+    (`attention_pallas.check_shape`). A model with locality self-attention (cfg.lsa) runs
+    on the einsum attention only."""
     if cfg.lsa and attention != "einsum":
         raise UsageError(f"--model {cfg.name} uses locality self-attention, which runs on "
                          f"--attention einsum only, not {attention}")
@@ -223,6 +226,12 @@ def check_attention(attention: str, policy: Policy, platform: str, cfg: ViTConfi
         raise UsageError(f"--attention pallas is a Mosaic GPU kernel and needs an NVIDIA GPU; "
                          f"this run is on {platform}: use --attention pallas-interpret to run "
                          f"it interpreted (slow), or einsum")
+    if attention in ("pallas", "pallas-interpret"):
+        try:
+            attention_pallas.check_shape(cfg.seq_len, cfg.head_dim, policy.compute_dtype,
+                                         interpret=attention == "pallas-interpret")
+        except ValueError as e:
+            raise UsageError(f"--attention {attention} with --model {cfg.name}: {e}") from None
     if attention != "cudnn":
         return
     if platform != "gpu":
