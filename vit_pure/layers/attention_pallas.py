@@ -44,7 +44,7 @@ PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 exa
 # Split. Token 0 (a ViT's class token) is set apart from the rest, R = T - 1 tokens (the
 # patches), which sit in tiles of Rp = R rounded up to `ROW_MULTIPLE` rows: for vit-cifar
 # 64 patch rows, exactly a warpgroup's wgmma tile, where the sequence whole (65) would pad
-# to 128 and issue 3.9x the products it needs. The scores are four blocks:
+# to 128 and compute 3.9x the products it needs. The scores are four blocks:
 #
 #     s_00  s_0R        the first token's query against every key: a (1, R) row
 #     s_R0  s_RR        the rest's queries: against token 0's key a (R, 1) column, against
@@ -493,7 +493,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
             dp = _mma(do_s, v_s, transpose_b=True, interpret=interpret)  # (Rp, Rp) f32
             dp0 = (do_r * _cols(v0, shape)).sum(axis=1)
             # the probabilities the forward's products used
-            pc, pc0 = p.astype(cd).astype(F32), _round(p0, cd)
+            pc, pc0 = _round(p, cd), _round(p0, cd)
             r = (pc * dp).sum(axis=1) + pc0 * dp0
             ds = jnp.where(real, pc * (dp - _rows(r, dp.shape)), 0.0)
             ds0 = _round(pc0 * (dp0 - r), cd)
