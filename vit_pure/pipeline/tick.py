@@ -23,6 +23,14 @@ from vit_pure.pipeline.ring import ResidualLayout, vary_like, zeros_ring
 from vit_pure.pipeline.split import Split
 
 
+def row(a, i):
+    """a[i] along the first axis, i a traced index: one dynamic slice. (jnp's indexing
+    traces a jit of several ops per use, and a tick reads hundreds of ring slots.) Unlike
+    jnp, a negative i is clamped to row 0, not counted from the end: idle ticks carry
+    micro-batch and chunk -1, and read row 0 in branches whose results they drop."""
+    return lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+
 def micro(x, k: int):
     """(b, ...) -> (k, b/k, ...): micro-batch i is rows i*b/k ... (i+1)*b/k - 1."""
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
@@ -94,17 +102,18 @@ class Stage:
     def embed_mb(self, top, mb):
         """Micro-batch mb prepared and embedded (stage 0 runs it in the tick of its F, and
         again in the pull-back at its B: nothing of either is kept between)."""
-        images = self.prepare_images(self.u8[mb], self.labels[mb], self.ids[mb])
-        keys = None if self.keys is None else self.keys[mb]
+        images = self.prepare_images(row(self.u8, mb), row(self.labels, mb), row(self.ids, mb))
+        keys = None if self.keys is None else row(self.keys, mb)
         return embed(top, images, self.cfg, self.policy, keys, self.execution)
 
     def layers(self, v):
-        return [jax.tree.map(lambda a, i=i: a[v, i], self.chunks) for i in range(self.chunk)]
+        return [jax.tree.map(lambda a, i=i: row(row(a, v), i), self.chunks)
+                for i in range(self.chunk)]
 
     def fn(self, layers, top, x, v, mb):
         """Chunk v on this stage over micro-batch mb: (output, F's sums)."""
         y = encoder(layers, x, self.cfg, self.policy,
-                    None if self.keys is None else self.keys[mb], execution=self.execution,
+                    None if self.keys is None else row(self.keys, mb), execution=self.execution,
                     par=Parallel(tp_axis=self.par.tp_axis),
                     layer_offset=(v * self.stages + self.stage) * self.chunk)
         last = (self.stage == self.stages - 1) & (v == self.virtual - 1)
@@ -219,7 +228,7 @@ def run_f(pr: Program, mb, v, slot, recv_f, rings, sums):
         return y, [vary_like(a, r) for a, r in zip(pr.layout.pack(pull, acts), rings)], out
 
     def no_f(x, rings):
-        return jnp.zeros_like(pr.y0), [r[slot] for r in rings], \
+        return jnp.zeros_like(pr.y0), [row(r, slot) for r in rings], \
             jax.tree.map(jnp.zeros_like, sums)
 
     y, res, out = lax.cond(mb >= 0, do_f, no_f, x, rings)
@@ -243,7 +252,7 @@ def run_b(pr: Program, mb, v, slot, kept, recv_b, rings, out_cots, grads):
                 (loss + jnp.where(last, pr.seed, 0.0), jnp.zeros_like(loss)))
 
     def do_b(rings, dy, grads, out_cots):
-        res = [r[slot] for r in rings]
+        res = [row(r, slot) for r in rings]
         again = pr.backward.forward(v, mb, jnp.zeros_like(pr.layout.x))[1]  # its fixed
         g_layers, g_top, dx, new = pr.backward.grads(pr.layout.unpack(again, res)(
             cotangent(dy)))
@@ -270,8 +279,8 @@ def run_w(pr: Program, mb, v, slot, kept, rings, out_cots, grads):
     `slot`) and its output cotangent (kept at I in slot `kept`); no cotangent chain
     again. Returns the gradient sums (the branch adds to them itself, as run_b's)."""
     def do_w(rings, out_cots, grads):
-        acts = [r[slot] for r in rings][pr.layout.n_pull:]
-        g_layers, g_top = pr.backward.weight_grads(v, mb, acts, [c[kept] for c in out_cots])
+        acts = [row(r, slot) for r in rings][pr.layout.n_pull:]
+        g_layers, g_top = pr.backward.weight_grads(v, mb, acts, [row(c, kept) for c in out_cots])
         return _add_grads(grads, jnp.maximum(v, 0),
                           pr.stage.policy.cast_to_compute(g_layers), g_top)
 
