@@ -1,4 +1,5 @@
-"""bench.py's FLOP count and the dtype/precision study (study.py), on the tiny model."""
+"""bench.py's FLOP count, the dtype/precision study (study.py) and the trace-time probe,
+on the tiny model."""
 import math
 
 import jax
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench, study
+from benchmarks.probes import trace_time
 from train_shardmap import ShardMapStrategy
 from vit_pure import PRESETS, apply, init_params, step
 from vit_pure.config import Execution
@@ -181,3 +183,16 @@ def test_kit_rows_take_the_training_scripts_flags():
     for bad in (["--kit", "no label"], ["--kit", "x=--accum-steps auto"]):
         with pytest.raises(bench.cli.UsageError, match="--kit"):
             bench.main(bad)
+
+
+def test_trace_time_probe_times_the_scripts_pipeline_step(capsys):
+    """The probe builds train_shardmap.py's step from its flags (here a two-stage pipeline)
+    and prints the medians and the StableHLO's size after a line per repeat."""
+    assert trace_time.main(["--model", "tiny", "--mesh", "data=4,pipe=2", "--batch", "16",
+                            "--randaugment", "0,0",
+                            "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("repeat 1/1: trace ") == 1
+    row = next(line for line in out.splitlines() if line.startswith("| tiny, --mesh"))
+    trace_s, lower_s, lines = (float(c) for c in row.strip("|").split("|")[1:])
+    assert trace_s > 0 and lower_s > 0 and lines > 1000

@@ -386,7 +386,7 @@ TOOLS = ["benchmarks.bench", "benchmarks.study", "benchmarks.peers.driver",
          "benchmarks.probes.bench_data", "benchmarks.probes.bench_randaugment",
          "benchmarks.probes.dropout_masks", "benchmarks.probes.gemm_epilogues",
          "benchmarks.probes.loop_overhead", "benchmarks.probes.matmul_vjp",
-         "vit_pure.tools.params_table", "vit_pure.tools.plot"]
+         "benchmarks.probes.trace_time", "vit_pure.tools.params_table", "vit_pure.tools.plot"]
 POSITIONAL = {"benchmarks.profile_breakdown": ["run.trace.json.gz"],
               "vit_pure.tools.plot": ["run.jsonl"]}
 
@@ -418,6 +418,7 @@ TOOL_CASES = [
     ("benchmarks.probes.loop_overhead", ["--eval-every", "-1"], "--eval-every must be >= 0"),
     ("benchmarks.probes.loop_overhead", ["--dtype", "f33"], "--dtype: unknown dtype 'f33'"),
     ("benchmarks.probes.matmul_vjp", ["--steps", "0"], "--steps must be positive, got 0"),
+    ("benchmarks.probes.trace_time", ["--repeats", "0"], "--repeats must be positive, got 0"),
     ("benchmarks.peers.driver", ["--entry-timeout", "nan"], "--entry-timeout must be positive"),
     ("vit_pure.tools.params_table", ["--param-dtype", "f32", "int3"],
      "--param-dtype: unknown dtype"),
