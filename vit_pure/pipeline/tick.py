@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex
 
 from vit_pure.config import Execution
 from vit_pure.model import Parallel, embed, encoder
@@ -193,9 +194,28 @@ class Program:
     x0: jax.Array
 
 
+def _cond_once(pred, fn, idle, *xs):
+    """lax.cond: fn(*xs) where pred holds, else idle(zeros of fn's output types, *xs); fn
+    traced once. (A branch of zeros_like(fn(...)) would trace the chunk's forward and
+    backward a second time, for their types alone.) The taken branch binds fn's traced
+    equations again."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*xs)
+    tree, run = jax.tree.structure(shapes), jex.jaxpr_as_fun(closed)
+
+    def taken(*a):
+        return jax.tree.unflatten(tree, run(*jax.tree.leaves(a)))
+
+    def not_taken(*a):
+        zeros = [vary_like(jnp.zeros(t.shape, t.dtype), t.manual_axis_type.varying)
+                 for t in closed.out_avals]
+        return idle(jax.tree.unflatten(tree, zeros), *a)
+
+    return lax.cond(pred, taken, not_taken, *xs)
+
+
 def _unless(pred, fn, *xs):
     """lax.cond: fn(*xs) where pred holds, zeros of its type elsewhere."""
-    return lax.cond(pred, fn, lambda *a: jax.tree.map(jnp.zeros_like, fn(*a)), *xs)
+    return _cond_once(pred, fn, lambda zeros, *_: zeros, *xs)
 
 
 def _add_grads(acc, v, g_layers, g_top):
@@ -259,10 +279,10 @@ def run_b(pr: Program, mb, v, slot, kept, recv_b, rings, out_cots, grads):
         return dx, [c.at[kept].set(d) for c, d in zip(out_cots, new)], _add_grads(
             grads, jnp.maximum(v, 0), st.policy.cast_to_compute(g_layers), g_top)
 
-    def no_b(rings, dy, grads, out_cots):  # do_b's types (XLA drops its work), the rest kept
-        return jnp.zeros_like(do_b(rings, dy, grads, out_cots)[0]), out_cots, grads
+    def no_b(zeros, rings, dy, grads, out_cots):  # a zero dx, the rest kept
+        return zeros[0], out_cots, grads
 
-    dx, out_cots, grads = lax.cond(mb >= 0, do_b, no_b, rings, recv_b, grads, out_cots)
+    dx, out_cots, grads = _cond_once(mb >= 0, do_b, no_b, rings, recv_b, grads, out_cots)
 
     def do_embed(dx):  # stage 0's input cotangent through the embedding (run again)
         _, pull = jax.vjp(lambda t: st.embed_mb(t, mb), st.top)
