@@ -499,17 +499,18 @@ def build_parser():
     return parser
 
 
+def strategy_from_args(args: argparse.Namespace, sc, optimizer, devices=None):
+    """The strategy the parsed flags ask for (mesh, FSDP, pipeline), over all of JAX's
+    devices unless `devices` is given."""
+    return ShardMapStrategy(sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
+                            microbatches=args.microbatches, schedule=args.pipeline_schedule,
+                            virtual_stages=args.virtual_stages)
+
+
 def main(argv=None) -> dict:
     args = cli.parse_args(build_parser(), argv)
-
-    def make_strategy(sc, optimizer, devices=None):  # all of JAX's devices unless given
-        return ShardMapStrategy(sc, optimizer, args.mesh, devices=devices, fsdp=args.fsdp,
-                                microbatches=args.microbatches,
-                                schedule=args.pipeline_schedule,
-                                virtual_stages=args.virtual_stages)
-
     # Train (or, with --plan N, compile for N devices and print the plan): vit_pure/run/entry.py.
-    return entry.main(args, make_strategy, "train_shardmap.py")
+    return entry.main(args, functools.partial(strategy_from_args, args), "train_shardmap.py")
 
 
 if __name__ == "__main__":

@@ -189,8 +189,7 @@ def test_trace_time_probe_times_the_scripts_pipeline_step(capsys):
     """The probe builds train_shardmap.py's step from its flags (here a two-stage pipeline)
     and prints the medians and the StableHLO's size after a line per repeat."""
     assert trace_time.main(["--model", "tiny", "--mesh", "data=4,pipe=2", "--batch", "16",
-                            "--randaugment", "0,0",
-                            "--repeats", "1"]) == 0
+                            "--randaugment", "0,0", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("repeat 1/1: trace ") == 1
     row = next(line for line in out.splitlines() if line.startswith("| tiny, --mesh"))

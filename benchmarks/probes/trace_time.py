@@ -19,9 +19,8 @@ import sys
 import time
 
 import train_shardmap
-from benchmarks import harness
-from vit_pure import step
-from vit_pure.run import cli, settings
+from benchmarks import bench, harness
+from vit_pure.run import cli
 from vit_pure.run.planning import abstract_inputs
 
 MODULE = "benchmarks.probes.trace_time"
@@ -35,13 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(script_args: argparse.Namespace) -> dict:
     """One fresh strategy's trace and lower times, and its StableHLO's line count."""
-    sc = settings.step_config(script_args)
-    optimizer, _ = step.make_optimizer(settings.RunConfig.from_args(script_args).schedule.optim,
-                                       1000)
-    strategy = train_shardmap.ShardMapStrategy(
-        sc, optimizer, script_args.mesh, fsdp=script_args.fsdp,
-        microbatches=script_args.microbatches, schedule=script_args.pipeline_schedule,
-        virtual_stages=script_args.virtual_stages)
+    sc, optimizer = bench.script_setup(args=script_args)
+    strategy = train_shardmap.strategy_from_args(script_args, sc, optimizer)
     inputs = abstract_inputs(strategy, optimizer, script_args.batch)
     start = time.perf_counter()
     traced = strategy.train_step.trace(*inputs)
