@@ -17,6 +17,8 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from benchmarks import harness
 from vit_pure.plan import targets
@@ -119,17 +121,28 @@ def profile(out: pathlib.Path, dry: bool) -> dict:
 
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+GEMM_CALLS = 3  # back-to-back calls a timing run makes, each its own execution
+
+
+def gemm_call(g):
+    """(f, a, b): the jitted product of one GEMM `g` of a program (`kernels.Gemm`): operands
+    laid out as the step's kernel reads them, normal random values, the same contraction and
+    result dtype. One product per call: several identical products in one jit are one after
+    XLA's common-subexpression elimination, so copies of it cannot be timed in one call."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, g.lhs, getattr(jnp, _DTYPES[g.lhs_dtype]))
+    b = jax.random.normal(kb, g.rhs, getattr(jnp, _DTYPES[g.rhs_dtype]))
+    dims = ((g.lhs_contracting, g.rhs_contracting), (g.lhs_batch, g.rhs_batch))
+    return jax.jit(lambda a, b: lax.dot_general(
+        a, b, dims, preferred_element_type=getattr(jnp, _DTYPES[g.out_dtype]))), a, b
 
 
 def gemm_shapes(out: pathlib.Path, dry: bool, budget_s: float = 60.0) -> dict:
     """Each distinct GEMM of the profiled step (`vit_pure.xla.kernels.gemms` of
-    DIR/step.hlo.txt) timed alone: operands laid out as the step's kernel reads them, the
-    same contraction and result dtype; median of 5 runs of 3 back-to-back calls. Stops
-    starting new shapes past 80% of `budget_s`; DIR/gemm_shapes.json rewritten after each."""
+    DIR/step.hlo.txt) timed alone (`gemm_call`): median of 5 runs of `GEMM_CALLS`
+    back-to-back calls. Stops starting new shapes past 80% of `budget_s`;
+    DIR/gemm_shapes.json rewritten after each."""
     import json
-
-    import jax.numpy as jnp
-    from jax import lax
 
     from vit_pure.plan import interconnect as ic
     from vit_pure.xla import hlo, kernels
@@ -145,12 +158,9 @@ def gemm_shapes(out: pathlib.Path, dry: bool, budget_s: float = 60.0) -> dict:
             break
         if not {g.lhs_dtype, g.rhs_dtype, g.out_dtype} <= set(_DTYPES):
             continue
-        a = jnp.ones(g.lhs, getattr(jnp, _DTYPES[g.lhs_dtype]))
-        b = jnp.ones(g.rhs, getattr(jnp, _DTYPES[g.rhs_dtype]))
-        dims = ((g.lhs_contracting, g.rhs_contracting), (g.lhs_batch, g.rhs_batch))
-        f = jax.jit(lambda a, b, dims=dims, o=getattr(jnp, _DTYPES[g.out_dtype]):
-                    [lax.dot_general(a, b, dims, preferred_element_type=o) for _ in range(3)])
-        s = harness.median_seconds(lambda: f(a, b), jax.block_until_ready, runs=5) / 3
+        f, a, b = gemm_call(g)
+        s = harness.median_seconds(lambda: [f(a, b) for _ in range(GEMM_CALLS)],
+                                   jax.block_until_ready, runs=5) / GEMM_CALLS
         rows.append({"gemm": g.label(), "runs": g.runs, "gflop": g.flops / 1e9,
                      "ms": s * 1e3, "tflop_per_s": g.flops / s / 1e12,
                      "of_peak": g.flops / s / peak})

@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py, the prepared GPU check, cannot rot between GPU loans.
 
 * default tier: the rows it times and the headline command it runs parse with the training
-  script's flags, and its summary reads a record;
+  script's flags, its summary reads a record, and a GEMM is timed one product a call;
 * slow tier: `--dry-run` runs every part on this CPU (no timing) and writes the JSON and
   the summary: the profile and GEMM-shape parts run the tiny model here, and
   benchmarks.fit_step fits its profile.
@@ -12,10 +12,13 @@ import json
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from benchmarks import gpu_check, harness
+from benchmarks import gpu_check, gpu_check_parts, harness
+from vit_pure.xla import kernels
 
 
 def test_the_rows_and_the_headline_command_parse(tmp_path):
@@ -66,3 +69,21 @@ def test_the_dry_run_runs_every_part(tmp_path):
                          env=subprocess_env(JAX_PLATFORMS="cpu"))
     assert fit.returncode == 0 and "fit on the profile of tiny" in fit.stdout, fit.stderr
     assert "- program: " in (tmp_path / "summary.md").read_text()
+
+
+def test_a_gemm_is_timed_one_product_a_call():
+    """Three copies of one product in one jit compile to one product (XLA's CSE): the
+    GEMM-shape part once divided one product's time by three. A call now runs exactly one
+    product, of the program's layout (here a weight gradient: both operands contract their
+    leading dimension) and result dtype."""
+    g = kernels.Gemm(lhs=(2, 64, 24), rhs=(2, 64, 16), lhs_dtype="bf16", rhs_dtype="bf16",
+                     out_dtype="f32", lhs_contracting=(1,), rhs_contracting=(1,),
+                     lhs_batch=(0,), rhs_batch=(0,))
+    f, a, b = gpu_check_parts.gemm_call(g)
+    compiled = f.lower(a, b).compile().as_text()
+    assert compiled.count(" dot(") == 1, compiled
+    got = np.asarray(jax.block_until_ready(f(a, b)))
+    assert got.dtype == np.float32 and got.shape == (2, 24, 16)
+    want = np.einsum("bkm,bkn->bmn", np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert np.std(np.asarray(a, np.float32)) > 0.5  # random operands, not a constant
