@@ -323,6 +323,17 @@ def read_row(spec: str, hardware: str) -> dict:
             "kernels": summarise(found)}
 
 
+def profile_hardware(record: dict, given: str | None) -> str:
+    """The --hardware a profile's rates are shares of: the one its record names (gpu_check
+    writes the GPU's), which a --hardware naming another GPU contradicts; h100 for a
+    record that names none."""
+    own = record.get("hardware")
+    if given and own and given != own:
+        raise UsageError(f"--hardware {given}: the profile was taken on {own} "
+                         f"({record.get('device')}); its rates are shares of {own}'s peaks")
+    return given or own or "h100"
+
+
 def main(argv=None) -> int:
     p = cli.doc_parser(__doc__)
     p.prog = "python -m benchmarks.fit_step"
@@ -331,25 +342,29 @@ def main(argv=None) -> int:
     p.add_argument("--save", help="write the rows' kernels here (JSON)")
     p.add_argument("--profile", help="a profile's kernel times (benchmarks.gpu_check's "
                    "DIR/kernel_times.json): fit from them instead of whole steps")
-    p.add_argument("--hardware", default="h100", choices=sorted(targets.GPU_TARGETS))
+    p.add_argument("--hardware", default=None, choices=sorted(targets.GPU_TARGETS),
+                   help="the GPU the steps ran on (default: a profile's own, else h100)")
     args = p.parse_args(argv)
-    bandwidth = targets.memory_bandwidth(args.hardware)
-    peak = ic.HARDWARE[args.hardware].peak_flops
     if args.profile:
         try:
             record = json.loads(pathlib.Path(args.profile).read_text())
         except (OSError, ValueError) as e:
             raise UsageError(f"--profile {args.profile}: {e}") from None
-        print(profile_report(record, bandwidth, peak))
+        hardware = profile_hardware(record, args.hardware)
+        print(profile_report(record, targets.memory_bandwidth(hardware),
+                             ic.HARDWARE[hardware].peak_flops))
         return 0
+    hardware = args.hardware or "h100"
+    bandwidth = targets.memory_bandwidth(hardware)
+    peak = ic.HARDWARE[hardware].peak_flops
     if args.rows:
         rows = json.loads(pathlib.Path(args.rows).read_text())["rows"]
     else:
-        rows = [read_row(spec, args.hardware) for spec in args.row]
+        rows = [read_row(spec, hardware) for spec in args.row]
     if len(rows) < 2:
         raise UsageError("give two rows or more (--row, or --rows)")
     if args.save:
-        pathlib.Path(args.save).write_text(json.dumps({"hardware": args.hardware,
+        pathlib.Path(args.save).write_text(json.dumps({"hardware": hardware,
                                                        "rows": rows}, indent=1))
     print(report(rows, bandwidth, peak))
     lines = unseparable(rows)

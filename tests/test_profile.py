@@ -1,15 +1,17 @@
 """The GPU profile read right and the predictor fitted class by class, on the files of the
-H100 run of 2026-11-27 (shared/gpu-runs/, beside the checkout; skipped where absent).
+H100 run of 2026-11-27 (shared/gpu-runs/, beside the checkout; skipped where absent) and
+the H200 run in docs/gpu-runs/.
 
-* the trace (three steps run as one CUDA graph each) joined to the program XLA compiled
-  there: every event of the step matched, attention and GEMMs at the times summed from
-  the trace by hand;
-* the shipped H100 rates are the class-by-class fit to that profile, and they predict
-  each class of that program within 10%, its step within 5% of the 67.0 ms measured, and
-  the H200's own program within 5% of its 73.4 ms, and every kit row's program a GPU
-  run wrote (`gpu_check`'s steps part, DIR/programs/) within 5% of that row's step;
+* each trace (three steps run as one CUDA graph each) joined to the program XLA compiled
+  there: every event of the step matched, the classes at the times summed from the trace
+  by hand (H100) and reported by gpu_check on the GPU (H200);
+* each GPU's shipped rates are the class-by-class fit to its profile, and they predict
+  each class of its program within 10% and its step within 5%; the H200's own program of
+  2026-11-27 within 5% of its 73.4 ms; every kit row's program a GPU run wrote
+  (`gpu_check`'s steps part, DIR/programs/) within 5% of that row's step, but for rows run
+  under XLA_FLAGS (skipped: the predictor prices autotuned GEMMs);
 * `fit_step --profile` refuses, in one line, the profile that run's gpu_check wrote
-  (everything under the CUDA graph's name);
+  (everything under the CUDA graph's name), and a --hardware other than the profile's;
 * the walk on a hand-made trace: a de-duplicated fusion named after another, library
   kernels and Memsets split between consecutive custom calls.
 """
@@ -26,6 +28,7 @@ import pytest
 from conftest import subprocess_env
 
 from benchmarks import deviceless, fit_step, profile_breakdown
+from vit_pure.errors import UsageError
 from vit_pure.plan import interconnect as ic
 from vit_pure.plan import targets
 from vit_pure.xla import hlo, kernels
@@ -33,6 +36,8 @@ from vit_pure.xla import hlo, kernels
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _RUNS = next((p / "shared" / "gpu-runs" for p in REPO.parents
               if (p / "shared" / "gpu-runs").is_dir()), None)
+# Every folder of GPU runs: the shared one beside the checkout, and the runs on file here.
+RUN_ROOTS = [r for r in (_RUNS, REPO / "docs" / "gpu-runs") if r is not None]
 H100_RUN = _RUNS / "2026-11-27-h100" if _RUNS else None
 H200_RUN = _RUNS / "2026-11-27-h200" if _RUNS else None
 H100_STEP_MS = 67.0   # steps.md there: the kit as shipped
@@ -75,6 +80,22 @@ def test_the_h100_trace_joins_its_program(h100_profile):
     assert {i.name for i, _ in launches} <= timed
 
 
+def test_the_h200_trace_of_the_run_on_file_joins_its_program():
+    """The H200 run in docs/gpu-runs/: its trace, written by gpu_check's profile part, joined
+    to its program here gives what the part reported there (profile.json)."""
+    run = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"
+    module = profile_breakdown.read_program(str(run / "step.hlo.txt.gz"))
+    events, _ = profile_breakdown.device_events(
+        profile_breakdown.load_events([str(run / "profile.trace.json.gz")]))
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    record = profile_breakdown.kernel_times(found, events, 3, module=module)
+    reported = json.loads((run / "profile.json").read_text())
+    assert record["matched_fraction"] >= 0.99 and record["failed_name_checks"] == 0
+    for kind, ms in reported["classes_ms"].items():
+        assert record["classes_ms"][kind] == pytest.approx(ms, abs=0.01), kind
+    assert reported["classes_ms"]["gemm"] == 23.47 and reported["classes_ms"]["attention"] == 13.84
+
+
 def test_the_cli_writes_the_join(tmp_path):
     out = tmp_path / "join.json"
     run = subprocess.run(
@@ -89,14 +110,27 @@ def test_the_cli_writes_the_join(tmp_path):
     assert "| attention | 14.59 |" in run.stdout
 
 
-def test_the_h100_rates_are_the_fit_to_its_profile(h100_profile):
-    """kernels.H100_RATES is benchmarks.fit_step's class-by-class fit to the profile
-    (rounded: within 2% each), with nothing left at a default."""
-    _, record = h100_profile
-    bandwidth, peak = targets.memory_bandwidth("h100"), ic.HARDWARE["h100"].peak_flops
+H200_PROFILE = REPO / "docs" / "gpu-runs" / "2026-11-28-h200" / "kernel_times.json"
+
+
+def _h200_record():
+    return json.loads(H200_PROFILE.read_text())
+
+
+@pytest.mark.parametrize("hardware", ["h100", "h200"])
+def test_the_rates_are_the_fit_to_their_gpus_profile(hardware, request):
+    """kernels.RATES[hardware] is benchmarks.fit_step's class-by-class fit to that GPU's
+    profile (rounded: within 2% each), with nothing left at a default: the H100's on the
+    shared run, the H200's on the run in docs/gpu-runs/."""
+    if hardware == "h100":
+        _, record = request.getfixturevalue("h100_profile")
+    else:
+        record = _h200_record()
+    bandwidth = targets.memory_bandwidth(hardware)
+    peak = ic.HARDWARE[hardware].peak_flops
     got, _, defaults = fit_step.fit_profile({**record, "idle_ms": record["idle_ms"]},
                                             bandwidth, peak)
-    shipped = kernels.H100_RATES
+    shipped = kernels.RATES[hardware]
     assert not [d for d in defaults if "e_gemm" in d or "attention" in d], defaults
     for name in kernels.GEMM_SHAPES:
         assert shipped.compute("gemm", name) == pytest.approx(got.compute("gemm", name),
@@ -122,6 +156,20 @@ def test_the_shipped_rates_predict_each_class_of_the_h100_program(h100_profile):
     assert step == pytest.approx(H100_STEP_MS, rel=0.05)
 
 
+def test_the_shipped_rates_predict_each_class_of_the_h200_program():
+    """The H200 run in docs/gpu-runs/: each class within 10% of its measured time, the
+    step within 5% of the pipelined step measured there."""
+    record = _h200_record()
+    module = profile_breakdown.read_program(str(H200_PROFILE.parent / "step.hlo.txt.gz"))
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    bandwidth, peak = targets.memory_bandwidth("h200"), ic.HARDWARE["h200"].peak_flops
+    by_class = kernels.predicted_by_class(found, bandwidth, peak, kernels.H200_RATES)
+    for kind, measured in record["classes_ms"].items():
+        assert by_class[kind] * 1e3 == pytest.approx(measured, rel=0.10), kind
+    step = kernels.predicted_s(found, bandwidth, peak, kernels.H200_RATES) * 1e3
+    assert step == pytest.approx(record["step_ms"], rel=0.05)
+
+
 def test_the_h200s_own_program_is_predicted_within_5_percent():
     dump = _need(H200_RUN and H200_RUN / "train_step.gpu_after_optimizations.txt.gz")
     row = deviceless.program_row(gzip.decompress(dump.read_bytes()).decode(), "h200")
@@ -130,16 +178,22 @@ def test_the_h200s_own_program_is_predicted_within_5_percent():
 
 def _rows_with_programs() -> list:
     """(program, the row's median step ms, --hardware) of each kit row whose program a
-    GPU run on file wrote beside its steps.json (`benchmarks.peers --programs`)."""
+    GPU run on file wrote beside its steps.json (`benchmarks.peers --programs`). A row run
+    under XLA_FLAGS is skipped: the flags change what XLA does past the program (the GEMM
+    algorithms: `--xla_gpu_autotune_level=0` leaves cuBLAS its default ones, which the
+    rates, fitted to autotuned GEMMs, do not price)."""
     rows = []
-    for steps in sorted(_RUNS.glob("*/steps*.json")) if _RUNS else ():
+    for steps in sorted(s for root in RUN_ROOTS for s in root.glob("*/steps*.json")):
         env = steps.parent / "env.json"
         hardware = json.loads(env.read_text()).get("hardware") if env.exists() else None
         for r in json.loads(steps.read_text())["results"]:
             path = steps.parent / "programs" / pathlib.Path(r.get("program") or "-").name
             if hardware and r.get("step_s") and path.is_file():
+                flags = (r.get("env") or {}).get("XLA_FLAGS")
+                marks = [pytest.mark.skip(reason=f"run under XLA_FLAGS={flags}")] if flags else []
                 rows.append(pytest.param(path, statistics.median(r["step_s"]) * 1e3, hardware,
-                                         id=f"{steps.parent.name}/{steps.name}/{r['name']}"))
+                                         id=f"{steps.parent.name}/{steps.name}/{r['name']}",
+                                         marks=marks))
     return rows or [pytest.param(None, None, None, marks=pytest.mark.skip(
         reason="no GPU run on file has written its rows' programs yet (gpu_check's steps "
                "part writes DIR/programs/)"))]
@@ -268,3 +322,13 @@ def test_the_deviceless_rows_are_predicted_near_their_measured_steps(tmp_path):
     base = predicted["as shipped"]
     for label, _, measured in DEVICELESS_ROWS[1:]:
         assert predicted[label] - base == pytest.approx(measured - 67.0, abs=1.5), label
+
+
+def test_fit_step_takes_the_gpu_a_profile_names(capsys):
+    """A profile's rates are shares of its own GPU's peaks: fit_step reads the GPU from the
+    record, and refuses in one line a --hardware that names another."""
+    assert fit_step.main(["--profile", str(H200_PROFILE)]) == 0
+    assert "e_mem by class: norms/reductions 0.653" in capsys.readouterr().out  # of 4.8 TB/s
+    with pytest.raises(UsageError, match="taken on h200 .NVIDIA H200.") as e:
+        fit_step.main(["--profile", str(H200_PROFILE), "--hardware", "h100"])
+    assert "\n" not in str(e.value)

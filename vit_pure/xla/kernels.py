@@ -111,9 +111,16 @@ H100_RATES = Rates(
                     ("transposes/copies", 0.55), ("gemm", 1.0), ("attention", 1.0)),
     e_gemm_by_shape=(("wide", 0.73), ("narrow", 0.54), ("ragged", 0.52)),
     e_attention_by_pass=(("forward", 0.167), ("backward", 0.114)))
-# The H200 is the same die (132 SMs at 1.98 GHz) with faster, larger memory: the H100's
-# fit, until a profile taken on an H200 fits its own (benchmarks/fit_step.py --profile).
-H200_RATES = H100_RATES
+# The H200, fitted the same way to a profile of the same program's steps on one H200
+# (docs/gpu-runs/). The same die as the H100 (132 SMs at 1.98 GHz) with faster memory:
+# its GEMMs reach a larger share of the peak, its memory-bound kernels a smaller share of
+# 4.8 TB/s (about the bytes per second they reach on an H100).
+H200_RATES = Rates(
+    e_mem=0.61, e_gemm=0.66, e_attention=0.132, int_per_s=19.2e12, launch_s=0.70e-6,
+    e_mem_by_class=(("norms/reductions", 0.65), ("elementwise", 0.625),
+                    ("transposes/copies", 0.39), ("gemm", 1.0), ("attention", 1.0)),
+    e_gemm_by_shape=(("wide", 0.78), ("narrow", 0.66), ("ragged", 0.57)),
+    e_attention_by_pass=(("forward", 0.152), ("backward", 0.125)))
 RATES = {"h100": H100_RATES, "h200": H200_RATES}  # --hardware name -> its rates
 
 
