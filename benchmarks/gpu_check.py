@@ -5,8 +5,9 @@
 
 Parts, in order, each in a process of its own with its own time limit: env (versions, the
 device), steps (benchmarks.peers rows), log (the headline command's own log), profile (the
-shipped step's program and kernel times), gemms (each GEMM timed alone) and program (that
-program read by benchmarks.deviceless); what each writes: the comment above LIMITS.
+shipped step's program and kernel times), gemms (each GEMM timed alone), program (that
+program read by benchmarks.deviceless) and attention (the Pallas kernel's gradients); what
+each writes: the comment above LIMITS.
 DIR/gpu_check.json (every figure) and DIR/summary.md (the tables) are rewritten after
 every part, so a loan cut short keeps what was done.
 """
@@ -28,10 +29,11 @@ from vit_pure.run import cli
 #            (vit_pure/plan/targets/: h100, h200), used by the parts below
 #   steps    benchmarks.peers, one fresh process per row, one run: torch.compile first,
 #            then the headline as shipped, `--last-block all` (the last block on every
-#            token: torch.compile's work), the untimed opt-in and A/B rows (STEP_ROWS)
-#            and the GELU-epilogue candidates (GELU_ROWS: XLA settings and code forms):
-#            img/s, step ms, peak GiB (DIR/steps.json, .md); each kit row's program as
-#            compiled there (DIR/programs/: what the predictor's test reads)
+#            token: torch.compile's work), the untimed opt-in and A/B rows (STEP_ROWS),
+#            the GELU-epilogue candidates (GELU_ROWS: XLA settings) and the headline
+#            again (LAST_ROWS): img/s, step ms, peak GiB (DIR/steps.json, .md); each
+#            kit row's program as compiled there (DIR/programs/: what the predictor's
+#            test reads)
 #   log      the headline command itself (`train_shardmap.py --batch 4096 --dtype bf16
 #            --dataset synthetic`), its own log (DIR/headline.log)
 #   profile  the shipped step: its program (DIR/step.hlo.txt), step ms (pipelined, on
@@ -43,35 +45,43 @@ from vit_pure.run import cli
 #   program  that program read by `benchmarks.deviceless --program`, beside the
 #            deviceless compile of the same flags where the CUDA 12 plugin is: kernels,
 #            traffic, floor, predicted step (DIR/program.md)
-LIMITS = {"env": 15, "steps": 275, "log": 40, "profile": 75, "gemms": 30, "program": 45}
+#   attention the Pallas kernel's gradients against the einsum path's on that GPU
+#            (`benchmarks.probes.attention_check`, ATTENTION_CHECK; DIR/attention.log)
+LIMITS = {"env": 15, "steps": 250, "log": 40, "profile": 50, "gemms": 30, "program": 20,
+          "attention": 75}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
 DRY_SCALE = 4  # a dry run's limits: a small shared CPU
-# The rows no GPU has timed: the Pallas attention and the folded LayerNorms (opt-in until
-# measured), q, k, v's data gradients summed by JAX (the A/B of the shipped chain).
-# `--remat gelu` left the rows to make room: measured on the H100 (docs/performance.md).
+# The rows no GPU has settled: the Pallas attention (opt-in until measured), the folded
+# LayerNorms (faster in one round: a second before it ships), and the shipped step again
+# last, the run's own drift. Settled and left out: q, k, v's data gradients summed by JAX
+# (as fast as the shipped chain), `--remat gelu` (docs/performance.md).
 STEP_ROWS = ("as shipped=", "every row=--last-block all", "layer norm fold=--layer-norm fold",
-             "pallas attention=--attention pallas", "qkv grads summed=--qkv-data-grads sum")
-# Candidates for the GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU
-# epilogue"): the shipped step under XLA settings that may let XLA's GEMM rewriter see
-# the GELU after the dot (two in one row: a row that fuses is split by the next run), and
-# the two code forms of fc1 that may match its patterns (fc1's product in float32, then
-# the bias and GELU; fc1's bias after the product, the BIAS_GELU form). A step ~3 ms or
-# more under "as shipped" says it fused.
-GELU_ROWS = ("gelu: no triton gemm, autotune 0=XLA_FLAGS='--xla_gpu_enable_triton_gemm=false "
-             "--xla_gpu_autotune_level=0'",
-             "gelu: fc1 float32=--fc1-output float32",
-             "gelu: fc1 bias epilogue=--biases fc1-epilogue")
+             "pallas attention=--attention pallas")
+# The GELU back in fc1's GEMM epilogue (docs/performance.md, "The GELU epilogue"): without
+# Triton GEMMs the GPU's compile fuses it (GELU_AUX and BIAS epilogues), a program the
+# predictor prices well under the shipped one; the row that showed it also set autotuning
+# off, which left cuBLAS its untuned algorithms and the step slower. So: the setting alone,
+# then with the folded LayerNorms. The code forms of fc1 (`--fc1-output float32`, `--biases
+# fc1-epilogue`) fused nothing and left the check.
+GELU_ROWS = ("gelu: no triton gemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false",
+             "gelu: no triton gemm, layer norm fold=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"
+             " --layer-norm fold")
+LAST_ROWS = ("as shipped, again=",)
+ATTENTION_CHECK = ["--attention", "pallas", "--check-batch", "32", "--steps", "0"]
 HEADLINE = ["--batch", "4096", "--dtype", "bf16", "--dataset", "synthetic", "--steps", "30",
             "--log-every", "10", "--eval-every", "0", "--no-progress"]
 
 
 def _run(argv: list[str], limit: float, log: pathlib.Path, env: dict | None = None) -> dict:
-    """A child process under a time limit; its output to `log`."""
+    """A child process under a time limit; its output to `log`, unbuffered (a child cut
+    at its limit keeps what it printed)."""
     start = time.monotonic()
     with open(log, "w") as f:
         try:
             code = subprocess.run(argv, cwd=harness.REPO, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=limit, env={**os.environ, **(env or {})}).returncode
+                                  timeout=limit,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+                                  ).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     return {"status": "ok" if code == 0 else f"failed ({code})",
@@ -102,7 +112,7 @@ def _steps(out: pathlib.Path, dry: bool) -> dict:
             "--steps", "8", "--warmup", "3", "--only", "torch-compile,kit",
             "--entry-timeout", "60", "--json", str(out / "steps.json"),
             "--programs", str(out / "programs")]
-    for row in STEP_ROWS + GELU_ROWS:
+    for row in STEP_ROWS + GELU_ROWS + LAST_ROWS:
         check_kit_flags(parse_kit_variant(row)[2], row)
         argv += ["--kit", row]
     if dry:
@@ -118,6 +128,15 @@ def _log(out: pathlib.Path, dry: bool) -> dict:
     if dry:
         return {"status": "dry run: flags checked", "command": argv}
     return {**_run(argv, LIMITS["log"], out / "headline.log"), "command": argv}
+
+
+def _attention(out: pathlib.Path, dry: bool) -> dict:
+    from benchmarks.probes import attention_check
+    argv = [sys.executable, "-m", "benchmarks.probes.attention_check", *ATTENTION_CHECK]
+    attention_check.build_parser().parse_args(ATTENTION_CHECK)  # the flags parse
+    if dry:
+        return {"status": "dry run: flags checked", "command": argv}
+    return {**_run(argv, LIMITS["attention"], out / "attention.log"), "command": argv}
 
 
 def summary(record: dict) -> str:
@@ -170,6 +189,7 @@ def main(argv=None) -> int:
         try:
             part = (_steps(out, args.dry_run) if name == "steps" else
                     _log(out, args.dry_run) if name == "log" else
+                    _attention(out, args.dry_run) if name == "attention" else
                     _part(name, out, args.dry_run))
             if name in ("profile", "gemms") and part.get("status") == "ok":
                 part["table"] = part_table(name, part)

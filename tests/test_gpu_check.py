@@ -26,7 +26,7 @@ def test_the_rows_and_the_headline_command_parse(tmp_path):
     log = gpu_check._log(tmp_path, dry=True)
     assert steps["status"] == log["status"] == "dry run: flags checked"
     command = " ".join(steps["command"])
-    for row in gpu_check.STEP_ROWS + gpu_check.GELU_ROWS:
+    for row in gpu_check.STEP_ROWS + gpu_check.GELU_ROWS + gpu_check.LAST_ROWS:
         assert f"--kit {row}" in command
     assert "--only torch-compile,kit" in command  # the comparator first
     assert log["command"][1:] == ["train_shardmap.py", *gpu_check.HEADLINE]

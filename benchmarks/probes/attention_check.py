@@ -92,6 +92,8 @@ def check_gradients(args, impls) -> bool:
     """
     sc, _ = step_config(args, "einsum", args.check_batch)
     policy = sc.policy
+    print(f"gradient check: compiling the {sc.cfg.name} gradients, the einsum path in float32 "
+          f"and under {policy}, then each of {', '.join(impls)} ...", flush=True)
     eps = float(jnp.finfo(policy.compute_dtype).eps)
     params = init_params(jax.random.key(0), sc.cfg)
     kx, ky = jax.random.split(jax.random.key(2))
