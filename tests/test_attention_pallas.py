@@ -26,6 +26,7 @@ from vit_pure.config import Execution
 from vit_pure.layers import attention_pallas as ap
 from vit_pure.layers.attention import attention_einsum
 from vit_pure.model import apply, init_params
+from vit_pure.plan import targets
 from vit_pure.policy import Policy
 
 FP32 = Policy.parse("fp32")
@@ -190,3 +191,67 @@ def test_under_shard_map_the_gradient_is_summed_once():
 
     kernel = grad(lambda x: ap.attention_pallas(x, D, interpret=True))
     assert _relative(kernel, grad(lambda x: _einsum(x, D, FP32))) <= 1e-5
+
+
+def _copies_seen_by_layout_inference(fn, *args, monkeypatch) -> list[tuple[str, list[int]]]:
+    """The TMA copies (Mosaic GPU's async_load and async_store ops, each with its slice
+    lengths: -1 for a memory axis indexed by an integer) of the first kernel that `fn`
+    lowers for CUDA under warpgroup semantics (JAX's default from 0.11), as Mosaic GPU's
+    layout inference receives them; the lowering is stopped there."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu import lowering
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    class Seen(Exception):
+        pass
+
+    copies = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    yield inner
+                    yield from walk(inner)
+
+    def infer_layout(module, **_):
+        for op in walk(module.operation):
+            if op.operation.name in ("mosaic_gpu.async_load", "mosaic_gpu.async_store"):
+                lengths = ir.DenseI64ArrayAttr(op.attributes["slice_lengths"])
+                copies.append((op.operation.name, list(lengths)))
+        raise Seen
+
+    monkeypatch.setattr(lowering.mgpu, "infer_layout", infer_layout)
+    monkeypatch.setattr(ap, "_compiler_params", lambda interpret: plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    with pytest.raises(Seen):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return copies
+
+
+@pytest.mark.slow  # CI installs the CUDA plugin for the slow tier
+@pytest.mark.skipif(not targets.cuda_plugin_installed(),
+                    reason="JAX's CUDA plugin is not installed (pip install -r "
+                           "requirements-gpu.txt)")
+def test_no_copy_indexes_memory_by_an_integer(monkeypatch):
+    """Lowered for a GPU, no TMA copy indexes an array in memory by an integer: Mosaic GPU's
+    layout inference (warpgroup semantics, JAX's default from 0.11) rejects a copy whose
+    memory side drops an axis (slice length -1). Every copy is counted: forward, each of q,
+    k, v in two copies, the log-sum-exp and the context's two out; backward, the
+    log-sum-exp and two copies of each of q, k, v, dctx in, two of each of dq, dk, dv out.
+    vit-cifar's shape, bf16."""
+    B, T, H, D = 16, 65, 8, 48
+    rows, rp = B * T, ap.padded_rest(T)
+    qkv = jax.ShapeDtypeStruct((rows, 3 * H * D), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((B * H * rp,), jnp.float32)
+    dctx = jax.ShapeDtypeStruct((rows, H * D), jnp.bfloat16)
+    forward = _copies_seen_by_layout_inference(
+        lambda x: ap._forward(x, T, D, False), qkv, monkeypatch=monkeypatch)
+    backward = _copies_seen_by_layout_inference(
+        lambda x, m, g: ap._backward(x, m, g, T, D, False), qkv, lse, dctx,
+        monkeypatch=monkeypatch)
+    for copies, loads, stores in ((forward, 6, 3), (backward, 9, 6)):
+        names = [name for name, _ in copies]
+        assert (names.count("mosaic_gpu.async_load"), names.count("mosaic_gpu.async_store")) \
+            == (loads, stores), copies
+        assert all(-1 not in lengths for _, lengths in copies), copies

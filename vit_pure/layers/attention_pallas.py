@@ -63,27 +63,33 @@ PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 exa
 # every entry of a `COLS` vector the total; a row reduction of that broadcast gives it back
 # as `ROWS`. No scalar ever lives in registers, and the interpreter runs the same code.
 #
-# Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3, Hl, D)
+# Layout. The kernel reads the q, k, v projection's output as it is, (B, T, 3*Hl*D)
 # token-major and unpadded (q, k, v from one buffer, no head transpose, no pad copy), seen
-# as (B*T, 3, Hl, D): each pair's three (R, D) tiles are strided copies (TMA) into
-# shared-memory tiles of Rp rows, zeroed once per program, and token 0's three rows into a
-# small unswizzled tile: the padding lives on chip only. A tile's copy is R rounded up to 8
-# rows (the swizzled tiles' row granularity), so rows R.. of a tile may hold the next
-# example's first rows (`_load`). The padded keys are masked (-inf, zero weight); the
-# padded query rows are computed and never written, and the backward zeroes them before
-# they could reach dk and dv. The context is written back exactly T rows a pair, (B, T,
-# Hl, D), which reshapes for free into the output projection's (B*T, Hl*D) input.
+# as the matrix (B*T, 3*Hl*D) (`_columns`): array j (q, k, v) of head h is the D columns
+# from (j*Hl + h)*D, and each pair's three (R, D) tiles are strided copies (TMA) of such a
+# column block into shared-memory tiles of Rp rows, zeroed once per program, and token 0's
+# three rows into a small unswizzled tile: the padding lives on chip only. A tile's copy is
+# R rounded up to 8 rows (the swizzled tiles' row granularity), so rows R.. of a tile may
+# hold the next example's first rows (`_load`). The padded keys are masked (-inf, zero
+# weight); the padded query rows are computed and never written, and the backward zeroes
+# them before they could reach dk and dv. The context is written back exactly T rows a
+# pair into (B*T, Hl*D), the output projection's input as it is. Every array a copy
+# touches in memory is such a matrix (the log-sum-exp a vector) and is only ever sliced,
+# never indexed by an integer: Mosaic GPU's warpgroup lowering (`_compiler_params`) rejects
+# a copy whose memory side drops an indexed axis. The reshapes to and from these views
+# happen outside the kernels, where they are free.
 #
 # Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
 # row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
-# to the compute dtype; the rest's log-sum-exp m + log(l) (float32, (B, Hl, Rp)) is the one
-# residual beyond q, k, v (the first query's is recomputed: 2 Rp D products).
+# to the compute dtype; the rest's log-sum-exp m + log(l) (float32, Rp entries a pair, one
+# (B*Hl*Rp,) vector) is the one residual beyond q, k, v (the first query's is recomputed:
+# 2 Rp D products).
 #
 # Backward, per pair, one kernel: the scores again from q and k, p = exp(s - lse) (the
 # probabilities, normalised, without a second softmax), dp = do v^T, the softmax's gradient
 # ds = p * (dp - rowsum(p * dp)) (the row sum from the tiles on chip, so the forward's
 # output is not read again), then dv = p^T do, dq = ds k / sqrt(D), dk = ds^T q / sqrt(D):
-# each written once, in the compute dtype, into one (B, T, 3, Hl, D) array laid out as the
+# each written once, in the compute dtype, into one (B*T, 3*Hl*D) array laid out as the
 # projection's output (its gradient goes straight into the projection's backward GEMMs).
 # No float32 workspace in memory and no helper kernels.
 #
@@ -149,34 +155,37 @@ def attention_pallas(qkv, head_dim: int, interpret: bool = False):
     Mosaic GPU interpreter (on the CPU) instead of compiling them for a GPU."""
     B, T, width = qkv.shape
     check_shape(T, head_dim, qkv.dtype, interpret)
+    if not interpret and (B * T) % 8:
+        # the copies' memory side is (B*T, D) rows, tiled by 8 on the GPU
+        raise ValueError(f"pallas attention on the GPU takes batch x tokens in multiples of "
+                         f"8, got {B} x {T}")
     devices = jax.sharding.get_abstract_mesh().size  # inside shard_map / pmap: the mesh's
     if interpret and devices > 1:
         # JAX's interpreter simulates one GPU's memory for the whole process: with 2 fake
         # devices it fails ("Barrier remains allocated"), with 8 it blocked
         raise UsageError(f"--attention pallas-interpret runs on one device (JAX's Mosaic GPU "
                          f"interpreter), not {devices}: give --cpu-devices 1")
-    heads = width // (3 * head_dim)
-    ctx = _attention(qkv.reshape(B, T, 3, heads, head_dim), interpret)  # (B, T, Hl, D)
-    return ctx.reshape(B, T, heads * head_dim)
+    ctx = _attention(qkv.reshape(B * T, width), T, head_dim, interpret)  # (B*T, Hl*D)
+    return ctx.reshape(B, T, width // 3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _attention(qkv, interpret):
-    return _forward(qkv, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _attention(qkv, tokens, head_dim, interpret):
+    return _forward(qkv, tokens, head_dim, interpret)[0]
 
 
 # Inside shard_map a kernel's outputs come back typed as the same on every device of the
 # mesh axes (Pallas calls run without the varying-axis check); each device's output is its
 # own, so `_forward` and `_backward` mark them varying like the input (`varying_like`;
 # inside these rules, no transpose of the cast is ever taken).
-def _attention_fwd(qkv, interpret):
-    ctx, lse = _forward(qkv, interpret)
+def _attention_fwd(qkv, tokens, head_dim, interpret):
+    ctx, lse = _forward(qkv, tokens, head_dim, interpret)
     return ctx, (qkv, lse)
 
 
-def _attention_bwd(interpret, residuals, dctx):
+def _attention_bwd(tokens, head_dim, interpret, residuals, dctx):
     qkv, lse = residuals
-    return (_backward(qkv, lse, dctx.astype(qkv.dtype), interpret),)
+    return (_backward(qkv, lse, dctx.astype(qkv.dtype), tokens, head_dim, interpret),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -216,6 +225,12 @@ def _pairs(batch, body):
         @pl.when(b < batch)
         def _():
             body(b)
+
+
+def _columns(ref, block, head_dim: int):
+    """Column block `block` of a gmem (B*T, n*D) matrix: the (B*T, D) view that `_load`
+    and `_store` copy rows of (block j*Hl + h: array j of head h)."""
+    return ref.at[:, pl.ds(block * head_dim, head_dim)]
 
 
 def _load(refs, tiles, first, barriers, b, tokens: int):
@@ -374,7 +389,14 @@ def _smem(rows: int, cols: int, head_dim: int, dtype, interpret: bool):
 
 
 def _compiler_params(interpret: bool):
-    return None if interpret else plgpu.CompilerParams(approx_math=False)
+    """The kernels are written for Mosaic GPU's lane semantics (each thread's view of a
+    warpgroup's arrays, `plgpu.wgmma` into an accumulator), JAX's default before 0.11, and
+    name it: from 0.11 the default is warpgroup semantics, whose layout inference finds no
+    layouts for them (JAX 0.10's, tried deviceless)."""
+    if interpret:
+        return None
+    return plgpu.CompilerParams(approx_math=False,
+                                lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 def _interpret_params(interpret: bool):
@@ -390,11 +412,11 @@ def _grid(batch: int, heads: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- forward
-def _forward(qkv, interpret: bool):
-    """qkv (B, T, 3, Hl, D) -> ctx (B, T, Hl, D) in qkv's dtype, lse (B, Hl, Rp) float32.
-    The kernel sees the token axes merged with the batch, (B*T, ...): free reshapes."""
-    B, T, _, H, D = qkv.shape
-    rp, rest, cd = padded_rest(T), T - 1, qkv.dtype
+def _forward(qkv, T: int, D: int, interpret: bool):
+    """qkv (B*T, 3*Hl*D) -> ctx (B*T, Hl*D) in qkv's dtype, lse (B*Hl*Rp,) float32 (pair
+    (b, h)'s Rp entries from (b*Hl + h)*Rp)."""
+    H, rp, rest, cd = qkv.shape[1] // (3 * D), padded_rest(T), T - 1, qkv.dtype
+    B = qkv.shape[0] // T
     scale = 1.0 / math.sqrt(D)
 
     # The body's name is the kernel's in the compiled program (xla/kernels.py finds it).
@@ -404,8 +426,8 @@ def _forward(qkv, interpret: bool):
         _zero((q_s, k_s, v_s), interpret)
 
         def pair(b):
-            _load([qkv_ref.at[:, j, h] for j in range(3)], (q_s, k_s, v_s), first_s,
-                  barriers, b, T)
+            _load([_columns(qkv_ref, j * H + h, D) for j in range(3)], (q_s, k_s, v_s),
+                  first_s, barriers, b, T)
             q0, k0, v0 = (_first(first_s, j, interpret) for j in range(3))
             q_rest = _tile(q_s, interpret)
             shape = q_rest.shape
@@ -421,27 +443,28 @@ def _forward(qkv, interpret: bool):
             o = o / _rows(l_sum, shape)
             lse_s[...] = m + jnp.log(l_sum)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h])
+            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pl.ds((b * H + h) * rp, rp)])
             # the first query, on the CUDA cores
             first = _First(q0, k0, _tile(k_s, interpret), rest, scale, cd, interpret)
             o_first = _over_keys(_rows(first.p_keys, shape) * _tile(v_s, interpret),
                                  _rows(first.p_self, shape) * _cols(v0, shape),
                                  first.row, jnp.sum)
-            _store([o], (o_s,), [o_first], o_first_s, [ctx_ref.at[:, h]], b, T)
+            _store([o], (o_s,), [o_first], o_first_s, [_columns(ctx_ref, h, D)], b, T)
 
         _pairs(B, pair)
 
     tile = _smem(rp, D, D, cd, interpret)
     ctx, lse = plgpu.kernel(
         attention_pallas_forward,
-        out_type=(jax.ShapeDtypeStruct((B * T, H, D), cd), jax.ShapeDtypeStruct((B, H, rp), F32)),
+        out_type=(jax.ShapeDtypeStruct((B * T, H * D), cd),
+                  jax.ShapeDtypeStruct((B * H * rp,), F32)),
         scratch_types=[tile, tile, tile, plgpu.SMEM((3, 8, D), cd), plgpu.SMEM((rp, D), cd),
                        plgpu.SMEM((1, D), cd), plgpu.SMEM((rp,), F32),
                        plgpu.Barrier(num_barriers=6)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
-    )(qkv.reshape(B * T, 3, H, D))
-    return varying_like(ctx.reshape(B, T, H, D), qkv), varying_like(lse, qkv)
+    )(qkv)
+    return varying_like(ctx, qkv), varying_like(lse, qkv)
 
 
 # --------------------------------------------------------------------------- backward
@@ -459,11 +482,11 @@ def _first_query_grads(first: _First, v0, do0, v_rest, dtype):
             _round(first.p_self * (dp_self - r), dtype))
 
 
-def _backward(qkv, lse, dctx, interpret: bool):
-    """qkv (B, T, 3, Hl, D), lse (B, Hl, Rp) float32, dctx (B, T, Hl, D) -> dqkv (B, T, 3,
-    Hl, D) in qkv's dtype."""
-    B, T, _, H, D = qkv.shape
-    rp, rest, cd = padded_rest(T), T - 1, qkv.dtype
+def _backward(qkv, lse, dctx, T: int, D: int, interpret: bool):
+    """qkv (B*T, 3*Hl*D), lse (B*Hl*Rp,) float32 (`_forward`'s), dctx (B*T, Hl*D) -> dqkv
+    (B*T, 3*Hl*D) in qkv's dtype."""
+    H, rp, rest, cd = qkv.shape[1] // (3 * D), padded_rest(T), T - 1, qkv.dtype
+    B = qkv.shape[0] // T
     scale = 1.0 / math.sqrt(D)
 
     def attention_pallas_backward(qkv_ref, lse_ref, do_ref, dqkv_ref, q_s, k_s, v_s, do_s,
@@ -472,9 +495,10 @@ def _backward(qkv, lse, dctx, interpret: bool):
         _zero((q_s, k_s, v_s, do_s), interpret)
 
         def pair(b):
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h], lse_s, barriers.at[8])
-            _load([*(qkv_ref.at[:, j, h] for j in range(3)), do_ref.at[:, h]],
-                  (q_s, k_s, v_s, do_s), first_s, barriers, b, T)
+            plgpu.copy_gmem_to_smem(lse_ref.at[pl.ds((b * H + h) * rp, rp)], lse_s,
+                                    barriers.at[8])
+            _load([*(_columns(qkv_ref, j * H + h, D) for j in range(3)),
+                   _columns(do_ref, h, D)], (q_s, k_s, v_s, do_s), first_s, barriers, b, T)
             plgpu.barrier_wait(barriers.at[8])
             q0, k0, v0, do0 = (_first(first_s, j, interpret) for j in range(4))
             q_r, k_r, v_r, do_r = (_tile(t, interpret) for t in (q_s, k_s, v_s, do_s))
@@ -517,7 +541,7 @@ def _backward(qkv, lse, dctx, interpret: bool):
             dv0 = _over_keys(_rows(pc0, shape) * do_r,
                              _rows(first.p_self, shape) * _cols(do0, shape), row, jnp.sum)
             _store([dq * scale, dk * scale, dv], out_s, [dq0 * scale, dk0 * scale, dv0],
-                   out_first_s, [dqkv_ref.at[:, j, h] for j in range(3)], b, T)
+                   out_first_s, [_columns(dqkv_ref, j * H + h, D) for j in range(3)], b, T)
 
         _pairs(B, pair)
 
@@ -526,14 +550,14 @@ def _backward(qkv, lse, dctx, interpret: bool):
     out = plgpu.SMEM((rp, D), cd)
     dqkv = plgpu.kernel(
         attention_pallas_backward,
-        out_type=jax.ShapeDtypeStruct((B * T, 3, H, D), cd),
+        out_type=jax.ShapeDtypeStruct((B * T, 3 * H * D), cd),
         scratch_types=[tile, tile, tile, tile, plgpu.SMEM((4, 8, D), cd), square, square,
                        plgpu.SMEM((rp,), F32), (out, out, out), plgpu.SMEM((3, D), cd),
                        plgpu.Barrier(num_barriers=9)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
-    )(qkv.reshape(B * T, 3, H, D), lse, dctx.reshape(B * T, H, D))
-    return varying_like(dqkv.reshape(B, T, 3, H, D), qkv)
+    )(qkv, lse, dctx)
+    return varying_like(dqkv, qkv)
 
 
 # ------------------------------------------------------------------------------- cost
