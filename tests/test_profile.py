@@ -144,16 +144,24 @@ def test_the_rates_are_the_fit_to_their_gpus_profile(hardware, request):
     assert shipped.launch_s == pytest.approx(got.launch_s, rel=0.05)
 
 
+def _predicts_each_class_and_the_step(module, hardware: str, classes_ms: dict,
+                                      step_ms: float) -> None:
+    """kernels.RATES[hardware] on `module`: each class within 10% of its measured time,
+    the step within 5% of `step_ms`."""
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    bandwidth, peak = targets.memory_bandwidth(hardware), ic.HARDWARE[hardware].peak_flops
+    rates = kernels.RATES[hardware]
+    by_class = kernels.predicted_by_class(found, bandwidth, peak, rates)
+    for kind, measured in classes_ms.items():
+        assert by_class[kind] * 1e3 == pytest.approx(measured, rel=0.10), kind
+    step = kernels.predicted_s(found, bandwidth, peak, rates) * 1e3
+    assert step == pytest.approx(step_ms, rel=0.05)
+
+
 def test_the_shipped_rates_predict_each_class_of_the_h100_program(h100_profile):
     """Each class within 10% of its measured time, the step within 5% of 67.0 ms."""
     module, record = h100_profile
-    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
-    bandwidth, peak = targets.memory_bandwidth("h100"), ic.HARDWARE["h100"].peak_flops
-    by_class = kernels.predicted_by_class(found, bandwidth, peak, kernels.H100_RATES)
-    for kind, measured in record["classes_ms"].items():
-        assert by_class[kind] * 1e3 == pytest.approx(measured, rel=0.10), kind
-    step = kernels.predicted_s(found, bandwidth, peak, kernels.H100_RATES) * 1e3
-    assert step == pytest.approx(H100_STEP_MS, rel=0.05)
+    _predicts_each_class_and_the_step(module, "h100", record["classes_ms"], H100_STEP_MS)
 
 
 def test_the_shipped_rates_predict_each_class_of_the_h200_program():
@@ -161,13 +169,7 @@ def test_the_shipped_rates_predict_each_class_of_the_h200_program():
     step within 5% of the pipelined step measured there."""
     record = _h200_record()
     module = profile_breakdown.read_program(str(H200_PROFILE.parent / "step.hlo.txt.gz"))
-    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
-    bandwidth, peak = targets.memory_bandwidth("h200"), ic.HARDWARE["h200"].peak_flops
-    by_class = kernels.predicted_by_class(found, bandwidth, peak, kernels.H200_RATES)
-    for kind, measured in record["classes_ms"].items():
-        assert by_class[kind] * 1e3 == pytest.approx(measured, rel=0.10), kind
-    step = kernels.predicted_s(found, bandwidth, peak, kernels.H200_RATES) * 1e3
-    assert step == pytest.approx(record["step_ms"], rel=0.05)
+    _predicts_each_class_and_the_step(module, "h200", record["classes_ms"], record["step_ms"])
 
 
 def test_the_h200s_own_program_is_predicted_within_5_percent():
