@@ -243,7 +243,7 @@ def test_no_copy_indexes_memory_by_an_integer(monkeypatch):
     B, T, H, D = 16, 65, 8, 48
     rows, rp = B * T, ap.padded_rest(T)
     qkv = jax.ShapeDtypeStruct((rows, 3 * H * D), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((B * H * rp,), jnp.float32)
+    lse = jax.ShapeDtypeStruct((B, H, rp), jnp.float32)
     dctx = jax.ShapeDtypeStruct((rows, H * D), jnp.bfloat16)
     forward = _copies_seen_by_layout_inference(
         lambda x: ap._forward(x, T, D, False), qkv, monkeypatch=monkeypatch)

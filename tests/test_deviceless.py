@@ -18,6 +18,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import subprocess_env
 
@@ -237,13 +239,13 @@ def test_in_place_updates_and_slice_reads_move_the_slice_only():
 # size, 2 examples of 65 tokens, 8 heads; kernel hashes cut).
 PALLAS_FRAGMENT = """HloModule jit_train_step, entry_computation_layout={()->()}
 
-ENTRY %main (qkv: bf16[130,3,8,48], dctx: bf16[130,8,48]) -> bf16[130,3,8,48] {
-  %qkv = bf16[130,3,8,48]{3,2,1,0} parameter(0)
-  %dctx = bf16[130,8,48]{2,1,0} parameter(1)
-  %mpmd_map.20 = (bf16[130,8,48]{2,1,0}, f32[2,8,64]{2,1,0}) custom-call(%qkv), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp()/attention_pallas_forward/mpmd_map" stack_frame_id=7}
+ENTRY %main (qkv: bf16[130,1152], dctx: bf16[130,384]) -> bf16[130,1152] {
+  %qkv = bf16[130,1152]{1,0} parameter(0)
+  %dctx = bf16[130,384]{1,0} parameter(1)
+  %mpmd_map.20 = (bf16[130,384]{1,0}, f32[2,8,64]{2,1,0}) custom-call(%qkv), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp()/attention_pallas_forward/mpmd_map" stack_frame_id=7}
   %lse = f32[2,8,64]{2,1,0} get-tuple-element(%mpmd_map.20), index=1
   %other_kernel = f32[2,8,64]{2,1,0} custom-call(%lse), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/some_kernel/mpmd_map"}
-  ROOT %mpmd_map.35 = bf16[130,3,8,48]{3,2,1,0} custom-call(%qkv, %lse, %dctx), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/transpose(jvp())/attention_pallas_backward/mpmd_map" stack_frame_id=9}
+  ROOT %mpmd_map.35 = bf16[130,1152]{1,0} custom-call(%qkv, %lse, %dctx), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/transpose(jvp())/attention_pallas_backward/mpmd_map" stack_frame_id=9}
 }
 """
 
@@ -260,6 +262,13 @@ def test_the_pallas_attention_is_priced_as_an_attention_pass():
     assert forward.attention_flops == cost["forward_flops"]
     assert backward.attention_flops == cost["backward_flops"]
     assert found["other_kernel"].kind == "other" and found["other_kernel"].attention_flops == 0
+    # the fragment's shapes are the kernels' own: what the pricing reads is what they write
+    qkv = jax.ShapeDtypeStruct((130, 1152), jnp.bfloat16)
+    ctx, lse = jax.eval_shape(lambda x: attention_pallas._forward(x, 65, 48, False), qkv)
+    assert (ctx.shape, lse.shape) == ((130, 384), (2, 8, 64))
+    dqkv = jax.eval_shape(lambda x, m, g: attention_pallas._backward(x, m, g, 65, 48, False),
+                          qkv, lse, ctx)
+    assert dqkv.shape == (130, 1152)
 
 
 def test_the_predicted_step_prices_each_kernel_at_its_class():

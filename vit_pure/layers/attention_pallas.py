@@ -74,16 +74,15 @@ PAIRS_PER_PROGRAM = 4  # (batch, head) pairs one program walks (same head, 4 exa
 # weight); the padded query rows are computed and never written, and the backward zeroes
 # them before they could reach dk and dv. The context is written back exactly T rows a
 # pair into (B*T, Hl*D), the output projection's input as it is. Every array a copy
-# touches in memory is such a matrix (the log-sum-exp a vector) and is only ever sliced,
-# never indexed by an integer: Mosaic GPU's warpgroup lowering (`_compiler_params`) rejects
-# a copy whose memory side drops an indexed axis. The reshapes to and from these views
-# happen outside the kernels, where they are free.
+# touches in memory is such a matrix (the log-sum-exp (B, Hl, Rp), a pair's (1, 1, Rp)
+# block) and is only ever sliced, never indexed by an integer: Mosaic GPU's warpgroup
+# lowering (`_compiler_params`) rejects a copy whose memory side drops an indexed axis.
+# The reshapes to and from these views happen outside the kernels, where they are free.
 #
 # Forward, per pair: s = q k^T (float32 accumulation) scaled by 1/sqrt(D) in float32, the
 # row maximum m, p = exp(s - m), l = sum(p); ctx = (p in the compute dtype) v / l, rounded
-# to the compute dtype; the rest's log-sum-exp m + log(l) (float32, Rp entries a pair, one
-# (B*Hl*Rp,) vector) is the one residual beyond q, k, v (the first query's is recomputed:
-# 2 Rp D products).
+# to the compute dtype; the rest's log-sum-exp m + log(l) (float32, (B, Hl, Rp)) is the one
+# residual beyond q, k, v (the first query's is recomputed: 2 Rp D products).
 #
 # Backward, per pair, one kernel: the scores again from q and k, p = exp(s - lse) (the
 # probabilities, normalised, without a second softmax), dp = do v^T, the softmax's gradient
@@ -231,6 +230,11 @@ def _columns(ref, block, head_dim: int):
     """Column block `block` of a gmem (B*T, n*D) matrix: the (B*T, D) view that `_load`
     and `_store` copy rows of (block j*Hl + h: array j of head h)."""
     return ref.at[:, pl.ds(block * head_dim, head_dim)]
+
+
+def _pair(ref, b, h):
+    """Pair (b, h)'s (1, 1, Rp) block of a gmem (B, Hl, Rp) array, sliced, not indexed."""
+    return ref.at[pl.ds(b, 1), pl.ds(h, 1)]
 
 
 def _load(refs, tiles, first, barriers, b, tokens: int):
@@ -413,8 +417,7 @@ def _grid(batch: int, heads: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- forward
 def _forward(qkv, T: int, D: int, interpret: bool):
-    """qkv (B*T, 3*Hl*D) -> ctx (B*T, Hl*D) in qkv's dtype, lse (B*Hl*Rp,) float32 (pair
-    (b, h)'s Rp entries from (b*Hl + h)*Rp)."""
+    """qkv (B*T, 3*Hl*D) -> ctx (B*T, Hl*D) in qkv's dtype, lse (B, Hl, Rp) float32."""
     H, rp, rest, cd = qkv.shape[1] // (3 * D), padded_rest(T), T - 1, qkv.dtype
     B = qkv.shape[0] // T
     scale = 1.0 / math.sqrt(D)
@@ -441,9 +444,9 @@ def _forward(qkv, T: int, D: int, interpret: bool):
             o = (_mma(p.astype(cd), v_s, interpret=interpret)
                  + _rows(_round(p0, cd), shape) * _cols(v0, shape))
             o = o / _rows(l_sum, shape)
-            lse_s[...] = m + jnp.log(l_sum)
+            lse_s[0, 0] = m + jnp.log(l_sum)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[pl.ds((b * H + h) * rp, rp)])
+            plgpu.copy_smem_to_gmem(lse_s, _pair(lse_ref, b, h))
             # the first query, on the CUDA cores
             first = _First(q0, k0, _tile(k_s, interpret), rest, scale, cd, interpret)
             o_first = _over_keys(_rows(first.p_keys, shape) * _tile(v_s, interpret),
@@ -457,9 +460,9 @@ def _forward(qkv, T: int, D: int, interpret: bool):
     ctx, lse = plgpu.kernel(
         attention_pallas_forward,
         out_type=(jax.ShapeDtypeStruct((B * T, H * D), cd),
-                  jax.ShapeDtypeStruct((B * H * rp,), F32)),
+                  jax.ShapeDtypeStruct((B, H, rp), F32)),
         scratch_types=[tile, tile, tile, plgpu.SMEM((3, 8, D), cd), plgpu.SMEM((rp, D), cd),
-                       plgpu.SMEM((1, D), cd), plgpu.SMEM((rp,), F32),
+                       plgpu.SMEM((1, D), cd), plgpu.SMEM((1, 1, rp), F32),
                        plgpu.Barrier(num_barriers=6)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),
@@ -483,7 +486,7 @@ def _first_query_grads(first: _First, v0, do0, v_rest, dtype):
 
 
 def _backward(qkv, lse, dctx, T: int, D: int, interpret: bool):
-    """qkv (B*T, 3*Hl*D), lse (B*Hl*Rp,) float32 (`_forward`'s), dctx (B*T, Hl*D) -> dqkv
+    """qkv (B*T, 3*Hl*D), lse (B, Hl, Rp) float32 (`_forward`'s), dctx (B*T, Hl*D) -> dqkv
     (B*T, 3*Hl*D) in qkv's dtype."""
     H, rp, rest, cd = qkv.shape[1] // (3 * D), padded_rest(T), T - 1, qkv.dtype
     B = qkv.shape[0] // T
@@ -495,15 +498,14 @@ def _backward(qkv, lse, dctx, T: int, D: int, interpret: bool):
         _zero((q_s, k_s, v_s, do_s), interpret)
 
         def pair(b):
-            plgpu.copy_gmem_to_smem(lse_ref.at[pl.ds((b * H + h) * rp, rp)], lse_s,
-                                    barriers.at[8])
+            plgpu.copy_gmem_to_smem(_pair(lse_ref, b, h), lse_s, barriers.at[8])
             _load([*(_columns(qkv_ref, j * H + h, D) for j in range(3)),
                    _columns(do_ref, h, D)], (q_s, k_s, v_s, do_s), first_s, barriers, b, T)
             plgpu.barrier_wait(barriers.at[8])
             q0, k0, v0, do0 = (_first(first_s, j, interpret) for j in range(4))
             q_r, k_r, v_r, do_r = (_tile(t, interpret) for t in (q_s, k_s, v_s, do_s))
             shape = q_r.shape
-            lse = _load_rows(lse_s, interpret)
+            lse = _load_rows(lse_s.at[0, 0], interpret)
             # the rest's queries: (Rp, Rp) f32 on the rest's keys, normalised, the padded
             # query rows zero (rows R to R rounded up to 8 hold the next example's q and
             # dctx), so that they add nothing to dv and dk; p0 on token 0's key
@@ -552,7 +554,7 @@ def _backward(qkv, lse, dctx, T: int, D: int, interpret: bool):
         attention_pallas_backward,
         out_type=jax.ShapeDtypeStruct((B * T, 3 * H * D), cd),
         scratch_types=[tile, tile, tile, tile, plgpu.SMEM((4, 8, D), cd), square, square,
-                       plgpu.SMEM((rp,), F32), (out, out, out), plgpu.SMEM((3, D), cd),
+                       plgpu.SMEM((1, 1, rp), F32), (out, out, out), plgpu.SMEM((3, D), cd),
                        plgpu.Barrier(num_barriers=9)],
         grid=_grid(B, H), grid_names=("group", "head"),
         compiler_params=_compiler_params(interpret), interpret=_interpret_params(interpret),

@@ -225,13 +225,14 @@ def _attention_pass(instr: Instr) -> str:
 def _pallas_attention_flops(instr: Instr, shapes: dict[str, str], backward: bool) -> int:
     """The Pallas attention's FLOPs as issued: its log-sum-exp (B, H, Rp) float32 (the
     forward's second output, the backward's second operand) gives the pairs and the padded
-    length of the tokens after the first, its (B*T, ..., H, D) context or gradient the head
-    size; per product an (Rp, Rp, D) block on the tensor cores and token 0's row and column
-    beside it, 2 Rp (Rp + 2) D: two products forward, five backward
-    (`attention_pallas.attention_cost`)."""
+    length of the tokens after the first, and with it the width of its (B*T, H*D) context
+    (forward) or (B*T, 3*H*D) gradient (backward) the head size; per product an (Rp, Rp, D)
+    block on the tensor cores and token 0's row and column beside it, 2 Rp (Rp + 2) D: two
+    products forward, five backward (`attention_pallas.attention_cost`)."""
     lse = (instr.operand_shapes(shapes)[1] if backward else tuple_element(instr.shape, 1))
     (_, (b, h, rp)), = arrays(lse)
-    d = arrays(instr.shape if backward else tuple_element(instr.shape, 0))[0][1][-1]
+    width = arrays(instr.shape if backward else tuple_element(instr.shape, 0))[0][1][-1]
+    d = width // ((3 if backward else 1) * h)
     return (5 if backward else 2) * b * h * 2 * rp * (rp + 2) * d
 
 
