@@ -42,6 +42,8 @@ H100_RUN = _RUNS / "2026-11-27-h100" if _RUNS else None
 H200_RUN = _RUNS / "2026-11-27-h200" if _RUNS else None
 H100_STEP_MS = 67.0   # steps.md there: the kit as shipped
 H200_STEP_MS = 73.4   # steps.md of the H200 run
+H200_ON_FILE = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"  # gpu_check's files there
+H200_PROFILE = H200_ON_FILE / "kernel_times.json"
 
 
 def _need(path):
@@ -50,14 +52,20 @@ def _need(path):
     return path
 
 
+def _join(trace, program):
+    """A trace of three steps joined to the program they ran: (module, kernel_times
+    record)."""
+    module = profile_breakdown.read_program(str(program))
+    events, _ = profile_breakdown.device_events(profile_breakdown.load_events([str(trace)]))
+    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
+    return module, profile_breakdown.kernel_times(found, events, 3, module=module)
+
+
 @pytest.fixture(scope="module")
 def h100_profile():
     """The H100 trace joined to its program: (module, kernel_times record)."""
     trace = _need(H100_RUN and H100_RUN / "profile.trace.json.gz")
-    module = profile_breakdown.read_program(str(_need(H100_RUN / "step.hlo.txt.gz")))
-    events, _ = profile_breakdown.device_events(profile_breakdown.load_events([str(trace)]))
-    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
-    record = profile_breakdown.kernel_times(found, events, 3, module=module)
+    module, record = _join(trace, _need(H100_RUN / "step.hlo.txt.gz"))
     return module, {**record, "step_ms": H100_STEP_MS}
 
 
@@ -83,13 +91,8 @@ def test_the_h100_trace_joins_its_program(h100_profile):
 def test_the_h200_trace_of_the_run_on_file_joins_its_program():
     """The H200 run in docs/gpu-runs/: its trace, written by gpu_check's profile part, joined
     to its program here gives what the part reported there (profile.json)."""
-    run = REPO / "docs" / "gpu-runs" / "2026-11-28-h200"
-    module = profile_breakdown.read_program(str(run / "step.hlo.txt.gz"))
-    events, _ = profile_breakdown.device_events(
-        profile_breakdown.load_events([str(run / "profile.trace.json.gz")]))
-    found = kernels.kernels(module, lambda comp: hlo.computation_dot_flops(module, comp))
-    record = profile_breakdown.kernel_times(found, events, 3, module=module)
-    reported = json.loads((run / "profile.json").read_text())
+    _, record = _join(H200_ON_FILE / "profile.trace.json.gz", H200_ON_FILE / "step.hlo.txt.gz")
+    reported = json.loads((H200_ON_FILE / "profile.json").read_text())
     assert record["matched_fraction"] >= 0.99 and record["failed_name_checks"] == 0
     for kind, ms in reported["classes_ms"].items():
         assert record["classes_ms"][kind] == pytest.approx(ms, abs=0.01), kind
@@ -108,9 +111,6 @@ def test_the_cli_writes_the_join(tmp_path):
     assert got["matched_fraction"] >= 0.99 and set(got["classes_ms"]) >= {"gemm", "attention",
                                                                          "rng"}
     assert "| attention | 14.59 |" in run.stdout
-
-
-H200_PROFILE = REPO / "docs" / "gpu-runs" / "2026-11-28-h200" / "kernel_times.json"
 
 
 def _h200_record():
@@ -168,7 +168,7 @@ def test_the_shipped_rates_predict_each_class_of_the_h200_program():
     """The H200 run in docs/gpu-runs/: each class within 10% of its measured time, the
     step within 5% of the pipelined step measured there."""
     record = _h200_record()
-    module = profile_breakdown.read_program(str(H200_PROFILE.parent / "step.hlo.txt.gz"))
+    module = profile_breakdown.read_program(str(H200_ON_FILE / "step.hlo.txt.gz"))
     _predicts_each_class_and_the_step(module, "h200", record["classes_ms"], record["step_ms"])
 
 
