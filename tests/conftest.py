@@ -112,6 +112,13 @@ LONGEST_FIRST_SLOW = [
 def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("markexpr") or ""
     slow_only = "slow" in markexpr and "not slow" not in markexpr
+    # `exhaustive` cells run only when asked for by name, also where a whole file or test
+    # is `slow` (`-m slow` alone would select a slow test's exhaustive cells).
+    if "exhaustive" not in markexpr:
+        wider = [item for item in items if item.get_closest_marker("exhaustive")]
+        if wider:
+            config.hook.pytest_deselected(items=wider)
+            items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST_SLOW if slow_only else LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
 

@@ -66,10 +66,16 @@ _FORMS = {  # (attention, last block, Execution fields); the rest of the grid is
                                                              "biases": "epilogue"}),
 }
 _FAST = ("epilogue, xla", "fc1 float32, xla", "qkv data grads summed, xla")
+# The einsum path's forms of those the xla path runs: the wider sweep.
+_WIDER = ("epilogue, einsum", "fc1 float32, einsum, every row")
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=() if case in _FAST else (pytest.mark.slow,)) for case in _FORMS])
+def _tier(case):
+    return (() if case in _FAST else
+            (pytest.mark.exhaustive,) if case in _WIDER else (pytest.mark.slow,))
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=_tier(case)) for case in _FORMS])
 def test_bias_and_fc1_forms_give_the_same_loss_and_gradients(case):
     """float32, dropout and stochastic depth on: loss and every gradient (the biases'
     included) within 1e-5 of the largest element of each, against the default forms."""
@@ -119,7 +125,7 @@ def test_unknown_forms_are_refused():
 
 
 @pytest.mark.parametrize("mesh", ["data=2,model=4",
-                                  pytest.param("data=8", marks=pytest.mark.slow)])
+                                  pytest.param("data=8", marks=pytest.mark.exhaustive)])
 def test_the_forms_under_shard_map_equal_one_device(mesh):
     """shard_map with FSDP, over data=2, model=4 (heads, MLP units and their biases
     split; the LayerNorms applied there) and over data=8: the "epilogue" biases and the

@@ -23,8 +23,6 @@ MAX_HEADER_LINES = 15
 DATE = re.compile(r"20\d\d-\d\d-\d\d")
 # A path that names a dated file (a note, a data file) is a link to the evidence, not a date.
 DATED_PATH = re.compile(r"[\w.-]*/[\w./-]*20\d\d-\d\d-\d\d[\w./-]*")
-# Files allowed a date (none: dated results live in docs/).
-DATES_ALLOWED: set[str] = set()
 MAX_FUNCTION_LINES = 80
 # Functions still over MAX_FUNCTION_LINES, as "path:qualified name": each is to be split,
 # then leaves this list (the check fails for one that is no longer over), until it is empty.
@@ -46,8 +44,6 @@ def test_the_checks_see_the_files():
 def test_no_dates_in_the_code(path):
     """Dated results, machines and wall times live in docs/, where they carry their command;
     the code says what a constant is and where its evidence lives."""
-    if _rel(path) in DATES_ALLOWED:
-        pytest.skip("dated RECIPES results, moving to docs/training.md")
     lines = path.read_text().splitlines()
     dated = [f"{_rel(path)}:{i}: {line.strip()}" for i, line in enumerate(lines, 1)
              if DATE.search(DATED_PATH.sub("", line))]

@@ -193,7 +193,10 @@ LAYOUTS = {  # name -> (mesh, fsdp, pipeline schedule, virtual stages)
     "pp-interleaved": ("data=4,pipe=2", False, "interleaved", 2),
     "pp+tp+fsdp": ("data=2,model=2,pipe=2", True, "interleaved", 2),
 }
-SLOW = {"dp", "pp"}  # covered by their neighbours in the default run
+# pmap (the other script) and pp+tp+fsdp (interleaved chunks: a block's factor follows the
+# block, not the stage; its weights split over every axis) cover the rest: the other
+# layouts are the wider sweep (`-m exhaustive`).
+COVERING = {"pmap", "pp+tp+fsdp"}
 
 
 def _slices(params):
@@ -208,7 +211,7 @@ def _slices(params):
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=(pytest.mark.slow,) if name in SLOW else ())
+    pytest.param(name, marks=() if name in COVERING else (pytest.mark.exhaustive,))
     for name in ["pmap", *LAYOUTS]])
 def test_params_after_two_steps_equal_one_device(layout, reference):
     """Every param, each block's slice on its own, moved as on one device: within the

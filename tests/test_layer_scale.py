@@ -17,7 +17,11 @@ LS_CFG = CFG.replace(name="layer-scale-test", layer_scale=0.37)
 REG_CFG = LS_CFG.replace(name="register-test", registers=3, pool="mean")
 
 
-@pytest.mark.parametrize("layout", ["tp", "fsdp", "pp+tp+fsdp"])
+# pp+tp+fsdp splits the gains over all three axes at once; tp and fsdp alone are the
+# wider sweep (`-m exhaustive`).
+@pytest.mark.parametrize("layout", [pytest.param("tp", marks=pytest.mark.exhaustive),
+                                    pytest.param("fsdp", marks=pytest.mark.exhaustive),
+                                    "pp+tp+fsdp"])
 def test_layer_scale_matches_data_parallel(layout):
     assert_matches(run("dp", "fp32", False, "none", LS_CFG),
                    run(layout, "fp32", False, "none", LS_CFG), "fp32", LS_CFG)

@@ -19,15 +19,16 @@ The model with a convolutional stem, a mean-pooling head and locality self-atten
 (ViTConfig.stem, .pool and .lsa: `STEM_CFG`) runs too. 100 cells in all: the full
 product for the model without a stem (80) and a Latin square for the model with one (20).
 
-Which cells run where (`_cells`): CI runs 40, a Latin square per model (pairwise
-coverage: each model meets every layout x policy, layout x loop pair and policy x loop
-pair, and the two squares share no triple). The default run takes 10 of them: each layout
-under fp32 (the stem model) and under one low-precision policy (the plain model), which
-meets every policy and every (loop, remat) pair; `python -m pytest -m slow` runs the
-other 30. The other 60 cells of the full product are marked `exhaustive`:
-`python -m pytest -m exhaustive tests/test_layout_matrix.py` runs them (about 3 minutes
-on 2 cores). The cells are grouped in one test class per policy (`TestFp32`, ...), so
-that the test workers can share them out.
+Which cells run where (`_cells`): a Latin square per model gives pairwise coverage (each
+model meets every layout x policy, layout x loop pair and policy x loop pair, and the two
+squares share no triple). CI runs 25: the plain model's square (20) and the stem model's
+fp32 row of its square (5). The default run takes 10 of them: each layout under fp32 (the
+stem model) and under one low-precision policy (the plain model), which meets every policy
+and every (loop, remat) pair; `python -m pytest -m slow` runs the other 15. The other 75
+cells (the rest of the stem model's square, and of the full product) are marked
+`exhaustive`: `python -m pytest -m exhaustive tests/test_layout_matrix.py` runs them. The
+cells are grouped in one test class per policy (`TestFp32`, ...), so that the test
+workers can share them out.
 """
 from __future__ import annotations
 
@@ -76,15 +77,16 @@ LOOPS = [(False, "none"), (True, "block-save-dots"), (False, "gelu"),
 
 
 def _cells(policy: str) -> list:
-    """The cells of one policy: the default 10 unmarked, the other 30 of CI's 40 `slow`,
-    the remaining 60 `exhaustive`.
+    """The cells of one policy: the default 10 unmarked, the other 15 of CI's 25 `slow`,
+    the remaining 75 `exhaustive`.
 
     Each model runs a Latin square over (layout, policy) -> loop pair, 20 cells: layout i
     under policy j runs loop pair (i + j) mod 4 for the model with a stem and (i + j + 2)
     mod 4 for the model without. So each model meets every (layout, policy), every
     (layout, loop pair) and every (policy, loop pair), and the two squares share no
-    (layout, policy, loop pair) triple: 40 of the 80. The other 60 cells of the model
-    without a stem complete the full product; `-m exhaustive` runs them.
+    (layout, policy, loop pair) triple: 40 of the 80. CI runs the plain model's square and
+    the stem model's fp32 row; the stem model's other 15 cells and the 60 cells of the
+    model without a stem that complete the full product are `exhaustive`.
 
     The default run takes two cells of the squares per layout: the stem model under fp32,
     and the model without a stem under one of the three low-precision policies (layout i
@@ -102,7 +104,7 @@ def _cells(policy: str) -> list:
             marks = (pytest.mark.exhaustive,)
         cells.append(pytest.param(layout, scan, remat, False, marks=marks, id=name))
         if k == (i + j) % len(LOOPS):
-            marks = () if policy == "fp32" else (pytest.mark.slow,)
+            marks = () if policy == "fp32" else (pytest.mark.exhaustive,)
             cells.append(pytest.param(layout, scan, remat, True, marks=marks,
                                       id=f"{name}-stem"))
     return cells
@@ -256,19 +258,20 @@ def test_gap_pool_under_pipeline_tensor_and_fsdp_matches_data_parallel():
 
 
 def test_ci_cells_cover_every_pair():
-    """The 40 cells CI runs (all but the `exhaustive` ones) cover, for each model, every
-    (layout, policy), (layout, loop) and (policy, loop) pair, and the two models' squares
-    share no (policy, layout, loop) triple; the 10 default cells run every layout, policy
-    and loop pair; all 100 are distinct."""
+    """The 25 cells CI runs (all but the `exhaustive` ones) cover, for the model without a
+    stem, every (layout, policy), (layout, loop) and (policy, loop) pair, and for the stem
+    model every layout and loop pair under fp32; the two models' squares share no
+    (policy, layout, loop) triple; the 10 default cells run every layout, policy and loop
+    pair; all 100 are distinct."""
     cells = {policy: _cells(policy) for policy in POLICIES}
     rows = [(policy, *c.values, {m.name for m in c.marks}) for policy in POLICIES
             for c in cells[policy]]
     assert len({r[:5] for r in rows}) == len(rows) == 100
-    ci = [r for r in rows if "exhaustive" not in r[5]]
-    assert len(ci) == 40
+    square = [r for r in rows if r[4] or "exhaustive" not in r[5]]  # both squares
+    assert len(square) == 40
     squares = []
     for stem in (False, True):
-        got = [(policy, layout, (scan, remat)) for policy, layout, scan, remat, s, _ in ci
+        got = [(policy, layout, (scan, remat)) for policy, layout, scan, remat, s, _ in square
                if s == stem]
         assert len(got) == 20
         for a, b in ((0, 1), (0, 2), (1, 2)):
@@ -276,6 +279,12 @@ def test_ci_cells_cover_every_pair():
             assert len({(g[a], g[b]) for g in got}) == want[a] * want[b]
         squares.append(set(got))
     assert not squares[0] & squares[1]  # the two models' squares share no triple
+    ci = [r for r in rows if "exhaustive" not in r[5]]
+    assert len(ci) == 25 and {r[:4] for r in ci if not r[4]} == {
+        (p, layout, scan, remat) for p, layout, (scan, remat) in squares[0]}
+    stem_ci = [r for r in ci if r[4]]
+    assert {r[0] for r in stem_ci} == {"fp32"} and {r[1] for r in stem_ci} == set(LAYOUTS)
+    assert {(r[2], r[3]) for r in stem_ci} == set(LOOPS)
     default = [r for r in rows if not r[5]]
     assert len(default) == 10
     assert {r[1] for r in default} == set(LAYOUTS)

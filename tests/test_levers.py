@@ -104,8 +104,12 @@ def test_ema_is_the_closed_form_average_of_the_params_trajectory():
                                                    _leaves(got.params[-1]))) > 1e-5
 
 
-@pytest.mark.parametrize("mesh, fsdp", [("data=4,model=2", False), ("data=8", True),
-                                        ("data=4,pipe=2", False)], ids=["tp", "fsdp", "pp"])
+# The pipeline is the layout whose EMA update runs per stage; tp and fsdp split it as they
+# split the params (the layout matrix's claim): the wider sweep (`-m exhaustive`).
+@pytest.mark.parametrize("mesh, fsdp", [
+    pytest.param("data=4,model=2", False, id="tp", marks=pytest.mark.exhaustive),
+    pytest.param("data=8", True, id="fsdp", marks=pytest.mark.exhaustive),
+    pytest.param("data=4,pipe=2", False, id="pp")])
 def test_ema_under_tensor_parallel_fsdp_and_pipeline_equals_data_parallel(mesh, fsdp):
     """The EMA is laid out like the params (split over 'model' / 'data' / 'pipe' like them) and
     updated elementwise; it matches data parallel as the params do (test_layout_matrix's
@@ -385,7 +389,10 @@ def test_eval_corners_scores_the_mean_logits_of_the_image_its_corners_and_mirror
     assert flip["loss"] != pytest.approx(got["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("mesh", ["data=4,model=2", "data=2,model=2,pipe=2"])
+# data=2,model=2,pipe=2 splits the views over every axis; data=4,model=2 is the wider
+# sweep (`-m exhaustive`).
+@pytest.mark.parametrize("mesh", [pytest.param("data=4,model=2", marks=pytest.mark.exhaustive),
+                                  "data=2,model=2,pipe=2"])
 def test_eval_views_under_tensor_parallel_and_a_pipeline_equal_one_device(mesh):
     """--eval-flip with --eval-corners (ten views) on 8 devices, as on one."""
     split = SPLITS["test"]

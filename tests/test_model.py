@@ -611,12 +611,17 @@ _LAST_BLOCK_CASES = {  # name -> (config changes, Execution fields)
 }
 
 
-_LAST_BLOCK_DEFAULT = ("unrolled", "threefry16", "remat block", "lsa")  # the rest `slow`
+_LAST_BLOCK_DEFAULT = ("unrolled", "threefry16", "remat block", "lsa")  # the rest `slow`,
+_LAST_BLOCK_WIDER = ("scan", "save dots")  # but these two: `exhaustive`
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=() if case in _LAST_BLOCK_DEFAULT else (pytest.mark.slow,))
-    for case in _LAST_BLOCK_CASES])
+def _last_block_tier(case):
+    return (() if case in _LAST_BLOCK_DEFAULT else (pytest.mark.exhaustive,)
+            if case in _LAST_BLOCK_WIDER else (pytest.mark.slow,))
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=_last_block_tier(case))
+                                  for case in _LAST_BLOCK_CASES])
 def test_last_block_on_the_class_token_gives_the_same_loss_and_gradients(case):
     """Execution.last_block "class-token" (the scripts' default): after the last block's
     attention only the class token's row goes on, and the loss and every gradient equal

@@ -91,10 +91,11 @@ def _grads(strategy, sc):
     return jax.device_get(grads), jax.device_get(metrics), _collectives(compiled.as_text())
 
 
-LAYOUTS = [  # (--mesh, --microbatches, --fsdp)
-    ("data=4,pipe=2", 1, False), ("data=4,pipe=2", 2, False), ("data=4,pipe=2", 4, False),
+LAYOUTS = [  # (--mesh, --microbatches, --fsdp); the exhaustive ones add no new axis
+    ("data=4,pipe=2", 1, False), ("data=4,pipe=2", 2, False),
+    pytest.param("data=4,pipe=2", 4, False, marks=pytest.mark.exhaustive),
     ("data=2,pipe=4", 4, False),
-    ("data=2,model=2,pipe=2", 2, False),
+    pytest.param("data=2,model=2,pipe=2", 2, False, marks=pytest.mark.exhaustive),
     ("data=2,model=2,pipe=2", 2, True),
 ]
 
@@ -170,7 +171,8 @@ def test_accumulation_nests_outside_the_pipeline(reference):
 
 
 @pytest.mark.parametrize("schedule,virtual", [
-    ("gpipe", 1),
+    # GPipe's steps: the wider sweep (its gradients are the reference's, above).
+    pytest.param("gpipe", 1, marks=pytest.mark.exhaustive),
     # Interleaved stores the blocks in `block_order` on the devices: the optimizer updates
     # them there, and host_state must give them back in layer order.
     ("interleaved", 2),

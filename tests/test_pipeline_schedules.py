@@ -426,13 +426,15 @@ def _check(policy, accum, mesh, k, schedule, v=1, fsdp=False, steps=0, sc=None, 
     assert losses == pytest.approx(ref_losses, rel=tol_metrics)
 
 
+WIDER = pytest.mark.exhaustive  # a schedule already run on a harder layout in CI
 SLOW = [  # (policy, accum, mesh, K, schedule, V, fsdp, training steps)
     ("fp32", 1, "data=2,pipe=4", 4, "1f1b", 1, False, 3),
     ("bf16", 2, "data=2,model=2,pipe=2", 2, "1f1b", 1, True, 0),
-    ("fp32", 1, "data=2,pipe=4", 8, "zb-h1", 1, False, 0),  # the default tier runs K=4
+    # The default tier runs K=4.
+    pytest.param("fp32", 1, "data=2,pipe=4", 8, "zb-h1", 1, False, 0, marks=WIDER),
     ("bf16", 1, "data=2,model=2,pipe=2", 4, "zb-h1", 1, True, 0),
     ("fp32", 2, "data=2,model=2,pipe=2", 2, "interleaved", 2, False, 0),
-    ("bf16", 1, "data=4,pipe=2", 4, "interleaved", 2, True, 0),
+    pytest.param("bf16", 1, "data=4,pipe=2", 4, "interleaved", 2, True, 0, marks=WIDER),
     ("p=f32,c=f16,o=f32", 1, "data=4,pipe=2", 4, "zb-h1", 1, False, 2),  # loss scaling
 ]
 
@@ -463,7 +465,8 @@ def test_three_stages_and_five_micro_batches_equal_the_reference():
     _check("fp32", 1, "data=2,pipe=3", 5, "1f1b", sc=THREE, n=20)
 
 
-@pytest.mark.slow
+# 1F1B on three stages (above) runs in CI; these two are the wider sweep.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("mesh,k,schedule,v,sc,n", [
     # virtual stages round three devices (2 chunks of 3 stages: DEEP's 6 blocks)
     ("data=2,pipe=3", 3, "interleaved", 2, DEEP, 12),
@@ -498,7 +501,9 @@ def test_mixing_needs_even_micro_batches():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+# zb-h1 keeps the residuals longest (until W); 1f1b is the wider sweep.
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.exhaustive),
+                                      "zb-h1"])
 def test_rematerialised_blocks_equal_the_reference(schedule):
     """--remat block: the block's residuals are its input and its dropout keys (a PRNG key
     array, which the ring keeps as raw bits), so the step equals the reference's."""

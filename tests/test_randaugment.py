@@ -543,7 +543,8 @@ def test_mix_batch_chooses_between_mixup_and_cutmix():
 
 # ----------------------------------------------------- mixing under data parallelism
 # One training step with mixup / CutMix on, as train_shardmap runs it over 'data' (params
-# marked varying, the local gradient, one explicit pmean), on 1, 2 and 8 fake devices.
+# marked varying, the local gradient, one explicit pmean), on 1 and 8 fake devices (8: two
+# examples a device, the one pair each device mixes).
 MIX_CFG = PRESETS["tiny"].replace(name="mix-test", depth=2, dropout=0.0, drop_path=0.0)
 MIX_BATCH = 16
 
@@ -575,10 +576,10 @@ def data_parallel_grads(sc, params, devices: int):
 
 @pytest.mark.parametrize("alphas", [{"mixup_alpha": 0.8}, {"cutmix_alpha": 1.0}],
                          ids=["mixup", "cutmix"])
-def test_mixing_gives_the_same_step_on_1_2_and_8_devices(alphas):
+def test_mixing_gives_the_same_step_on_1_and_8_devices(alphas):
     sc = step.StepConfig(MIX_CFG, Policy(), **alphas)
     params = step.init_params(jax.random.key(0), MIX_CFG)
-    (ref_grads, ref_loss), *others = [data_parallel_grads(sc, params, d) for d in (1, 2, 8)]
+    (ref_grads, ref_loss), *others = [data_parallel_grads(sc, params, d) for d in (1, 8)]
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads))
     for grads, loss in others:
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -91,7 +91,8 @@ def reference_grads():
 
 
 @pytest.mark.parametrize("kind", ["pmap", "shard_map"])
-@pytest.mark.parametrize("n", [2, 8])
+# 8 devices split the batch finest; 2 is the wider sweep (`-m exhaustive`).
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.exhaustive), 8])
 def test_gradients_equal_single_device_reference(kind, n, reference_grads):
     grads = _grads_via_sgd(kind, _sc(), n)
     assert _max_rel_diff(grads, reference_grads) <= 1e-5
