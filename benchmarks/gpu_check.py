@@ -52,7 +52,9 @@ from vit_pure.run import cli
 LIMITS = {"env": 15, "steps": 265, "log": 40, "profile": 45, "gemms": 25, "program": 15,
           "attention": 75}
 CHILD_PARTS = ("env", "profile", "gemms", "program")  # run by gpu_check_parts
-DRY_SCALE = 4  # a dry run's limits: a small shared CPU
+# A dry run's limit for each part: the limits above are the GPU's; a small CPU that another
+# job shares compiles even the tiny model's programs for a minute or more.
+DRY_LIMIT_S = 240
 # The rows no GPU has settled: the Pallas attention (opt-in until measured), the folded
 # LayerNorms (faster in one round: a second before it ships), and the shipped step again
 # last, the run's own drift. Settled and left out: q, k, v's data gradients summed by JAX
@@ -91,10 +93,15 @@ def _run(argv: list[str], limit: float, log: pathlib.Path, env: dict | None = No
             "seconds": round(time.monotonic() - start, 1), "log": str(log)}
 
 
+def part_limit(name: str, dry: bool) -> float:
+    """A part's time limit in seconds: LIMITS on a GPU, DRY_LIMIT_S in a dry run."""
+    return DRY_LIMIT_S if dry else LIMITS[name]
+
+
 def _part(name: str, out: pathlib.Path, dry: bool) -> dict:
     """Run `--part NAME` in a child; its JSON result, or its failure.
 
-    `--dry-run` (any machine; the limits x4): env as it is; steps and log: their flags
+    `--dry-run` (any machine; DRY_LIMIT_S each): env as it is; steps and log: their flags
     checked by the training script's parser, nothing run; profile and gemms: the tiny model on
     this machine's XLA (the code runs, the figures mean nothing); program: a deviceless compile
     of the tiny model (where JAX's CUDA plugin is installed, else skipped). It uses only APIs
@@ -102,7 +109,7 @@ def _part(name: str, out: pathlib.Path, dry: bool) -> dict:
     """
     result = out / f"{name}.json"
     argv = [sys.executable, "-m", "benchmarks.gpu_check", "--part", name, "--out", str(out)]
-    run = _run(argv + (["--dry-run"] if dry else []), LIMITS[name] * (DRY_SCALE if dry else 1),
+    run = _run(argv + (["--dry-run"] if dry else []), part_limit(name, dry),
                out / f"{name}.log")
     if run["status"] == "ok" and result.exists():
         return {**json.loads(result.read_text()), "seconds": run["seconds"]}
@@ -181,8 +188,8 @@ def main(argv=None) -> int:
     if args.part:  # a child: one part, its JSON
         from benchmarks import gpu_check_parts
         if args.part == "gemms":
-            result = gpu_check_parts.gemm_shapes(
-                out, args.dry_run, LIMITS["gemms"] * (DRY_SCALE if args.dry_run else 1))
+            result = gpu_check_parts.gemm_shapes(out, args.dry_run,
+                                                 part_limit("gemms", args.dry_run))
         else:
             result = getattr(gpu_check_parts, args.part)(out, args.dry_run)
         (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
