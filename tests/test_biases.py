@@ -52,7 +52,7 @@ def _assert_close(reference, candidate, rel):
         assert float(np.abs(a - b).max()) <= rel * scale, jax.tree_util.keystr(path)
 
 
-_FORMS = {  # (attention, last block, Execution fields); the rest of the grid is `slow`
+_FORMS = {  # (attention, last block, Execution fields); beyond `_FAST`: `slow` or `exhaustive`
     "epilogue, einsum": ("einsum", "class-token", {"biases": "epilogue"}),
     "epilogue, xla, every row": ("xla", "all", {"biases": "epilogue"}),
     "fc1 float32, xla": ("xla", "class-token", {"fc1_output": "float32"}),
