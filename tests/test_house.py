@@ -1,7 +1,7 @@
 """The house rules a reader can check by eye, checked by reading the files: no dated results
 in the code, module headers that say what a module is for in a few lines, functions short
 enough to read on their own, `--help` docstrings that show their line continuations,
-docs whose relative links resolve, and every test file described in docs/testing.md. Reads
+docs whose relative links resolve, and every test file described in docs/test-files.md. Reads
 files only: no JAX, well under a second.
 """
 from __future__ import annotations
@@ -162,9 +162,9 @@ def test_relative_links_resolve(path):
     assert not missing, f"{_rel(path)}: {missing}"
 
 
-def test_every_test_file_says_what_it_proves_in_testing_md():
-    """docs/testing.md's "What each file proves" names every tests/test_*.py."""
-    text = (REPO / "docs" / "testing.md").read_text()
+def test_every_test_file_says_what_it_proves_in_test_files_md():
+    """docs/test-files.md's "What each file proves" names every tests/test_*.py."""
+    text = (REPO / "docs" / "test-files.md").read_text()
     section = text.split("## What each file proves", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`(test_\w+\.py)`", section))
     missing = sorted(p.name for p in REPO.glob("tests/test_*.py") if p.name not in named)
